@@ -1,0 +1,9 @@
+"""kvq-compile: low-bit KV-cache quantization fused into torch.compile.
+
+    from kvq_compile import kvq_backend, KVQConfig
+    model.forward = torch.compile(model.forward, backend=kvq_backend(KVQConfig.preset("kivi-2")))
+"""
+from . import ops  # noqa: F401  (registers the kvq:: custom ops)
+from .config import Axis, Grouping, KVQConfig, Levels, QuantizerSpec, Symmetry
+
+__all__ = ["KVQConfig", "QuantizerSpec", "Axis", "Grouping", "Levels", "Symmetry"]

@@ -1,0 +1,101 @@
+"""The `kvq` custom ops: quantize-on-append and attention over the packed store.
+
+Both take a layer's store as a tensor list plus a `layout` string (see `store.LayerStore.descriptor`)
+that names each tensor. Shapes are static (sized from the cache's max length) and the store tensors
+keep fixed addresses, so compiled steps can be captured in CUDA graphs. The CPU implementations below
+are the reference (pure torch, `kvq_compile.reference`); GPU templates register as Inductor lowerings
+of these same ops.
+
+    kvq::append(store!, key [B,H,n,D], value [B,H,n,D], positions [n], cos?, sin?, layout)
+        writes the chunk at positions (contiguous), quantizing what leaves the recent window.
+        For keys stored before RoPE, `key` is pre-RoPE and cos/sin [B|1, n, D] fill the RoPE table.
+    kvq::attend(query [B,Hq,n,D], store, key [B,H,n,D], value [B,H,n,D], positions [n], attn_mask?,
+                scale, is_causal, layout) -> [B,Hq,n,D]
+        the chunk attends to the stored prefix [0, p0) and exactly (in the cache dtype) to itself;
+        the mask and is_causal mean what they mean to scaled_dot_product_attention over the static
+        buffer, restricted to the written length p0 + n. GQA maps query head h to KV head h // (Hq // H).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from . import reference as ref
+from . import store as st
+from .config import KVQConfig
+
+
+@functools.lru_cache(maxsize=512)
+def _decode_layout(layout: str):
+    import json
+
+    d = json.loads(layout)
+    cfg = KVQConfig.from_dict(d["cfg"])
+    geo = st.Geometry(**d["geo"])
+    spec = cfg.resolve(d["num_layers"])[d["layer"]]
+    return cfg, geo, spec, tuple(d["names"])
+
+
+def _bufs(store, names):
+    return dict(zip(names, store))
+
+
+@torch.library.custom_op("kvq::append", mutates_args=("store",))
+def append(store: list[torch.Tensor], key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
+           cos: torch.Tensor | None, sin: torch.Tensor | None, layout: str) -> None:
+    cfg, geo, spec, names = _decode_layout(layout)
+    p0, _ = st.positions_span(positions)
+    st.append(_bufs(store, names), cfg, spec, geo, key, value, p0, cos, sin)
+
+
+@append.register_fake
+def _append_fake(store, key, value, positions, cos, sin, layout):
+    return None
+
+
+def attention_allowed(attn_mask, is_causal: bool, n: int, length: int, device):
+    """(allowed bool [.., n, length], additive bias or None) as SDPA reads mask / is_causal, cut to length."""
+    allowed = torch.ones(n, length, dtype=torch.bool, device=device)
+    bias = None
+    if attn_mask is not None:
+        m = attn_mask[..., :length]
+        if m.dtype == torch.bool:
+            allowed = allowed & m
+        else:
+            bias = m.float()
+            allowed = allowed & (bias > -math.inf)
+    if is_causal:  # SDPA's is_causal aligns to the top-left corner of the (n x max_len) score matrix
+        allowed = allowed & torch.ones(n, length, dtype=torch.bool, device=device).tril()
+    return allowed, bias
+
+
+def attend_reference(query, k_prefix, v_prefix, key, value, attn_mask, scale, is_causal, tau):
+    """Attention of query over cat(prefix, chunk) (float32 math), GQA by head grouping."""
+    k = torch.cat((k_prefix, key.float()), dim=2)
+    v = torch.cat((v_prefix, value.float()), dim=2)
+    rep = query.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    n, length = query.shape[2], k.shape[2]
+    logits = (query.float() @ k.transpose(-1, -2)) * scale
+    allowed, bias = attention_allowed(attn_mask, is_causal, n, length, query.device)
+    if bias is not None:
+        logits = logits + bias
+    probs = ref.calibrated_softmax(logits, allowed.expand_as(logits), tau)
+    return (probs @ v).to(query.dtype)
+
+
+@torch.library.custom_op("kvq::attend", mutates_args=())
+def attend(query: torch.Tensor, store: list[torch.Tensor], key: torch.Tensor, value: torch.Tensor,
+           positions: torch.Tensor, attn_mask: torch.Tensor | None, scale: float, is_causal: bool,
+           layout: str) -> torch.Tensor:
+    cfg, geo, spec, names = _decode_layout(layout)
+    p0, n = st.positions_span(positions)
+    kp, vp = st.read(_bufs(store, names), cfg, spec, geo.head_dim, p0 + n, p0)
+    return attend_reference(query, kp, vp, key, value, attn_mask, scale, is_causal, cfg.softmax_tau)
+
+
+@attend.register_fake
+def _attend_fake(query, store, key, value, positions, attn_mask, scale, is_causal, layout):
+    return query.new_empty(*query.shape[:-1], value.shape[-1])

@@ -1,0 +1,354 @@
+"""The packed KV store: its layout, allocation, and the reference append / read that the ops run on CPU.
+
+One `LayerStore` per attention layer holds, for Keys and for Values ("k." / "v." prefixes):
+
+    data     [B, H, T, D]  cache dtype   unquantized tensors only (bits == 16)
+    codes    [B, H, T, W]  int32         packed codes, W = ceil(D / (32 // bits)); absent when the codes
+                                         are shared from an earlier layer (XQuant)
+    center   group shape   cache dtype   absent for symmetric groups (always 0)
+    half     group shape   cache dtype
+    mask     group shape   bool          hybrid groups: True = symmetric levels
+    out_val  [B, H, T, k]  cache dtype   dense-and-sparse outliers, k per token
+    out_idx  [B, H, T, k]  uint8/int16   their channels
+    sink     [B, H, S, D]  cache dtype   the first `sink` tokens, exact
+    ring     [B, H, Wr, D] cache dtype   tokens not yet quantized, at slot position % Wr
+    levels   [2^bits]      float32       non-uniform levels (NormalFloat or a calibrated codebook)
+    norm     [B, H, 1, D]  float32       InnerQ key normalization (Keys only)
+group shape: TOKEN axis [B, H, T, D/g]; CHANNEL axis in groups of G tokens [B, H, ceil((T-S)/G), D];
+CHANNEL static ranges [B, H, 1, D].
+
+Token positions: with fill length L, sink S, recent R and token group G (1 unless CHANNEL-grouped),
+    positions [0, S)  -> sink;  [S, Q(L)) -> quantized;  [Q(L), L) -> ring,
+    Q(L) = S + floor(max(0, L - S - R) / G) * G
+so a token is quantized once it has left the recent window and its group is complete; the ring never
+holds more than R + G - 1 tokens, which is its size.
+
+Keys stored before RoPE share one model-level table `rope.cos` / `rope.sin` [B, T, D] (cache dtype).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+
+from . import reference as ref
+from .config import Axis, KVQConfig, LayerSpec, Levels, QuantizerSpec, Symmetry
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Geometry:
+    batch: int
+    heads: int
+    max_len: int
+    head_dim: int
+    dtype: str  # cache dtype name
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for k, v in _DTYPES.items():
+        if v == dtype:
+            return k
+    raise ValueError(f"unsupported cache dtype {dtype}; kvq supports float16, bfloat16 and float32 caches")
+
+
+def fill_boundary(length: int, sink: int, recent: int, tokens_per_group: int) -> int:
+    """Q(L): the first position that is not (yet) quantized."""
+    return sink + max(0, length - sink - recent) // tokens_per_group * tokens_per_group
+
+
+def ring_size(recent: int, tokens_per_group: int) -> int:
+    return recent + tokens_per_group - 1
+
+
+def side_shapes(q: QuantizerSpec, geo: Geometry, sink: int, recent: int, shared_codes: bool,
+                is_key: bool, key_norm: bool) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Name -> (shape, dtype) of one side's buffers. The single source of truth for allocation and bytes."""
+    B, H, T, D = geo.batch, geo.heads, geo.max_len, geo.head_dim
+    dt = geo.torch_dtype
+    if not q.quantized:
+        return {"data": ((B, H, T, D), dt)}
+    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    if not shared_codes:
+        out["codes"] = ((B, H, T, ref.packed_width(D, q.bits)), torch.int32)
+    if q.axis is Axis.TOKEN:
+        gshape = (B, H, T, D // (q.group_size or D))
+    elif q.group_size is None:
+        gshape = (B, H, 1, D)
+    else:
+        gshape = (B, H, -(-max(T - sink, 0) // q.group_size), D)
+    if q.symmetry is not Symmetry.SYMMETRIC:
+        out["center"] = (gshape, dt)
+    out["half"] = (gshape, dt)
+    if q.symmetry is Symmetry.HYBRID:
+        out["mask"] = (gshape, torch.bool)
+    k = ref.outliers_per_token(q, D)
+    if k:
+        out["out_val"] = ((B, H, T, k), dt)
+        out["out_idx"] = ((B, H, T, k), torch.uint8 if D <= 256 else torch.int16)
+    if sink:
+        out["sink"] = ((B, H, sink, D), dt)
+    wr = ring_size(recent, q.tokens_per_group)
+    if wr:
+        out["ring"] = ((B, H, wr, D), dt)
+    if q.levels is Levels.NORMAL_FLOAT:
+        out["levels"] = ((2 ** q.bits,), torch.float32)
+    if is_key and key_norm:
+        out["norm"] = ((B, H, 1, D), torch.float32)
+    return out
+
+
+def _nbytes(shapes) -> int:
+    total = 0
+    for shape, dt in shapes.values():
+        n = 1
+        for s in shape:
+            n *= s
+        total += n * torch.empty((), dtype=dt).element_size()
+    return total
+
+
+def rope_table_shapes(geo: Geometry) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    return {"rope.cos": ((geo.batch, geo.max_len, geo.head_dim), geo.torch_dtype),
+            "rope.sin": ((geo.batch, geo.max_len, geo.head_dim), geo.torch_dtype)}
+
+
+def model_store_bytes(cfg: KVQConfig, num_layers: int, batch: int, heads: int, max_len: int, head_dim: int,
+                      dtype_bytes: int = 2) -> int:
+    """Bytes `ModelStore` allocates for this config and geometry."""
+    dtype = {2: "float16", 4: "float32"}[dtype_bytes]
+    geo = Geometry(batch, heads, max_len, head_dim, dtype)
+    specs = cfg.check_model(num_layers, head_dim, max_len)
+    total = sum(_nbytes(LayerStore.layout(cfg, s, geo)) for s in specs)
+    if cfg.keys_before_rope:
+        total += _nbytes(rope_table_shapes(geo))
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# The per-layer store and the layout string the ops receive
+# ---------------------------------------------------------------------------------------------
+class LayerStore:
+    """The buffers of one attention layer. `append_tensors` are the ones its append op mutates;
+    `attend_tensors` add what attention reads from elsewhere (shared codes, the RoPE table)."""
+
+    def __init__(self, cfg: KVQConfig, spec: LayerSpec, geo: Geometry, device, rope: dict | None,
+                 source: "LayerStore | None" = None, layer_index: int = 0, num_layers: int = 1):
+        self.cfg, self.spec, self.geo = cfg, spec, geo
+        self.layer_index, self.num_layers = layer_index, num_layers
+        self.buffers: dict[str, torch.Tensor] = {}
+        for name, (shape, dt) in self.layout(cfg, spec, geo).items():
+            self.buffers[name] = torch.zeros(shape, dtype=dt, device=device)
+        for side, q in (("k", spec.key), ("v", spec.value)):
+            if f"{side}.levels" in self.buffers:
+                table = cfg.codebooks.get(f"{layer_index}.{'key' if side == 'k' else 'value'}")
+                self.buffers[f"{side}.levels"].copy_(ref.levels_for(q, table))
+        self.rope = rope or {}
+        self.shared: dict[str, torch.Tensor] = {}
+        if spec.share_key_codes_from is not None:
+            self.shared["k.codes"] = source.buffers["k.codes"]
+        if spec.share_value_codes_from is not None:
+            self.shared["v.codes"] = source.buffers["v.codes"]
+
+    @staticmethod
+    def layout(cfg: KVQConfig, spec: LayerSpec, geo: Geometry) -> dict:
+        out = {}
+        for side, q, shared in (("k", spec.key, spec.share_key_codes_from is not None),
+                                ("v", spec.value, spec.share_value_codes_from is not None)):
+            for name, v in side_shapes(q, geo, cfg.sink, cfg.recent, shared, side == "k", cfg.key_norm).items():
+                out[f"{side}.{name}"] = v
+        return out
+
+    def append_tensors(self) -> tuple[list[str], list[torch.Tensor]]:
+        d = {**self.buffers, **self.rope}
+        return list(d), list(d.values())
+
+    def attend_tensors(self) -> tuple[list[str], list[torch.Tensor]]:
+        d = {**self.buffers, **self.shared, **self.rope}
+        return list(d), list(d.values())
+
+    def descriptor(self, names: list[str]) -> str:
+        """The op's `layout` string: everything the kernel needs to interpret the tensor list."""
+        return json.dumps({"cfg": self.cfg.to_dict(), "layer": self.layer_index, "geo": self.geo.__dict__,
+                           "num_layers": self.num_layers, "names": names}, sort_keys=True)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.buffers.values())
+
+
+class ModelStore:
+    """All layers' stores of one cache, plus the shared RoPE table for keys stored before RoPE."""
+
+    def __init__(self, cfg: KVQConfig, num_layers: int, geo: Geometry, device):
+        self.cfg, self.geo = cfg, geo
+        self.specs = cfg.check_model(num_layers, geo.head_dim, geo.max_len)
+        self.rope = {}
+        if cfg.keys_before_rope:
+            self.rope = {n: torch.zeros(s, dtype=dt, device=device) for n, (s, dt) in rope_table_shapes(geo).items()}
+        self.layers: list[LayerStore] = []
+        for i, spec in enumerate(self.specs):
+            src_idx = spec.share_key_codes_from if spec.share_key_codes_from is not None else spec.share_value_codes_from
+            src = self.layers[src_idx] if src_idx is not None else None
+            self.layers.append(LayerStore(cfg, spec, geo, device, self.rope, src, i, num_layers))
+
+    def nbytes(self) -> int:
+        return sum(s.nbytes() for s in self.layers) + sum(t.numel() * t.element_size() for t in self.rope.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference append and read (what the CPU ops run)
+# ---------------------------------------------------------------------------------------------
+def positions_span(positions: torch.Tensor) -> tuple[int, int]:
+    """(p0, n) of contiguous append positions; raises on anything else."""
+    n = positions.numel()
+    p0 = int(positions.reshape(-1)[0])
+    expect = torch.arange(p0, p0 + n, device=positions.device)
+    if not torch.equal(positions.reshape(-1).to(expect.dtype), expect):
+        raise RuntimeError("kvq: cache positions must be contiguous and increasing; got "
+                           f"{positions.reshape(-1).tolist()[:8]}")
+    return p0, n
+
+
+def _side(bufs: dict, side: str) -> dict:
+    pre = side + "."
+    return {k[len(pre):]: v for k, v in bufs.items() if k.startswith(pre)}
+
+
+def _eta(cfg: KVQConfig, q: QuantizerSpec) -> float:
+    if q.symmetry is Symmetry.ASYMMETRIC and q.levels is Levels.UNIFORM:
+        return cfg.eta.get(q.bits, 0.0)
+    return 0.0
+
+
+def _levels(b: dict, q: QuantizerSpec) -> torch.Tensor:
+    return b["levels"] if "levels" in b else ref.levels_for(q, device=b["half"].device)
+
+
+def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: torch.Tensor, p0: int,
+                is_key: bool) -> None:
+    """Write chunk x [B, H, n, D] at positions [p0, p0 + n) into one side's buffers (in place)."""
+    n = x.shape[2]
+    if not q.quantized:
+        b["data"][:, :, p0:p0 + n] = x.to(b["data"].dtype)
+        return
+    S, R, G = cfg.sink, cfg.recent, q.tokens_per_group
+    wr = ring_size(R, G)
+    dt = geo.torch_dtype
+    body = x[:, :, S:] if n > S else x  # statistics skip the exact sink tokens when there are others
+    if p0 == 0 and "norm" in b:
+        b["norm"].copy_(body.float().abs().amax(-2, keepdim=True).sqrt().clamp_min(ref.EPS))
+    static = q.axis is Axis.CHANNEL and q.group_size is None
+    if p0 == 0 and static:
+        scaled = body.float() / b["norm"] if "norm" in b else body
+        c, h = ref.static_channel_range(scaled, q, dt, _eta(cfg, q))
+        if "center" in b:
+            b["center"].copy_(c)
+        b["half"].copy_(h)
+    q_old, q_new = fill_boundary(p0, S, R, G), fill_boundary(p0 + n, S, R, G)
+    if q_new > q_old:
+        parts = []
+        if q_old < p0:  # tokens waiting in the ring
+            slots = torch.arange(q_old, min(p0, q_new), device=x.device) % wr
+            parts.append(b["ring"][:, :, slots])
+        if q_new > p0:  # tokens of this chunk that are quantized straight away
+            parts.append(x[:, :, max(q_old, p0) - p0:q_new - p0].to(dt))
+        block = torch.cat(parts, dim=2)
+        if "norm" in b:
+            block = block.float() / b["norm"]
+        static_range = (b["center"] if "center" in b else torch.zeros_like(b["half"]), b["half"]) if static else None
+        qb = ref.quantize_block(block, q, _levels(b, q), dt, _eta(cfg, q), static_range)
+        if "codes" in b:  # absent when this layer dequantizes an earlier layer's codes (XQuant)
+            b["codes"][:, :, q_old:q_new] = ref.pack_bits(qb.codes, q.bits)
+        if not static:
+            if q.axis is Axis.TOKEN:
+                g0, g1 = q_old, q_new
+            else:
+                g0, g1 = (q_old - S) // G, (q_new - S) // G
+            if "center" in b:
+                b["center"][:, :, g0:g1] = qb.center
+            b["half"][:, :, g0:g1] = qb.half
+            if "mask" in b:
+                b["mask"][:, :, g0:g1] = qb.mask
+        if "out_val" in b:
+            b["out_val"][:, :, q_old:q_new] = qb.outlier_values.to(dt)
+            b["out_idx"][:, :, q_old:q_new] = qb.outlier_index
+    if p0 < S:
+        e = min(S, p0 + n)
+        b["sink"][:, :, p0:e] = x[:, :, : e - p0].to(dt)
+    lo = max(q_new, p0)
+    if lo < p0 + n:
+        slots = torch.arange(lo, p0 + n, device=x.device) % wr
+        b["ring"][:, :, slots] = x[:, :, lo - p0:].to(dt)
+
+
+def read_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, head_dim: int, length: int, upto: int) -> torch.Tensor:
+    """Positions [0, upto) of one side as float32 [B, H, upto, D], the store holding `length` tokens."""
+    if not q.quantized:
+        return b["data"][:, :, :upto].float()
+    S, R, G = cfg.sink, cfg.recent, q.tokens_per_group
+    bnd = fill_boundary(length, S, R, G)
+    parts = []
+    if S:
+        parts.append(b["sink"][:, :, :min(S, upto)].float())
+    qe = min(bnd, upto)
+    if qe > S:
+        codes = ref.unpack_bits(b["codes"][:, :, S:qe], q.bits, head_dim)
+        if q.axis is Axis.TOKEN:
+            sl = slice(S, qe)
+        elif q.group_size is None:
+            sl = slice(0, 1)
+        else:
+            sl = slice(0, -(-(qe - S) // G))
+        half = b["half"][:, :, sl]
+        center = b["center"][:, :, sl] if "center" in b else torch.zeros_like(half)
+        qb = ref.QuantizedBlock(codes, center, half, b["mask"][:, :, sl] if "mask" in b else None,
+                                b["out_val"][:, :, S:qe] if "out_val" in b else None,
+                                b["out_idx"][:, :, S:qe] if "out_idx" in b else None)
+        if q.axis is Axis.CHANNEL and q.group_size is not None:
+            x = _dequant_channel_groups(qb, q, _levels(b, q), qe - S)
+        else:
+            x = ref.dequantize_block(qb, q, _levels(b, q))
+        if "norm" in b:
+            x = x * b["norm"]
+        parts.append(x)
+    if upto > bnd:
+        slots = torch.arange(bnd, upto, device=b["ring"].device) % ring_size(R, G)
+        parts.append(b["ring"][:, :, slots].float())
+    return torch.cat(parts, dim=2)
+
+
+def _dequant_channel_groups(qb, q, levels, t):
+    """Dequantize CHANNEL-grouped codes of t tokens (t need not be a multiple of G: the last group is cut)."""
+    G = q.group_size
+    pad = -t % G
+    codes = torch.nn.functional.pad(qb.codes, (0, 0, 0, pad))
+    vals = None if qb.outlier_values is None else torch.nn.functional.pad(qb.outlier_values, (0, 0, 0, pad))
+    idx = None if qb.outlier_index is None else torch.nn.functional.pad(qb.outlier_index, (0, 0, 0, pad))
+    full = ref.QuantizedBlock(codes, qb.center, qb.half, qb.mask, vals, idx)
+    return ref.dequantize_block(full, q, levels)[:, :, :t]
+
+
+def append(bufs: dict, cfg: KVQConfig, spec: LayerSpec, geo: Geometry, key: torch.Tensor, value: torch.Tensor,
+           p0: int, cos=None, sin=None) -> None:
+    """Reference quantize-on-append for one layer. Keys arrive already un-rotated when stored before RoPE."""
+    if cos is not None and "rope.cos" in bufs:
+        n = key.shape[2]
+        bufs["rope.cos"][:, p0:p0 + n] = cos.to(bufs["rope.cos"].dtype).expand(geo.batch, n, geo.head_dim)
+        bufs["rope.sin"][:, p0:p0 + n] = sin.to(bufs["rope.sin"].dtype).expand(geo.batch, n, geo.head_dim)
+    append_side(_side(bufs, "k"), spec.key, cfg, geo, key, p0, True)
+    append_side(_side(bufs, "v"), spec.value, cfg, geo, value, p0, False)
+
+
+def read(bufs: dict, cfg: KVQConfig, spec: LayerSpec, head_dim: int, length: int, upto: int):
+    """(K, V) float32 [B, H, upto, D] as attention sees them; Keys stored before RoPE are rotated back."""
+    k = read_side(_side(bufs, "k"), spec.key, cfg, head_dim, length, upto)
+    v = read_side(_side(bufs, "v"), spec.value, cfg, head_dim, length, upto)
+    if cfg.keys_before_rope and upto:
+        k = ref.rope_rotate(k, bufs["rope.cos"][:, :upto].float(), bufs["rope.sin"][:, :upto].float())
+    return k, v
