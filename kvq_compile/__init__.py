@@ -4,6 +4,8 @@
     model.forward = torch.compile(model.forward, backend=kvq_backend(KVQConfig.preset("kivi-2")))
 """
 from . import ops  # noqa: F401  (registers the kvq:: custom ops)
-from .config import Axis, Grouping, KVQConfig, Levels, QuantizerSpec, Symmetry
+from .backend import KVQBackend, explain, kvq_backend
+from .config import Axis, Grouping, KVQConfig, LayerSpec, Levels, QuantizerSpec, Symmetry
 
-__all__ = ["KVQConfig", "QuantizerSpec", "Axis", "Grouping", "Levels", "Symmetry"]
+__all__ = ["kvq_backend", "explain", "KVQBackend", "KVQConfig", "QuantizerSpec", "LayerSpec", "Axis",
+           "Grouping", "Levels", "Symmetry"]

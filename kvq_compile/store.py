@@ -339,6 +339,7 @@ def append(bufs: dict, cfg: KVQConfig, spec: LayerSpec, geo: Geometry, key: torc
     """Reference quantize-on-append for one layer. Keys arrive already un-rotated when stored before RoPE."""
     if cos is not None and "rope.cos" in bufs:
         n = key.shape[2]
+        cos, sin = (c[:, 0] if c.dim() == 4 else c for c in (cos, sin))  # [B|1, 1, n, D] -> [B|1, n, D]
         bufs["rope.cos"][:, p0:p0 + n] = cos.to(bufs["rope.cos"].dtype).expand(geo.batch, n, geo.head_dim)
         bufs["rope.sin"][:, p0:p0 + n] = sin.to(bufs["rope.sin"].dtype).expand(geo.batch, n, geo.head_dim)
     append_side(_side(bufs, "k"), spec.key, cfg, geo, key, p0, True)

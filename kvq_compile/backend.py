@@ -1,0 +1,210 @@
+"""`kvq_backend(cfg)`: a torch.compile backend that rewrites KV-cache attention into kvq ops, then Inductor.
+
+    model.forward = torch.compile(model.forward, backend=kvq_backend(cfg))
+    model.generate(ids, cache_implementation="static",
+                   compile_config=CompileConfig(backend=kvq_backend(cfg), fullgraph=True))
+
+Memory ownership: the packed store (`store.ModelStore`) belongs to the fp16 cache it replaces and is found
+again by that cache tensor when Dynamo recompiles. Before a compiled step runs, the wrapper absorbs what
+eager code wrote into the fp16 cache since the store last saw it (HuggingFace runs the prefill eagerly);
+after that step, the fp16 cache tensors are re-pointed at a one-element storage with zero strides, so they
+hold no memory but keep their shape, dtype and `zero_()` (freeing their storage outright crashes later
+reads). The stride change causes one recompilation. `release_fp16_cache=False` keeps them allocated.
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+
+import torch
+
+from . import compat
+from . import reference as ref
+from . import store as st
+from .config import KVQConfig
+from .passes.graph_slice import slice_graph
+from .passes.kv_cache_attention import RewriteReport, find_attention, rewrite
+
+log = logging.getLogger("kvq_compile")
+
+# id(fp16 cache tensor) -> (weak reference to it, its store). Tensors compare elementwise, so no WeakKeyDictionary.
+_STORES: dict[int, tuple[weakref.ref, st.ModelStore]] = {}
+
+
+def _store_for(cache: torch.Tensor, cfg: KVQConfig, num_layers: int, geo: st.Geometry) -> st.ModelStore:
+    entry = _STORES.get(id(cache))
+    store = entry[1] if entry is not None and entry[0]() is cache else None
+    if store is None or store.cfg.to_json() != cfg.to_json() or store.geo != geo or len(store.layers) != num_layers:
+        store = st.ModelStore(cfg, num_layers, geo, cache.device)
+        _STORES[id(cache)] = (weakref.ref(cache), store)
+        weakref.finalize(cache, _STORES.pop, id(cache), None)
+    return store
+
+
+def released(t: torch.Tensor) -> bool:
+    return t.dim() > 0 and t.numel() > 1 and all(s == 0 for s in t.stride())
+
+
+def release_storage(t: torch.Tensor) -> None:
+    """Point t at a one-element storage with zero strides: no memory, same shape and dtype, reads give 0."""
+    if not released(t):
+        tiny = torch.zeros(1, dtype=t.dtype, device=t.device).untyped_storage()
+        t.set_(tiny, 0, t.shape, (0,) * t.dim())
+
+
+class KVQBackend:
+    """The backend object. `reports` keeps one `RewriteReport` per compiled graph (see `explain`)."""
+
+    def __init__(self, cfg: KVQConfig, release_fp16_cache: bool = True, compile_with_inductor: bool = True):
+        if not isinstance(cfg, KVQConfig):
+            raise TypeError(f"kvq_backend needs a KVQConfig, got {type(cfg).__name__}; "
+                            "use KVQConfig.preset('kivi-2') or build one")
+        self.cfg = cfg
+        self.release_fp16_cache = release_fp16_cache
+        self.compile_with_inductor = compile_with_inductor
+        self.reports: list[RewriteReport] = []
+
+    def __deepcopy__(self, memo):  # generate() copies its CompileConfig; keep one backend and its reports
+        return self
+
+    def __copy__(self):
+        return self
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs, mode=None, options=None, **unused):
+        report = RewriteReport()
+        self.reports.append(report)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        index = {n: i for i, n in enumerate(placeholders)}
+        matches = find_attention(gm, self.cfg.keys_before_rope, report)
+        runner = None
+        if matches:
+            runner = self._prepare(gm, example_inputs, matches, index, report)
+        if runner is not None:
+            compat.bump_counter("kvq", "attention_rewrite", len(matches))
+        compiled = (compat.compile_fx(gm, example_inputs, compat.inductor_config_patches(mode, options))
+                    if self.compile_with_inductor else gm.forward)
+        if runner is None:
+            return compiled
+        return runner.wrap(compiled)
+
+    def _prepare(self, gm, example_inputs, matches, index, report):
+        caches = [example_inputs[index[n]] for m in matches for n in (m.k_cache, m.v_cache)]
+        k0 = caches[0]
+        B, H, T, D = k0.shape
+        if any(tuple(c.shape) != (B, H, T, D) or c.dtype != k0.dtype for c in caches):
+            for m in matches:
+                report.skip(m.sdpa, "cache tensors of different layers differ in shape or dtype")
+            return None
+        geo = st.Geometry(B, H, T, D, st.dtype_name(k0.dtype))
+        store = _store_for(k0, self.cfg, len(matches), geo)
+        pos_slice, pos_args = slice_graph(gm, [matches[0].positions])
+        if pos_slice is None:
+            for m in matches:
+                report.skip(m.sdpa, f"cannot evaluate the append positions ahead of the step: {pos_args}")
+            return None
+        rotary = []
+        for m in matches:
+            if m.rotary is None:
+                rotary.append(None)
+                continue
+            gmod, args = slice_graph(gm, [m.rotary.cos, m.rotary.sin])
+            ints = [i for i in args if example_inputs[i].dtype in (torch.int32, torch.int64)]
+            if gmod is None or len(ints) != 1 or example_inputs[ints[0]].dim() != 2:
+                report.skip(m.sdpa, "keys_before_rope: cannot recompute cos/sin for the eagerly written prefix "
+                            "(expected one [batch, q_len] position-id input)")
+                return None
+            rotary.append((gmod, args, ints[0]))
+        runner = _StepRunner(store, [(index[m.k_cache], index[m.v_cache]) for m in matches],
+                             (pos_slice, pos_args), rotary, self.release_fp16_cache)
+        rewrite(gm, matches, store, compat.register_store_buffer)
+        for i, m in enumerate(matches):
+            report.rewritten.append(f"layer {i}: {m.k_cache.name}/{m.v_cache.name} -> kvq::append + kvq::attend "
+                                    f"({store.specs[i].key.bits}-bit K, {store.specs[i].value.bits}-bit V)")
+        return runner
+
+
+class _StepRunner:
+    """Runs before and after each compiled step: absorbs eager writes, then releases fp16 storage."""
+
+    def __init__(self, store, cache_args, positions, rotary, release):
+        self.store, self.cache_args, self.positions, self.rotary, self.release = (
+            store, cache_args, positions, rotary, release)
+
+    def wrap(self, compiled):
+        def run(*args):
+            boxed = len(args) == 1 and isinstance(args[0], list)  # Dynamo's boxed calling convention
+            flat = args[0] if boxed else args
+            self.before(flat)
+            out = compiled(*args)
+            self.after(flat)
+            return out
+
+        return run
+
+    def before(self, args):
+        k0 = args[self.cache_args[0][0]]
+        owner = self.store.owner() if getattr(self.store, "owner", None) else None
+        if owner is k0 and k0._version == self.store.owner_version:
+            return
+        if released(k0):
+            raise RuntimeError("kvq: this fp16 cache was released into another kvq store; create a new cache, "
+                               "or pass release_fp16_cache=False to kvq_backend")
+        gmod, idx = self.positions
+        p0 = int(gmod(*[args[i] for i in idx])[0].reshape(-1)[0])
+        if p0 > 0:
+            self.absorb(args, p0)
+        self.store.owner = weakref.ref(k0)
+        self.store.owner_version = k0._version
+
+    @torch.no_grad()
+    def absorb(self, args, p0):
+        """Quantize positions [0, p0) that eager code wrote into the fp16 cache, through the same op."""
+        positions = torch.arange(p0, device=args[self.cache_args[0][0]].device)
+        for layer, (ki, vi), rot in zip(self.store.layers, self.cache_args, self.rotary):
+            k, v = args[ki][:, :, :p0], args[vi][:, :, :p0]
+            cos = sin = None
+            if rot is not None:
+                gmod, idx, pos_i = rot
+                call = [args[i] for i in idx]
+                pid = args[pos_i]
+                j = idx.index(pos_i)
+                call[j] = pid[:, :1] - p0 + torch.arange(p0, device=pid.device)
+                cos, sin = gmod(*call)
+                c3, s3 = (c[:, 0] if c.dim() == 4 else c for c in (cos, sin))
+                k = ref.rope_unrotate(k.float(), c3.float(), s3.float()).to(k.dtype)
+            names, tensors = layer.append_tensors()
+            torch.ops.kvq.append(tensors, k, v, positions, cos, sin, layer.descriptor(names))
+
+    def after(self, args):
+        if not self.release:
+            return
+        k0 = args[self.cache_args[0][0]]
+        for ki, vi in self.cache_args:
+            release_storage(args[ki])
+            release_storage(args[vi])
+        self.store.owner_version = k0._version
+
+
+def kvq_backend(cfg: KVQConfig | str, *, release_fp16_cache: bool = True) -> KVQBackend:
+    """A torch.compile backend for `cfg` (a KVQConfig or a preset name)."""
+    if isinstance(cfg, str):
+        cfg = KVQConfig.preset(cfg)
+    return KVQBackend(cfg, release_fp16_cache=release_fp16_cache)
+
+
+def explain(target, *args, cfg: KVQConfig | str | None = None, **kwargs) -> str:
+    """What the pass rewrote and what it left alone, and why.
+
+    explain(backend)                       -> the reports of every graph `backend` compiled so far
+    explain(fn, *args, cfg=..., **kwargs)  -> traces fn(*args, **kwargs) once (no Inductor) and reports
+    """
+    if isinstance(target, KVQBackend):
+        return "\n".join(str(r) for r in target.reports) or "kvq: nothing compiled yet"
+    if cfg is None:
+        raise ValueError("explain(fn, ...) needs cfg=KVQConfig or a preset name")
+    cfg = KVQConfig.preset(cfg) if isinstance(cfg, str) else cfg
+    backend = KVQBackend(cfg, release_fp16_cache=False, compile_with_inductor=False)
+    torch._dynamo.reset()
+    torch.compile(target, backend=backend)(*args, **kwargs)
+    torch._dynamo.reset()
+    return explain(backend)

@@ -1,0 +1,1 @@
+"""FX graph passes (installed as `kvq_compile.passes`)."""

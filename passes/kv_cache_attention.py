@@ -1,0 +1,325 @@
+"""The FX pass: find each layer's KV-cache append and the attention that reads the cache back, and
+rewrite them into `kvq::append` / `kvq::attend` over a packed store.
+
+It runs on the Dynamo graph (before AOTAutograd), walking it by hand: Inductor's pattern matcher drops
+matches that cross the cache mutation. Per attention layer it proves, from node targets and fake shapes:
+
+    keys_cache.index_copy_(2, pos, k)        | keys_cache[:, :, pos] = k  | keys_cache.index_put_((.., .., pos), k)
+    values_cache.<same>(2, pos, v)           (same positions node)
+    key = repeat_kv(keys_cache)              getitem[:, :, None] / expand / reshape, repeat_interleave(r, 1),
+                                             or none with enable_gqa=True (or no GQA)
+    out = scaled_dot_product_attention(q, key, value, attn_mask, dropout_p=0, is_causal, scale)
+
+and, for configs that store Keys before RoPE, k = pre*cos + cat(-pre[..., h:], pre[..., :h])*sin.
+Anything else is left unchanged with a recorded reason; nothing outside the match is touched.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+log = logging.getLogger("kvq_compile")
+
+_SDPA = {torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention}
+_NOOP_METHODS = {"contiguous"}
+
+
+def _val(node):
+    if not isinstance(node, fx.Node):
+        return None
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+@dataclass
+class Rotary:
+    pre_key: fx.Node
+    cos: fx.Node
+    sin: fx.Node
+
+
+@dataclass
+class AttentionMatch:
+    """One attention layer the pass can rewrite."""
+
+    k_cache: fx.Node
+    v_cache: fx.Node
+    k_append: fx.Node
+    v_append: fx.Node
+    positions: fx.Node
+    k_new: fx.Node
+    v_new: fx.Node
+    sdpa: fx.Node
+    query: fx.Node
+    attn_mask: fx.Node | None
+    is_causal: bool
+    scale: float
+    read_chain: list[fx.Node]
+    rotary: Rotary | None = None
+
+
+@dataclass
+class RewriteReport:
+    """What the pass did: rewritten layers and, for every candidate left alone, why."""
+
+    rewritten: list[str] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+
+    def skip(self, node, reason: str):
+        name = node.name if isinstance(node, fx.Node) else str(node)
+        self.skipped.append((name, reason))
+        log.info("kvq: left %s unchanged: %s", name, reason)
+
+    def __str__(self):
+        lines = [f"kvq rewrite: {len(self.rewritten)} attention layer(s) rewritten, {len(self.skipped)} left unchanged"]
+        lines += [f"  rewritten: {r}" for r in self.rewritten]
+        lines += [f"  unchanged: {n}: {why}" for n, why in self.skipped]
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Matching
+# ---------------------------------------------------------------------------------------------
+def _is_full_slice(x):
+    return isinstance(x, slice) and x == slice(None, None, None)
+
+
+def _append_of(node: fx.Node):
+    """(cache placeholder, positions, new values) if node appends along dim 2 of a 4-D cache, else None."""
+    if node.op == "call_method" and node.target == "index_copy_" and len(node.args) == 4:
+        cache, dim, pos, src = node.args
+        if dim in (2, -2):
+            return cache, pos, src
+    if node.op == "call_method" and node.target == "index_put_" and len(node.args) >= 3:
+        cache, idx, src = node.args[:3]
+        if isinstance(idx, (tuple, list)) and len(idx) == 3 and idx[0] is None and idx[1] is None:
+            return cache, idx[2], src
+    if node.op == "call_function" and node.target is operator.setitem:
+        cache, idx, src = node.args
+        if (isinstance(idx, tuple) and len(idx) == 3 and _is_full_slice(idx[0]) and _is_full_slice(idx[1])
+                and isinstance(idx[2], fx.Node)):
+            return cache, idx[2], src
+    return None
+
+
+def _repeat_chain(node: fx.Node, query_heads: int):
+    """Walk SDPA's key/value argument back to the cache it reads. Returns (cache, chain nodes, reason).
+    Accepts exactly the repeat-KV forms that map query head h to cache head h // (query_heads // H)."""
+    chain = []
+    while isinstance(node, fx.Node) and node.op == "call_method" and node.target in _NOOP_METHODS:
+        chain.append(node)
+        node = node.args[0]
+    if not isinstance(node, fx.Node):
+        return None, chain, "attention key/value is not a graph value"
+    if node.op == "placeholder":
+        return node, chain, None
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    if name == "repeat_interleave":  # x.repeat_interleave(n_rep, dim=1)
+        src = node.args[0]
+        reps = _arg(node, 1, "repeats")
+        dim = _arg(node, 2, "dim")
+        if isinstance(src, fx.Node) and src.op == "placeholder" and dim == 1:
+            if reps == query_heads // _val(src).shape[1]:
+                return src, chain + [node], None
+        return None, chain, f"repeat_interleave({reps}, dim={dim}) is not repeat-KV over heads"
+    if name in ("reshape", "view"):  # x[:, :, None, :, :].expand(B, H, n_rep, T, D).reshape(B, H * n_rep, T, D)
+        exp = node.args[0]
+        if isinstance(exp, fx.Node) and exp.op == "call_method" and exp.target == "expand":
+            gi = exp.args[0]
+            idx = gi.args[1] if isinstance(gi, fx.Node) and gi.target is operator.getitem else None
+            if (isinstance(idx, tuple) and len(idx) >= 3 and idx[2] is None
+                    and all(_is_full_slice(s) for s in idx[:2] + idx[3:])
+                    and isinstance(gi.args[0], fx.Node) and gi.args[0].op == "placeholder"):
+                src, out = _val(gi.args[0]), _val(node)
+                if src is not None and out is not None and src.dim() == 4 and tuple(out.shape) == (
+                        src.shape[0], query_heads, *src.shape[2:]) and query_heads % src.shape[1] == 0:
+                    return gi.args[0], chain + [node, exp, gi], None
+    return None, chain, f"attention reads {node.format_node()[:80]!r}, not a cache placeholder through repeat-KV"
+
+
+def _arg(node: fx.Node, pos: int, name: str, default=None):
+    if len(node.args) > pos:
+        return node.args[pos]
+    return node.kwargs.get(name, default)
+
+
+def _match_rotary(k: fx.Node) -> Rotary | None:
+    """k = pre * cos + cat((-pre[..., h:], pre[..., :h]), -1) * sin (HuggingFace rotate_half)."""
+    if not (isinstance(k, fx.Node) and k.op == "call_function" and k.target is operator.add):
+        return None
+    a, b = k.args
+    for m1, m2 in ((a, b), (b, a)):
+        if not all(isinstance(m, fx.Node) and m.target is operator.mul for m in (m1, m2)):
+            continue
+        pre, cos = m1.args
+        cat, sin = m2.args
+        if not (isinstance(cat, fx.Node) and cat.target is torch.cat):
+            continue
+        parts = cat.args[0]
+        if len(parts) != 2:
+            continue
+        neg, x1 = parts
+        if not (isinstance(neg, fx.Node) and neg.target is operator.neg):
+            continue
+        x2 = neg.args[0]
+        if not all(isinstance(x, fx.Node) and x.target is operator.getitem and x.args[0] is pre for x in (x1, x2)):
+            continue
+        d = _val(pre).shape[-1]
+        if x1.args[1] == (Ellipsis, slice(None, d // 2, None)) and x2.args[1] == (Ellipsis, slice(d // 2, None, None)):
+            return Rotary(pre, cos, sin)
+    return None
+
+
+def find_attention(gm: fx.GraphModule, keys_before_rope: bool, report: RewriteReport) -> list[AttentionMatch]:
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    appends = {}
+    for node in graph.nodes:
+        a = _append_of(node)
+        if a is not None:
+            cache = a[0]
+            if not (isinstance(cache, fx.Node) and cache.op == "placeholder"):
+                report.skip(node, "append target is not a graph input (cache placeholder)")
+                continue
+            if cache in appends:
+                report.skip(cache, "cache is appended to more than once in one step")
+                appends[cache] = None
+                continue
+            appends[cache] = (node, *a[1:])
+    matches, explained = [], set()
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target not in _SDPA:
+            continue
+        q = _arg(node, 0, "query")
+        qv = _val(q)
+        dropout = _arg(node, 4, "dropout_p", 0.0)
+        if dropout != 0.0:
+            report.skip(node, f"dropout_p={dropout}: attention with dropout is not a cache read")
+            continue
+        kv_nodes = [_arg(node, 1, "key"), _arg(node, 2, "value")]
+        kvv = _val(kv_nodes[0])
+        if qv is None or kvv is None or qv.dim() != 4:
+            report.skip(node, "attention inputs have no 4-D fake value to check shapes")
+            continue
+        found, reason = [], None
+        for kv in kv_nodes:
+            cache, chain, why = _repeat_chain(kv, qv.shape[1])
+            if cache is None:
+                reason = why
+                break
+            found.append((cache, chain))
+        if reason:
+            report.skip(node, reason)
+            continue
+        (k_cache, k_chain), (v_cache, v_chain) = found
+        explained.update((k_cache, v_cache))  # any skip below already names these caches' attention
+        enable_gqa = node.kwargs.get("enable_gqa", False)
+        if not k_chain and _val(k_cache).shape[1] != qv.shape[1] and not enable_gqa:
+            report.skip(node, "query and cache head counts differ without repeat-KV or enable_gqa")
+            continue
+        problem = None
+        for cache in (k_cache, v_cache):
+            if appends.get(cache) is None:
+                problem = f"{cache.name} is read by attention but not appended to in this graph (e.g. cross-attention)"
+                break
+            cv = _val(cache)
+            if cv.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+                problem = f"unsupported cache dtype {cv.dtype} for {cache.name}"
+                break
+            chain = k_chain if cache is k_cache else v_chain
+            allowed = {appends[cache][0], *(chain[-1:] if chain else [node])}
+            others = [u for u in cache.users if u not in allowed]
+            if others:
+                problem = f"{cache.name} is also used by {others[0].format_node()[:60]!r}, not only append and attention"
+                break
+            if order[appends[cache][0]] > order[node]:
+                problem = f"{cache.name} is appended after attention reads it"
+                break
+        if problem:
+            report.skip(node, problem)
+            continue
+        k_app, k_pos, k_new = appends[k_cache]
+        v_app, v_pos, v_new = appends[v_cache]
+        if k_pos is not v_pos:
+            report.skip(node, "keys and values are appended at different position tensors")
+            continue
+        if k_app.users or v_app.users:
+            report.skip(node, "the append's result is used")
+            continue
+        mask = _arg(node, 3, "attn_mask")
+        max_len = _val(k_cache).shape[2]
+        if mask is not None:
+            mv = _val(mask)
+            if mv is None or mv.shape[-1] != max_len:
+                report.skip(node, f"attention mask's last dim is not the cache length {max_len}")
+                continue
+        scale = _arg(node, 6, "scale")
+        if isinstance(scale, fx.Node):
+            report.skip(node, "attention scale is a tensor")
+            continue
+        rotary = None
+        if keys_before_rope:
+            rotary = _match_rotary(k_new)
+            if rotary is None:
+                report.skip(node, "keys_before_rope: the appended key is not recognized as x*cos + rotate_half(x)*sin")
+                continue
+        matches.append(AttentionMatch(
+            k_cache, v_cache, k_app, v_app, k_pos, k_new, v_new, node, q, mask,
+            bool(_arg(node, 5, "is_causal", False)),
+            float(scale) if scale is not None else 1 / math.sqrt(qv.shape[-1]),
+            k_chain + v_chain, rotary))
+    used = {m.k_cache for m in matches} | {m.v_cache for m in matches}
+    for cache, a in appends.items():
+        if a is not None and cache not in used and cache not in explained:
+            report.skip(a[0], f"append to {cache.name} feeds no recognized attention")
+    return matches
+
+
+# ---------------------------------------------------------------------------------------------
+# Rewriting
+# ---------------------------------------------------------------------------------------------
+def rewrite(gm: fx.GraphModule, matches: list[AttentionMatch], model_store, register_buffer) -> None:
+    """Replace each match's appends with kvq::append and its attention with kvq::attend.
+
+    register_buffer(gm, name, tensor) -> name: makes a store tensor a get_attr of gm (compat hook)."""
+    graph = gm.graph
+    attr_names: dict[int, str] = {}
+
+    def getattrs(names, tensors, before, layer):
+        nodes = []
+        for n, t in zip(names, tensors):
+            if id(t) not in attr_names:
+                attr = f"kvq_store_l{layer}_{n.replace('.', '_')}"
+                attr_names[id(t)] = register_buffer(gm, attr, t)
+            with graph.inserting_before(before):
+                nodes.append(graph.get_attr(attr_names[id(t)]))
+        return nodes
+
+    for i, m in enumerate(matches):
+        layer = model_store.layers[i]
+        names, tensors = layer.append_tensors()
+        store_nodes = getattrs(names, tensors, m.v_append, i)
+        key_in, cos, sin = (m.rotary.pre_key, m.rotary.cos, m.rotary.sin) if m.rotary else (m.k_new, None, None)
+        with graph.inserting_before(m.v_append):
+            graph.call_function(torch.ops.kvq.append.default,
+                                (store_nodes, key_in, m.v_new, m.positions, cos, sin, layer.descriptor(names)))
+        graph.erase_node(m.v_append)
+        graph.erase_node(m.k_append)
+        names, tensors = layer.attend_tensors()
+        store_nodes = getattrs(names, tensors, m.sdpa, i)
+        with graph.inserting_before(m.sdpa):
+            out = graph.call_function(torch.ops.kvq.attend.default,
+                                      (m.query, store_nodes, m.k_new, m.v_new, m.positions, m.attn_mask,
+                                       m.scale, m.is_causal, layer.descriptor(names)))
+        out.meta.update(m.sdpa.meta)
+        m.sdpa.replace_all_uses_with(out)
+        graph.erase_node(m.sdpa)
+        for n in m.read_chain:  # dead now; removed by hand (no blanket DCE: it drops cache_length.add_)
+            if not n.users:
+                graph.erase_node(n)
+    graph.lint()
+    gm.recompile()
