@@ -60,3 +60,76 @@ def quantized_view(history: torch.Tensor, q: QuantizerSpec, cfg: KVQConfig, leng
         src = None if codes_from is None else codes_from[:, :, s:s + step]
         out[:, :, s:s + step] = deq(history[:, :, s:s + step], src)
     return out
+
+
+class HFSimulation:
+    """Runs a HuggingFace model eagerly, with each decode step attending over the simulated quantized view
+    of the static cache (`quantized_view`) instead of the kvq store: the pure-torch "dequantize, then
+    attend" that a compiled kvq_backend run must reproduce. The prefill is plain SDPA, as in `generate`.
+
+    Keys stored before RoPE are un-rotated with the positions the backend infers for the prefix
+    (each slot's position = the current position minus its distance), so padding slots match too.
+    """
+
+    NAME = "kvq_simulation"
+
+    def __init__(self, model, cfg: KVQConfig):
+        self.model, self.cfg = model, cfg
+        self.specs = cfg.resolve(model.config.num_hidden_layers)
+        self.cache = None
+        self.first_chunk = 0
+
+    def generate(self, input_ids, attention_mask=None, max_new_tokens=8, **kwargs):
+        from transformers import AttentionInterface, StaticCache
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+        AttentionInterface.register(self.NAME, self._attention)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(self.NAME, sdpa_mask)
+        self.cache = StaticCache(config=self.model.config, max_cache_len=input_ids.shape[1] + max_new_tokens)
+        self.first_chunk = input_ids.shape[1]
+        previous = self.model.config._attn_implementation
+        self.model.config._attn_implementation = self.NAME
+        try:
+            return self.model.generate(input_ids, attention_mask=attention_mask, past_key_values=self.cache,
+                                       max_new_tokens=max_new_tokens, **kwargs)
+        finally:
+            self.model.config._attn_implementation = previous
+
+    def _history(self, i, length, position_ids):
+        layer = self.cache.layers[i]
+        k = layer.keys[:, :, :length]
+        if not self.cfg.keys_before_rope:
+            return k, layer.values[:, :, :length], None
+        pos = position_ids[:, -1:] - (length - 1) + torch.arange(length, device=k.device)
+        cos, sin = self.model.model.rotary_emb(k, pos)
+        return ref.rope_unrotate(k.float(), cos.float(), sin.float()).to(k.dtype), layer.values[:, :, :length], (cos, sin)
+
+    def _attention(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        from .ops import attend_reference
+
+        i = module.layer_idx
+        length = int(self.cache.layers[i].cumulative_length)
+        n = query.shape[2]
+        p0 = length - n
+        if p0 == 0:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                          scaling=scaling, **kwargs)
+        spec, cfg = self.specs[i], self.cfg
+        kh, vh, rope = self._history(i, length, kwargs["position_ids"])
+        src_k = src_v = None
+        if spec.share_key_codes_from is not None:
+            src_k = self._history(spec.share_key_codes_from, length, kwargs["position_ids"])[0]
+        if spec.share_value_codes_from is not None:
+            src_v = self._history(spec.share_value_codes_from, length, kwargs["position_ids"])[1]
+        lk = ref.levels_for(spec.key, cfg.codebooks.get(f"{i}.key")) if spec.key.quantized else None
+        lv = ref.levels_for(spec.value, cfg.codebooks.get(f"{i}.value")) if spec.value.quantized else None
+        kq = quantized_view(kh, spec.key, cfg, length, self.first_chunk, src_k, lk, is_key=True)[:, :, :p0]
+        vq = quantized_view(vh, spec.value, cfg, length, self.first_chunk, src_v, lv)[:, :, :p0]
+        if rope is not None:
+            kq = ref.rope_rotate(kq, rope[0][:, :p0].float(), rope[1][:, :p0].float())
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = attend_reference(query, kq, vq, key[:, :, p0:length], value[:, :, p0:length], attention_mask,
+                               scale, False, cfg.softmax_tau)
+        return out.transpose(1, 2).contiguous(), None
