@@ -293,7 +293,8 @@ def read_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, head_dim: int, length: 
         return b["data"][:, :, :upto].float()
     S, R, G = cfg.sink, cfg.recent, q.tokens_per_group
     bnd = fill_boundary(length, S, R, G)
-    parts = []
+    half = b["half"]
+    parts = [torch.zeros(*half.shape[:2], 0, head_dim, device=half.device)]
     if S:
         parts.append(b["sink"][:, :, :min(S, upto)].float())
     qe = min(bnd, upto)

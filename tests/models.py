@@ -1,0 +1,114 @@
+"""Small random-weight models for the tests: HuggingFace architectures and a gpt-fast-style model."""
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import (CompileConfig, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+from kvq_compile import KVQConfig
+
+ARCHS = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+}
+
+
+def hf_model(arch="llama", kv_heads=1, gqa=2, head_dim=64, layers=2, dtype=torch.float32, seed=0, **extra):
+    torch.manual_seed(seed)
+    config_cls, model_cls = ARCHS[arch]
+    heads = kv_heads * gqa
+    config = config_cls(vocab_size=96, hidden_size=heads * head_dim, intermediate_size=64, num_hidden_layers=layers,
+                        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                        max_position_embeddings=512, **extra)
+    return model_cls(config).to(dtype).eval()
+
+
+def compile_config(backend):
+    cc = CompileConfig(backend=backend, fullgraph=True)
+    cc._compile_all_devices = True  # generate() only compiles on accelerators unless told otherwise
+    return cc
+
+
+def prompts(batch, length, vocab=96, pad=(0,), seed=1):
+    """Random prompts; row i is left-padded by pad[i % len(pad)] positions."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (batch, length), generator=g)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    for i in range(batch):
+        mask[i, : pad[i % len(pad)]] = 0
+    return ids, mask
+
+
+def small_windows(name: str) -> KVQConfig:
+    """A preset with its windows and token groups shrunk so that short test sequences cross many flushes."""
+    cfg = KVQConfig.preset(name)
+    cfg.sink = min(cfg.sink, 2)
+    for side in ("key", "value"):
+        q = getattr(cfg, side)
+        if q.tokens_per_group > 1:
+            setattr(cfg, side, dataclasses.replace(q, group_size=4))
+    cfg.recent = min(cfg.recent, 4)
+    return cfg
+
+
+class KVCache(nn.Module):
+    """gpt-fast's KVCache: static buffers, `k_out[:, :, input_pos] = k_val`."""
+
+    def __init__(self, batch, heads, max_len, head_dim, dtype):
+        super().__init__()
+        self.register_buffer("k_cache", torch.zeros(batch, heads, max_len, head_dim, dtype=dtype))
+        self.register_buffer("v_cache", torch.zeros(batch, heads, max_len, head_dim, dtype=dtype))
+
+    def update(self, input_pos, k_val, v_val):
+        k_out, v_out = self.k_cache, self.v_cache
+        k_out[:, :, input_pos] = k_val
+        v_out[:, :, input_pos] = v_val
+        return k_out, v_out
+
+
+class GptFastAttention(nn.Module):
+    def __init__(self, dim, heads, kv_heads, head_dim):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.wqkv = nn.Linear(dim, (heads + 2 * kv_heads) * head_dim, bias=False)
+        self.wo = nn.Linear(heads * head_dim, dim, bias=False)
+        self.kv_cache = None
+
+    def forward(self, x, mask, input_pos):
+        b, n, _ = x.shape
+        q, k, v = self.wqkv(x).split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
+                                      self.kv_heads * self.head_dim], dim=-1)
+        q = q.view(b, n, self.heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        k, v = self.kv_cache.update(input_pos, k, v)
+        k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
+        v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0)
+        return self.wo(y.transpose(1, 2).reshape(b, n, -1))
+
+
+class GptFastModel(nn.Module):
+    """A tiny gpt-fast-style decoder (no RoPE): embeddings, attention blocks with their own KV caches."""
+
+    def __init__(self, vocab=96, dim=128, heads=4, kv_heads=2, head_dim=32, layers=2, max_len=64, batch=2,
+                 dtype=torch.float32):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(GptFastAttention(dim, heads, kv_heads, head_dim) for _ in range(layers))
+        self.out = nn.Linear(dim, vocab, bias=False)
+        for layer in self.layers:
+            layer.kv_cache = KVCache(batch, kv_heads, max_len, head_dim, dtype)
+        self.register_buffer("causal_mask", torch.tril(torch.ones(max_len, max_len, dtype=torch.bool)))
+        self.to(dtype)
+
+    def forward(self, idx, input_pos):
+        mask = self.causal_mask[None, None, input_pos]
+        x = self.embed(idx)
+        for layer in self.layers:
+            x = x + layer(x, mask, input_pos)
+        return self.out(x)
