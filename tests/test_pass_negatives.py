@@ -1,0 +1,75 @@
+"""Patterns the pass must leave unchanged, each with a recorded reason (acceptance f)."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvq_compile import KVQBackend, KVQConfig, explain, kvq_backend
+from models import compile_config, hf_model, prompts
+
+
+class CacheAttention(nn.Module):
+    """One attention over a gpt-fast-style cache, with knobs that break the pattern."""
+
+    def __init__(self, dtype=torch.float32, dropout=0.0, append=True, leak=False):
+        super().__init__()
+        self.register_buffer("k", torch.zeros(1, 2, 16, 32, dtype=dtype))
+        self.register_buffer("v", torch.zeros(1, 2, 16, 32, dtype=dtype))
+        self.dropout, self.append, self.leak = dropout, append, leak
+
+    def forward(self, q, k_new, v_new, pos):
+        if self.append:
+            self.k[:, :, pos] = k_new
+            self.v[:, :, pos] = v_new
+        mask = (torch.arange(16) <= pos[-1])[None, None, None, :]
+        out = F.scaled_dot_product_attention(q, self.k, self.v, attn_mask=mask, dropout_p=self.dropout)
+        return out + self.k.sum() if self.leak else out
+
+
+def _report(module, dtype=torch.float32):
+    args = (torch.randn(1, 2, 1, 32, dtype=dtype), torch.randn(1, 2, 1, 32, dtype=dtype),
+            torch.randn(1, 2, 1, 32, dtype=dtype), torch.tensor([3]))
+    return explain(module, *args, cfg="int8")
+
+
+def test_positive_control_is_rewritten():
+    assert "1 attention layer(s) rewritten" in _report(CacheAttention())
+
+
+def test_dropout_left_unchanged():
+    text = _report(CacheAttention(dropout=0.1).train())
+    assert "0 attention layer(s) rewritten" in text and "dropout_p=0.1" in text
+
+
+def test_cross_attention_left_unchanged():
+    text = _report(CacheAttention(append=False))
+    assert "0 attention layer(s) rewritten" in text and "not appended to" in text
+
+
+def test_cache_read_elsewhere_left_unchanged():
+    text = _report(CacheAttention(leak=True))
+    assert "0 attention layer(s) rewritten" in text and "is also used by" in text
+
+
+def test_unsupported_dtype_left_unchanged():
+    text = _report(CacheAttention(dtype=torch.float64), dtype=torch.float64)
+    assert "0 attention layer(s) rewritten" in text and "unsupported cache dtype torch.float64" in text
+
+
+def test_unchanged_graph_still_runs_and_matches():
+    module = CacheAttention(leak=True)
+    ref = CacheAttention(leak=True)
+    args = (torch.randn(1, 2, 1, 32), torch.randn(1, 2, 1, 32), torch.randn(1, 2, 1, 32), torch.tensor([2]))
+    out = torch.compile(module, backend=kvq_backend("kivi-2"))(*args)
+    torch.testing.assert_close(out, ref(*args))
+
+
+def test_sliding_window_attention_left_unchanged():
+    model = hf_model("mistral", kv_heads=1, gqa=2, head_dim=64, layers=2, sliding_window=4)
+    ids, mask = prompts(1, 6)
+    be = kvq_backend(KVQConfig.preset("int8"))
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, cache_implementation="static")
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, cache_implementation="static",
+                         compile_config=compile_config(be))
+    assert torch.equal(ref, out)
+    assert isinstance(be, KVQBackend) and be.reports and all(not r.rewritten for r in be.reports), explain(be)
+    assert all(r.skipped for r in be.reports), explain(be)

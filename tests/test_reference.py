@@ -1,0 +1,138 @@
+"""Properties of the reference quantization math."""
+import pytest
+import torch
+
+from kvq_compile import Axis, KVQConfig, Levels, QuantizerSpec, Symmetry
+from kvq_compile import reference as ref
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("n", [1, 7, 33, 64, 97])
+def test_pack_unpack_identity(bits, n):
+    codes = torch.randint(0, 2 ** bits, (3, 5, n), dtype=torch.int32)
+    words = ref.pack_bits(codes, bits)
+    assert words.dtype == torch.int32 and words.shape[-1] == -(-n // (32 // bits))
+    assert torch.equal(ref.unpack_bits(words, bits, n), codes)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("axis,group", [(Axis.TOKEN, 16), (Axis.TOKEN, None), (Axis.CHANNEL, 8), (Axis.CHANNEL, None)])
+@pytest.mark.parametrize("symmetry", [Symmetry.ASYMMETRIC, Symmetry.SYMMETRIC])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_uniform_round_trip_error_bound(bits, axis, group, symmetry, dtype):
+    spec = QuantizerSpec(bits=bits, axis=axis, group_size=group, symmetry=symmetry)
+    x = (torch.randn(2, 3, 24, 48) * torch.rand(1, 1, 1, 48) * 4).to(dtype)
+    y = ref.quantize_dequantize(x, spec)
+    # uniform levels: error <= half a step = h / (2^B - 1), h the group's half-width
+    if axis is Axis.CHANNEL and group is None:  # one static range per channel over all tokens
+        xg = x.float().transpose(-1, -2)
+    else:
+        xg = ref.to_groups(x.float(), spec)
+    if symmetry is Symmetry.SYMMETRIC:
+        h = xg.abs().amax(-1, keepdim=True)
+    else:
+        h = (xg.amax(-1, keepdim=True) - xg.amin(-1, keepdim=True)) / 2
+    h = (h / (2 ** bits - 1)).expand(xg.shape)
+    bound = h.transpose(-1, -2) if axis is Axis.CHANNEL and group is None else ref.from_groups(h, spec, x.shape)
+    slack = 1.05 * bound + (2e-2 if dtype == torch.bfloat16 else 2e-3) * x.float().abs().amax()
+    assert ((y - x.float()).abs() <= slack).all(), f"{spec} {dtype}"
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_normal_float_and_outliers(bits):
+    lv = ref.normal_float_levels(bits)
+    assert lv.numel() == 2 ** bits and lv.min() == -1 and lv.max() == 1 and (lv.diff() > 0).all()
+    spec = QuantizerSpec(bits=bits, axis=Axis.TOKEN, group_size=None, levels=Levels.NORMAL_FLOAT,
+                         outlier_fraction=0.02)
+    x = torch.randn(2, 2, 10, 64)
+    x[0, 0, 3, 5] = 50.0
+    qb = ref.quantize_block(x, spec, lv, torch.float32)
+    y = ref.dequantize_block(qb, spec, lv)
+    assert y[0, 0, 3, 5] == 50.0  # the outlier is kept exactly
+    plain = ref.quantize_dequantize(x, QuantizerSpec(bits=bits, axis=Axis.TOKEN, group_size=None,
+                                                     levels=Levels.NORMAL_FLOAT))
+    assert (y - x).norm() < (plain - x).norm()
+
+
+def test_hybrid_never_worse_than_either_branch():
+    spec = QuantizerSpec(bits=2, axis=Axis.TOKEN, group_size=16, symmetry=Symmetry.HYBRID)
+    x = torch.randn(2, 2, 12, 64) + torch.linspace(-2, 2, 64)
+    lv = ref.uniform_levels(4)
+    qb = ref.quantize_block(x, spec, lv, torch.float32)
+    y = ref.dequantize_block(qb, spec, lv)
+    sym = ref.quantize_dequantize(x, QuantizerSpec(bits=2, axis=Axis.TOKEN, group_size=16, symmetry="symmetric"))
+    asym = ref.quantize_dequantize(x, QuantizerSpec(bits=1, axis=Axis.TOKEN, group_size=16))
+    err = lambda z: ref.to_groups((z - x).abs(), spec).sum(-1)  # noqa: E731
+    assert (err(y) <= torch.minimum(err(sym), err(asym)) + 1e-5).all()
+    assert qb.mask.any() and (~qb.mask).any()
+
+
+def test_xquant_eta_shrinks_the_range():
+    spec = QuantizerSpec(bits=2, axis=Axis.TOKEN, group_size=None)
+    x = torch.randn(1, 1, 4, 32)
+    a = ref.quantize_block(x, spec, ref.uniform_levels(4), torch.float32)
+    b = ref.quantize_block(x, spec, ref.uniform_levels(4), torch.float32, eta=0.1)
+    torch.testing.assert_close(b.half, a.half * 0.8)
+    torch.testing.assert_close(b.center, a.center)
+    # the paper's form: z' = z + eta*s*(2^B-1) with z = min, s = (max-min)/(2^B-1)
+    z, s = a.center - a.half, 2 * a.half / 3
+    torch.testing.assert_close(b.center - b.half, z + 0.1 * s * 3)
+
+
+@pytest.mark.parametrize("axis,group", [(Axis.CHANNEL, 8), (Axis.TOKEN, 16)])
+def test_post_scaling_identity(axis, group):
+    spec = QuantizerSpec(bits=1, axis=axis, group_size=group)
+    lv = ref.uniform_levels(2)
+    k = torch.randn(2, 3, 16, 64)
+    qb = ref.quantize_block(k, spec, lv, torch.float32)
+    q = torch.randn(2, 3, 64)
+    direct = (q.unsqueeze(-2) * ref.dequantize_block(qb, spec, lv)).sum(-1)
+    torch.testing.assert_close(ref.post_scaled_logits(q, qb, spec, lv), direct, atol=1e-5, rtol=1e-5)
+
+
+def test_calibrated_softmax_is_the_linear_map():
+    logits = torch.randn(3, 10) * 4
+    allowed = torch.rand(3, 10) > 0.3
+    allowed[:, 0] = True
+    tau = (1.0, 2.0)
+    lo = torch.where(allowed, logits, float("inf")).amin(-1, keepdim=True)
+    hi = torch.where(allowed, logits, -float("inf")).amax(-1, keepdim=True)
+    g = (logits - lo) / (hi - lo) * ((hi - tau[1]) - (lo + tau[0])) + lo + tau[0]
+    expect = torch.softmax(torch.where(allowed, g, -float("inf")), -1)
+    torch.testing.assert_close(ref.calibrated_softmax(logits, allowed, tau), expect)
+
+
+def test_rope_unrotate_inverts_rotate():
+    x = torch.randn(2, 3, 7, 64)
+    ang = torch.rand(2, 7, 32) * 6
+    cos, sin = torch.cat([ang.cos()] * 2, -1) * 1.3, torch.cat([ang.sin()] * 2, -1) * 1.3
+    torch.testing.assert_close(ref.rope_unrotate(ref.rope_rotate(x, cos, sin), cos, sin), x, atol=1e-5, rtol=1e-5)
+
+
+# ---- invalid configs (acceptance g) ---------------------------------------------------------------
+@pytest.mark.parametrize("make,fix", [
+    (lambda: QuantizerSpec(bits=5), "use one of"),
+    (lambda: KVQConfig(key=QuantizerSpec(bits=2, axis="channel", group_size=32), recent=100), "use recent=128"),
+    (lambda: KVQConfig(eta={2: 0.7}), "0 <= eta < 0.5"),
+    (lambda: KVQConfig(sink=4, recent=128).check_model(2, 64, 64), "shorten the windows"),
+    (lambda: KVQConfig(value=QuantizerSpec(bits=2, axis="token", group_size=48)).check_model(2, 64, 256),
+     "use a divisor of 64"),
+    (lambda: KVQConfig.preset("kivi-3"), "known presets: fp16, int8, kivi-2"),
+    (lambda: QuantizerSpec(bits=1, symmetry="hybrid"), "use symmetric at 1 bit"),
+])
+def test_invalid_configs_name_the_fix(make, fix):
+    with pytest.raises(ValueError, match=fix):
+        make()
+
+
+def test_config_json_round_trip_and_grouping():
+    for name in ["kivi-2", "xquant-1.38", "innerq-2", "kvquant-3-1%", "calibquant-1"]:
+        cfg = KVQConfig.preset(name)
+        assert KVQConfig.from_json(cfg.to_json()) == cfg
+    cfg = KVQConfig.preset("innerq-2")
+    assert cfg.key.grouping("key").value == "inner" and cfg.value.grouping("value").value == "inner"
+    cfg = KVQConfig.preset("kivi-2")
+    assert cfg.key.grouping("key").value == "outer" and cfg.value.grouping("value").value == "outer"
+    specs = KVQConfig.preset("xquant-1.38").resolve(32)
+    assert [s.key.bits for s in specs].count(1) == 2 and [s.value.bits for s in specs].count(2) == 2
+    assert sum(s.share_value_codes_from is not None for s in specs) == 8
