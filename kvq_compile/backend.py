@@ -204,7 +204,5 @@ def explain(target, *args, cfg: KVQConfig | str | None = None, **kwargs) -> str:
         raise ValueError("explain(fn, ...) needs cfg=KVQConfig or a preset name")
     cfg = KVQConfig.preset(cfg) if isinstance(cfg, str) else cfg
     backend = KVQBackend(cfg, release_fp16_cache=False, compile_with_inductor=False)
-    torch._dynamo.reset()
     torch.compile(target, backend=backend)(*args, **kwargs)
-    torch._dynamo.reset()
     return explain(backend)

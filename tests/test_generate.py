@@ -132,8 +132,6 @@ def test_fp16_cache_released_and_generate_twice():
     ids1, m1 = prompts(2, 11, pad=(0, 2), seed=5)
     ids2, m2 = prompts(2, 11, pad=(3, 0), seed=6)
     first = _generate(model, ids1, m1, be)
-    cache = model._cache if hasattr(model, "_cache") else None
-    store = list(bk._STORES.values())[-1][1]
     second = _generate(model, ids2, m2, be)
     again = _generate(model, ids1, m1, be)
     assert torch.equal(first.sequences, again.sequences)
@@ -145,7 +143,6 @@ def test_fp16_cache_released_and_generate_twice():
         t = ref_()
         if t is not None:
             assert bk.released(t) and t.untyped_storage().nbytes() <= t.element_size()
-    assert store.nbytes() > 0 and cache is None or cache is not None
 
 
 def test_opt_out_keeps_fp16_cache():
