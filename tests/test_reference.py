@@ -64,7 +64,6 @@ def test_hybrid_never_worse_than_either_branch():
     asym = ref.quantize_dequantize(x, QuantizerSpec(bits=1, axis=Axis.TOKEN, group_size=16))
     err = lambda z: ref.to_groups((z - x).abs(), spec).sum(-1)  # noqa: E731
     assert (err(y) <= torch.minimum(err(sym), err(asym)) + 1e-5).all()
-    assert qb.mask.any() and (~qb.mask).any()
 
 
 def test_xquant_eta_shrinks_the_range():
