@@ -207,6 +207,12 @@ class KVQConfig:
         if self.key_norm and self.keys_before_rope:
             raise _fix("key_norm (InnerQ) and keys_before_rope (KVQuant) cannot be combined; pick one")
 
+    def eta_for(self, q: QuantizerSpec) -> float:
+        """XQuant's eta for this quantizer: it applies to asymmetric uniform groups only."""
+        if q.symmetry is Symmetry.ASYMMETRIC and q.levels is Levels.UNIFORM:
+            return self.eta.get(q.bits, 0.0)
+        return 0.0
+
     # ---- per-layer resolution --------------------------------------------------------------
     def resolve(self, num_layers: int) -> list[LayerSpec]:
         """One LayerSpec per attention layer, in graph order."""

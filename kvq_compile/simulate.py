@@ -11,9 +11,6 @@ from .config import Axis, KVQConfig, Levels, QuantizerSpec, Symmetry
 from .store import fill_boundary
 
 
-def _eta(cfg: KVQConfig, q: QuantizerSpec) -> float:
-    plain = q.symmetry is Symmetry.ASYMMETRIC and q.levels is Levels.UNIFORM
-    return cfg.eta.get(q.bits, 0.0) if plain else 0.0
 
 
 def quantized_view(history: torch.Tensor, q: QuantizerSpec, cfg: KVQConfig, length: int, first_chunk: int,
@@ -43,15 +40,15 @@ def quantized_view(history: torch.Tensor, q: QuantizerSpec, cfg: KVQConfig, leng
         norm = body.float().abs().amax(-2, keepdim=True).sqrt().clamp_min(ref.EPS)
     static = None
     if q.axis is Axis.CHANNEL and q.group_size is None:
-        static = ref.static_channel_range(body.float() / norm if norm is not None else body, q, dt, _eta(cfg, q))
+        static = ref.static_channel_range(body.float() / norm if norm is not None else body, q, dt, cfg.eta_for(q))
 
     def deq(block, src_block):
         blk = block.to(dt)
         blk = blk.float() / norm if norm is not None else blk
-        qb = ref.quantize_block(blk, q, levels, dt, _eta(cfg, q), static)
+        qb = ref.quantize_block(blk, q, levels, dt, cfg.eta_for(q), static)
         if src_block is not None:  # XQuant: the source layer's codes with this layer's ranges
             sb = src_block.to(dt)
-            qb.codes = ref.quantize_block(sb, q, levels, dt, _eta(cfg, q), None).codes
+            qb.codes = ref.quantize_block(sb, q, levels, dt, cfg.eta_for(q), None).codes
         y = ref.dequantize_block(qb, q, levels)
         return y * norm if norm is not None else y
 

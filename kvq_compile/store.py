@@ -220,10 +220,6 @@ def _side(bufs: dict, side: str) -> dict:
     return {k[len(pre):]: v for k, v in bufs.items() if k.startswith(pre)}
 
 
-def _eta(cfg: KVQConfig, q: QuantizerSpec) -> float:
-    if q.symmetry is Symmetry.ASYMMETRIC and q.levels is Levels.UNIFORM:
-        return cfg.eta.get(q.bits, 0.0)
-    return 0.0
 
 
 def _levels(b: dict, q: QuantizerSpec) -> torch.Tensor:
@@ -246,7 +242,7 @@ def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: tor
     static = q.axis is Axis.CHANNEL and q.group_size is None
     if p0 == 0 and static:
         scaled = body.float() / b["norm"] if "norm" in b else body
-        c, h = ref.static_channel_range(scaled, q, dt, _eta(cfg, q))
+        c, h = ref.static_channel_range(scaled, q, dt, cfg.eta_for(q))
         if "center" in b:
             b["center"].copy_(c)
         b["half"].copy_(h)
@@ -262,7 +258,7 @@ def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: tor
         if "norm" in b:
             block = block.float() / b["norm"]
         static_range = (b["center"] if "center" in b else torch.zeros_like(b["half"]), b["half"]) if static else None
-        qb = ref.quantize_block(block, q, _levels(b, q), dt, _eta(cfg, q), static_range)
+        qb = ref.quantize_block(block, q, _levels(b, q), dt, cfg.eta_for(q), static_range)
         if "codes" in b:  # absent when this layer dequantizes an earlier layer's codes (XQuant)
             b["codes"][:, :, q_old:q_new] = ref.pack_bits(qb.codes, q.bits)
         if not static:
