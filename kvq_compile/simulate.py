@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from . import reference as ref
-from .config import Axis, KVQConfig, Levels, QuantizerSpec, Symmetry
+from .config import Axis, KVQConfig, QuantizerSpec
 from .store import fill_boundary
 
 
