@@ -93,7 +93,8 @@ def attend(query: torch.Tensor, store: list[torch.Tensor], key: torch.Tensor, va
     cfg, geo, spec, names = _decode_layout(layout)
     p0, n = st.positions_span(positions)
     kp, vp = st.read(_bufs(store, names), cfg, spec, geo.head_dim, p0 + n, p0)
-    return attend_reference(query, kp, vp, key, value, attn_mask, scale, is_causal, cfg.softmax_tau)
+    tau = cfg.softmax_tau if p0 > 0 else None  # an empty prefix is exact attention on the chunk
+    return attend_reference(query, kp, vp, key, value, attn_mask, scale, is_causal, tau)
 
 
 @attend.register_fake

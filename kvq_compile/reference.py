@@ -282,7 +282,8 @@ def calibrated_softmax(logits: torch.Tensor, allowed: torch.Tensor, tau) -> torc
 
     g maps a row's range [gamma, delta] (over allowed entries) linearly onto [gamma + tau1, delta - tau2];
     because softmax is shift invariant this equals softmax(t * logits) with t = 1 - (tau1 + tau2) / (delta - gamma)
-    (t = 1 when the row has a single distinct value). tau=None is plain softmax."""
+    (t = 1 when the row has a single distinct value). tau=None is plain softmax. A row with no allowed entry
+    gives zeros (as torch's SDPA does for a fully masked row, e.g. a left-padding query)."""
     x = logits.float()
     if tau is not None:
         hi = torch.where(allowed, x, -math.inf).amax(-1, keepdim=True)
@@ -291,7 +292,8 @@ def calibrated_softmax(logits: torch.Tensor, allowed: torch.Tensor, tau) -> torc
         ok = torch.isfinite(width) & (width > 0)
         t = torch.where(ok, 1 - (tau[0] + tau[1]) / torch.where(ok, width, 1.0), 1.0)
         x = x * t
-    return torch.softmax(torch.where(allowed, x, -math.inf), dim=-1)
+    probs = torch.softmax(torch.where(allowed, x, -math.inf), dim=-1)
+    return torch.where(allowed.any(-1, keepdim=True), probs, 0.0)
 
 
 def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

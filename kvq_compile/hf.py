@@ -1,0 +1,180 @@
+"""`KVQCache`: a HuggingFace `Cache` that holds only the packed kvq store, never an fp16 copy.
+
+    cache = KVQCache(model, "kivi-2", batch_size=1, max_cache_len=4096)
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=256)                      # eager
+    out = model.generate(ids, past_key_values=cache, compile_config=CompileConfig(fullgraph=True))  # compiled
+
+Which path saves what:
+- `kvq_backend` with `cache_implementation="static"` keeps the user's model and cache untouched: HF allocates
+  its fp16 static cache and runs the prefill eagerly into it; the first compiled step absorbs that prefix into
+  the store and re-points the fp16 tensors at a zero-stride storage. The peak therefore includes the fp16
+  cache once, during prefill; the steady state holds only the store.
+- `KVQCache` never allocates fp16 K/V: prefill and every decode step append to the store through
+  `kvq::append` and attend through `kvq::attend` (the same ops the backend's rewrite emits), so the whole
+  `generate` peaks at the store's size plus one chunk's activations. It binds itself to the model's attention
+  modules and switches the model to the "kvq" attention implementation (registered with transformers'
+  AttentionInterface); a module not served by a KVQCache in the current forward falls back to SDPA.
+
+`cache.update` only assigns positions; the attention function appends the chunk and attends, because it is
+also where the position ids (needed to un-rotate keys stored before RoPE) are known.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import reference as ref
+from . import store as st
+from .config import KVQConfig
+
+ATTN_NAME = "kvq"
+
+try:  # transformers is a declared dependency, but keep `import kvq_compile` working without it
+    from transformers.cache_utils import Cache, CacheLayerMixin
+except ImportError:  # pragma: no cover
+    Cache, CacheLayerMixin = object, object
+
+
+class KVQLayer(CacheLayerMixin):
+    """One attention layer's view of the store. `pending` carries the positions of the chunk that
+    `update` announced to the attention function of the same forward."""
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, layer: st.LayerStore, max_cache_len: int, device, rotary=None):
+        super().__init__()
+        self.store, self.max_cache_len, self.rotary = layer, max_cache_len, rotary
+        self.cumulative_length = torch.zeros((), dtype=torch.int64, device=device)
+        self.pending: torch.Tensor | None = None
+        self.append_names, self.append_tensors = layer.append_tensors()
+        self.attend_names, self.attend_tensors = layer.attend_tensors()
+        self.append_layout = layer.descriptor(self.append_names)
+        self.attend_layout = layer.descriptor(self.attend_names)
+        self.batch_size, self.num_heads = layer.geo.batch, layer.geo.heads
+        self.dtype, self.device = layer.geo.torch_dtype, device
+        self.is_initialized = True
+        if not torch.compiler.is_compiling():
+            for t in (*self.attend_tensors, self.cumulative_length):
+                torch._dynamo.mark_static_address(t)
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # allocated up front
+        return None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        n = key_states.shape[-2]
+        if tuple(key_states.shape[:2]) != (self.batch_size, self.num_heads) or key_states.shape[-1] != self.store.geo.head_dim:
+            raise ValueError(f"KVQCache was sized for batch {self.batch_size}, {self.num_heads} KV heads, head_dim "
+                             f"{self.store.geo.head_dim}; got key states of shape {tuple(key_states.shape)}")
+        self.pending = torch.arange(n, device=key_states.device) + self.cumulative_length
+        self.cumulative_length.add_(n)
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.max_cache_len, 0
+
+    def get_seq_length(self):
+        return self.cumulative_length
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        for name, t in zip(self.append_names, self.append_tensors):
+            if not name.endswith("levels"):  # codebooks are configuration, not state
+                t.zero_()
+        self.cumulative_length.zero_()
+        self.pending = None
+
+    def append_and_attend(self, query, key, value, attention_mask, scale, is_causal, position_ids):
+        positions, self.pending = self.pending, None
+        cos = sin = None
+        stored_key = key
+        if self.rotary is not None:
+            if position_ids is None:
+                raise ValueError("KVQCache with keys_before_rope needs the model to pass position_ids to attention")
+            cos, sin = self.rotary(value, position_ids)
+            stored_key = ref.rope_unrotate(key.float(), cos.float(), sin.float()).to(key.dtype)
+        torch.ops.kvq.append(self.append_tensors, stored_key, value, positions, cos, sin, self.append_layout)
+        return torch.ops.kvq.attend(query, self.attend_tensors, key, value, positions, attention_mask, scale,
+                                    is_causal, self.attend_layout)
+
+
+class KVQCache(Cache):
+    """A compileable HF cache backed by a packed `store.ModelStore` (see the module docstring).
+
+    model:         a transformers decoder whose attention modules carry `layer_idx` (Llama, Mistral, Qwen...)
+    cfg:           a KVQConfig or a preset name
+    batch_size:    rows of the batch it will serve; max_cache_len: prompt + new tokens, at most
+    """
+
+    def __init__(self, model, cfg: KVQConfig | str, batch_size: int, max_cache_len: int, device=None, dtype=None):
+        cfg = KVQConfig.preset(cfg) if isinstance(cfg, str) else cfg
+        conf = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        if getattr(conf, "sliding_window", None) is not None and getattr(conf, "use_sliding_window", True):
+            raise ValueError("KVQCache does not support sliding-window attention layers; use the model's own cache")
+        if getattr(conf, "is_encoder_decoder", False):
+            raise ValueError("KVQCache serves decoder-only models; encoder-decoder caches are not supported")
+        num_layers = conf.num_hidden_layers
+        heads = getattr(conf, "num_key_value_heads", None) or conf.num_attention_heads
+        head_dim = getattr(conf, "head_dim", None) or conf.hidden_size // conf.num_attention_heads
+        device = torch.device(device) if device is not None else model.device
+        dtype = dtype or model.dtype
+        geo = st.Geometry(batch_size, heads, max_cache_len, head_dim, st.dtype_name(dtype))
+        self.cfg, self.model_store = cfg, st.ModelStore(cfg, num_layers, geo, device)
+        rotary = None
+        if cfg.keys_before_rope:
+            rotary = getattr(getattr(model, "model", model), "rotary_emb", None)
+            if rotary is None:
+                raise ValueError(f"config {cfg.name!r} stores keys before RoPE, but the model has no "
+                                 "`model.rotary_emb` to recompute cos/sin; pick a post-RoPE config")
+        layers = [KVQLayer(layer, max_cache_len, device, rotary) for layer in self.model_store.layers]
+        super().__init__(layers=layers)
+        _bind(model, self)
+
+    def nbytes(self) -> int:
+        """Bytes the cache holds: the store (plus 8 bytes of length counter per layer)."""
+        return self.model_store.nbytes() + 8 * len(self.layers)
+
+
+def kvq_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The "kvq" attention implementation: append + attend through the store when a KVQCache announced
+    this chunk, plain SDPA otherwise (another cache, or no cache)."""
+    layer = getattr(module, "_kvq_layer", None)
+    if layer is None or layer.pending is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if dropout and module.training:
+        raise ValueError("KVQCache serves inference; attention dropout must be 0")
+    if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[-1] != layer.max_cache_len:
+        raise ValueError(f"attention mask covers {attention_mask.shape[-1]} positions, the KVQCache "
+                         f"{layer.max_cache_len}; the model did not size its mask from the cache")
+    n = query.shape[2]
+    is_causal = attention_mask is None and n > 1 and getattr(module, "is_causal", True)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = layer.append_and_attend(query, key, value, attention_mask, float(scale), bool(is_causal),
+                                  kwargs.get("position_ids"))
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _bind(model, cache: KVQCache) -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(ATTN_NAME, kvq_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, sdpa_mask)
+    bound = 0
+    for module in model.modules():
+        idx = getattr(module, "layer_idx", None)
+        if isinstance(idx, int) and hasattr(module, "config") and any(
+                hasattr(module, p) for p in ("q_proj", "qkv_proj", "c_attn")):
+            if idx >= len(cache.layers):
+                raise ValueError(f"attention module with layer_idx {idx}, but the cache has {len(cache.layers)} layers")
+            module.__dict__["_kvq_layer"] = cache.layers[idx]
+            bound += 1
+    if bound != len(cache.layers):
+        raise ValueError(f"KVQCache found {bound} attention modules with a layer_idx, expected {len(cache.layers)}")
+    for conf in {id(c): c for c in (model.config, getattr(model.config, "get_text_config", lambda: None)())
+                 if c is not None}.values():
+        conf._attn_implementation = ATTN_NAME
