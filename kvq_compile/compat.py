@@ -42,3 +42,28 @@ def counter(group: str, key: str) -> int:
     from torch._dynamo.utils import counters
 
     return counters[group][key]
+
+
+def fix_triton_interpreter() -> None:
+    """Under TRITON_INTERPRET=1 (the CPU CI), triton 3.6's interpreter turns a loop bound computed from a
+    loaded value into `int(array of shape (1,))`, which numpy >= 2 refuses. Patch its tensor `__index__`
+    to take the single element. No effect on compiled GPU kernels."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        import numpy as np
+        from triton.runtime import interpreter as interp
+    except ImportError:
+        return
+    original = getattr(interp, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_kvq_fixed", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    patched._kvq_fixed = True
+    interp._patch_lang_tensor = patched

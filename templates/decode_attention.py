@@ -32,8 +32,15 @@ pass (max, min of s) / 2 calibrated pass (s *= temp).
 """
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
+
+from kvq_compile import compat
+
+compat.fix_triton_interpreter()
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -43,31 +50,13 @@ def _fill_boundary(L, S: tl.constexpr, R: tl.constexpr, TPG: tl.constexpr):
 
 
 @triton.jit
-def _dequant(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_ptr, norm_ptr, bh, t, d, tmask,
-             T: tl.constexpr, D: tl.constexpr, S: tl.constexpr, BITS: tl.constexpr, AXIS: tl.constexpr,
-             GS: tl.constexpr, NG: tl.constexpr, SYM: tl.constexpr, LUT: tl.constexpr, NOUT: tl.constexpr,
-             NORM: tl.constexpr):
-    """float32 [BT, D] values of positions t (quantized region) at channels d."""
-    CPW: tl.constexpr = 32 // BITS
-    W: tl.constexpr = (D + CPW - 1) // CPW
-    bh64 = bh.to(tl.int64)
-    m2 = tmask[:, None]
-    words = tl.load(codes_ptr + bh64 * T * W + t[:, None] * W + (d // CPW)[None, :], mask=m2, other=0)
-    code = (words >> ((d % CPW) * BITS)[None, :]) & ((1 << BITS) - 1)
-    if AXIS == 0:
-        NGRP: tl.constexpr = D // GS
-        gi = bh64 * T * NGRP + t[:, None] * NGRP + (d // GS)[None, :]
-    elif GS == 0:
-        gi = bh64 * D + t[:, None] * 0 + d[None, :]
-    else:
-        gi = bh64 * NG * D + ((t - S) // GS)[:, None] * D + d[None, :]
-    half = tl.load(half_ptr + gi, mask=m2, other=0.0).to(tl.float32)
+def _levels(code, sym, BITS: tl.constexpr, SYM: tl.constexpr, LUT: tl.constexpr, lev_ptr):
+    """Level in [-1, 1] of each code: LUT, hybrid (sym ? 2^B uniform : 2^(B-1) uniform), or uniform."""
     N: tl.constexpr = 1 << BITS
     if LUT:
         lev = tl.load(lev_ptr + code)
     elif SYM == 2:
         HN: tl.constexpr = N // 2
-        sym = tl.load(hmask_ptr + gi, mask=m2, other=0) != 0
         lev_s = -1.0 + code.to(tl.float32) * (2.0 / (N - 1))
         if HN > 1:
             lev_a = -1.0 + tl.minimum(code, HN - 1).to(tl.float32) * (2.0 / (HN - 1))
@@ -76,13 +65,75 @@ def _dequant(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_pt
         lev = tl.where(sym, lev_s, lev_a)
     else:
         lev = -1.0 + code.to(tl.float32) * (2.0 / (N - 1))
-    x = lev * half
-    if SYM != 1:
-        x += tl.load(cen_ptr + gi, mask=m2, other=0.0).to(tl.float32)
+    return lev
+
+
+@triton.jit
+def _unpack(cbase, t, tmask, D: tl.constexpr, BITS: tl.constexpr, BT: tl.constexpr):
+    """int32 codes [BT, D] of positions t: channel d is code d % CPW of word d // CPW (CPW = 32 // BITS).
+    Each word is gathered once per code it holds (L1 hits). Unpacking whole [BT, W] words by repeated
+    tl.join + tl.reshape ran on the interpreter but gave wrong results on the H200 with triton 3.6 when
+    followed by a [BT, D // GS, GS] reshape, and was not faster there (bench/RESULTS.md)."""
+    CPW: tl.constexpr = 32 // BITS
+    W: tl.constexpr = (D + CPW - 1) // CPW
+    d = tl.arange(0, D)
+    words = tl.load(cbase + (t[:, None] * W + (d // CPW)[None, :]), mask=tmask[:, None], other=0)
+    return (words >> ((d % CPW) * BITS)[None, :]) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def _dequant(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_ptr, norm_ptr, bh, t, d, tmask,
+             T, D: tl.constexpr, S: tl.constexpr, BITS: tl.constexpr, AXIS: tl.constexpr,
+             GS: tl.constexpr, NG, SYM: tl.constexpr, LUT: tl.constexpr, NOUT: tl.constexpr,
+             NORM: tl.constexpr, BT: tl.constexpr):
+    """float32 [BT, D] values of positions t (quantized region), channels d = arange(D).
+
+    Codes come in as whole words ([BT, W] contiguous loads) and are unpacked with a broadcast shift into
+    [BT, W, CPW] -> [BT, D] when 32 // BITS is a power of two (1, 2, 4, 8 bits); 3-bit words (10 codes)
+    fall back to a per-element gather. Per-token group statistics ([BT, D // GS]) are broadcast over
+    their group in a [BT, D // GS, GS] view; per-channel ones are rows of length D."""
+    CPW: tl.constexpr = 32 // BITS
+    W: tl.constexpr = (D + CPW - 1) // CPW
+    bh64 = bh.to(tl.int64)
+    m2 = tmask[:, None]
+    code = _unpack(codes_ptr + bh64 * T * W, t, tmask, D, BITS, BT)
+    if AXIS == 0:  # per-token groups of GS channels: statistics [BT, NGRP]
+        NGRP: tl.constexpr = D // GS
+        gb = bh64 * T * NGRP
+        gi = t[:, None] * NGRP + tl.arange(0, NGRP)[None, :]
+        half = tl.load(half_ptr + gb + gi, mask=m2, other=0.0).to(tl.float32)
+        code3 = tl.reshape(code, [BT, NGRP, GS])
+        if SYM == 2:
+            sym = tl.load(hmask_ptr + gb + gi, mask=m2, other=0) != 0
+            lev = _levels(code3, sym[:, :, None], BITS, SYM, LUT, lev_ptr)
+        else:
+            lev = _levels(code3, None, BITS, SYM, LUT, lev_ptr)
+        x3 = lev * half[:, :, None]
+        if SYM != 1:
+            x3 += tl.load(cen_ptr + gb + gi, mask=m2, other=0.0).to(tl.float32)[:, :, None]
+        x = tl.reshape(x3, [BT, D])
+    else:
+        if GS == 0:  # static per-channel ranges: one row
+            gb = bh64 * D
+            gi = d[None, :]
+            gm = d[None, :] < D
+        else:  # groups of GS tokens per channel: row (t - S) // GS
+            gb = bh64 * NG * D
+            gi = ((t - S) // GS)[:, None] * D + d[None, :]
+            gm = m2
+        half = tl.load(half_ptr + gb + gi, mask=gm, other=0.0).to(tl.float32)
+        if SYM == 2:
+            sym = tl.load(hmask_ptr + gb + gi, mask=gm, other=0) != 0
+            lev = _levels(code, sym, BITS, SYM, LUT, lev_ptr)
+        else:
+            lev = _levels(code, None, BITS, SYM, LUT, lev_ptr)
+        x = lev * half
+        if SYM != 1:
+            x += tl.load(cen_ptr + gb + gi, mask=gm, other=0.0).to(tl.float32)
     for j in tl.static_range(NOUT):
-        oi = bh64 * T * NOUT + t * NOUT + j
-        idx = tl.load(oidx_ptr + oi, mask=tmask, other=0).to(tl.int32)
-        val = tl.load(oval_ptr + oi, mask=tmask, other=0.0).to(tl.float32)
+        oi = t * NOUT + j
+        idx = tl.load(oidx_ptr + bh64 * T * NOUT + oi, mask=tmask, other=0).to(tl.int32)
+        val = tl.load(oval_ptr + bh64 * T * NOUT + oi, mask=tmask, other=0.0).to(tl.float32)
         x = tl.where(d[None, :] == idx[:, None], val[:, None], x)
     if NORM:
         x = x * tl.load(norm_ptr + bh64 * D + d)[None, :]
@@ -92,30 +143,32 @@ def _dequant(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_pt
 @triton.jit
 def _load_side(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_ptr, norm_ptr,
                data_ptr, sink_ptr, ring_ptr, chunk_ptr, stride_cb, stride_ch, b, h, bh, t, d, tvalid, p0, bnd,
-               T: tl.constexpr, D: tl.constexpr, S: tl.constexpr, WR: tl.constexpr, BITS: tl.constexpr,
-               AXIS: tl.constexpr, GS: tl.constexpr, NG: tl.constexpr, SYM: tl.constexpr, LUT: tl.constexpr,
-               NOUT: tl.constexpr, NORM: tl.constexpr, ONLY_CODES: tl.constexpr):
+               T, D: tl.constexpr, S: tl.constexpr, WR: tl.constexpr, BITS: tl.constexpr,
+               AXIS: tl.constexpr, GS: tl.constexpr, NG, SYM: tl.constexpr, LUT: tl.constexpr,
+               NOUT: tl.constexpr, NORM: tl.constexpr, ONLY_CODES: tl.constexpr, BT: tl.constexpr):
     """float32 [BT, D] of one side (K or V) at positions t, from wherever the store keeps each position."""
     bh64 = bh.to(tl.int64)
     if BITS == 16:
-        x = tl.load(data_ptr + bh64 * T * D + t[:, None] * D + d[None, :],
+        x = tl.load(data_ptr + bh64 * T * D + (t[:, None] * D + d[None, :]),
                     mask=(tvalid & (t < p0))[:, None], other=0.0).to(tl.float32)
+        if ONLY_CODES:
+            return x
     elif ONLY_CODES:
         x = _dequant(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_ptr, norm_ptr, bh, t, d,
-                     tvalid, T, D, S, BITS, AXIS, GS, NG, SYM, LUT, NOUT, NORM)
+                     tvalid, T, D, S, BITS, AXIS, GS, NG, SYM, LUT, NOUT, NORM, BT)
         return x
     else:
         inq = tvalid & (t >= S) & (t < bnd) & (t < p0)
         x = _dequant(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_ptr, norm_ptr, bh, t, d,
-                     inq, T, D, S, BITS, AXIS, GS, NG, SYM, LUT, NOUT, NORM)
+                     inq, T, D, S, BITS, AXIS, GS, NG, SYM, LUT, NOUT, NORM, BT)
         x = tl.where(inq[:, None], x, 0.0)
         if S > 0:
             ins = tvalid & (t < S) & (t < p0)
-            xs = tl.load(sink_ptr + bh64 * S * D + t[:, None] * D + d[None, :], mask=ins[:, None], other=0.0)
+            xs = tl.load(sink_ptr + bh64 * S * D + (t[:, None] * D + d[None, :]), mask=ins[:, None], other=0.0)
             x = tl.where(ins[:, None], xs.to(tl.float32), x)
         if WR > 0:
             inr = tvalid & (t >= bnd) & (t >= S) & (t < p0)
-            xr = tl.load(ring_ptr + bh64 * WR * D + (t % WR)[:, None] * D + d[None, :], mask=inr[:, None],
+            xr = tl.load(ring_ptr + bh64 * WR * D + ((t % WR)[:, None] * D + d[None, :]), mask=inr[:, None],
                          other=0.0)
             x = tl.where(inr[:, None], xr.to(tl.float32), x)
     inc = tvalid & (t == p0)
@@ -125,13 +178,114 @@ def _load_side(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_
 
 
 @triton.jit
-def _rope(k, kp, t, d, cos_ptr, sin_ptr, b, tmask, T: tl.constexpr, D: tl.constexpr):
-    """k * cos_t + rotate_half(k) * sin_t, with kp the values at the partner channels (d + D/2) % D."""
-    off = b.to(tl.int64) * T * D + t[:, None] * D + d[None, :]
-    c = tl.load(cos_ptr + off, mask=tmask[:, None], other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + off, mask=tmask[:, None], other=0.0).to(tl.float32)
-    sign = tl.where(d < D // 2, -1.0, 1.0)
-    return k * c + sign[None, :] * kp * s
+def _dot(a, b, dt: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr):
+    """a @ b with inputs rounded to the cache dtype dt (tensor cores), fp32 accumulation. fp32 caches use
+    IEEE fp32 (no tf32). Triton 3.6's interpreter mis-multiplies bf16, so there the rounded inputs are
+    multiplied in fp32: the same numbers."""
+    if INTERP:
+        return tl.dot(a.to(dt).to(tl.float32), b.to(dt).to(tl.float32), input_precision="ieee")
+    elif IEEE:
+        return tl.dot(a.to(dt), b.to(dt), input_precision="ieee")
+    else:
+        return tl.dot(a.to(dt), b.to(dt))
+
+
+@triton.jit
+def _rope(k, t, d, cos_ptr, sin_ptr, b, tmask, T, D: tl.constexpr, BT: tl.constexpr):
+    """k * cos_t + rotate_half(k) * sin_t, rotate_half(k) = cat(-k[D/2:], k[:D/2]) formed in registers."""
+    base = b.to(tl.int64) * T * D
+    off = t[:, None] * D + d[None, :]
+    c = tl.load(cos_ptr + base + off, mask=tmask[:, None], other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + base + off, mask=tmask[:, None], other=0.0).to(tl.float32)
+    k1, k2 = tl.split(tl.permute(tl.reshape(k, [BT, 2, D // 2]), (0, 2, 1)))
+    rot = tl.reshape(tl.permute(tl.join(-k2, k1), (0, 2, 1)), [BT, D])
+    return k * c + rot * s
+
+
+@triton.jit
+def _stat_rows(cen_ptr, half_ptr, bh, t0, d, S: tl.constexpr, GS: tl.constexpr, NG, D: tl.constexpr,
+               SYM: tl.constexpr):
+    """(center, half) [D] of the CHANNEL-axis statistics row that covers a whole tile starting at t0."""
+    if GS == 0:
+        off = bh.to(tl.int64) * D
+    else:
+        off = bh.to(tl.int64) * NG * D + ((t0 - S) // GS) * D
+    h = tl.load(half_ptr + off + d).to(tl.float32)
+    if SYM == 1:
+        c = h * 0.0
+    else:
+        c = tl.load(cen_ptr + off + d).to(tl.float32)
+    return c, h
+
+
+@triton.jit
+def _post_logits(qn, KC, KCEN, KHALF, KLEV, bh, t, t0, tvalid, d, T, NG, D: tl.constexpr, S: tl.constexpr,
+                 BITS: tl.constexpr, GS: tl.constexpr, SYM: tl.constexpr, LUT: tl.constexpr, POST: tl.constexpr,
+                 BT: tl.constexpr, dt: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr):
+    """CalibQuant post-scaling, logits q . k_hat without forming k_hat (uniform levels l = a*code - 1):
+    POST 1 (per-channel statistics, one row per tile): (q * h * a) . code + q . (c - h)
+    POST 2 (one statistic per token):                  h_t * (a * q . code_t - sum q) + c_t * sum q
+    With a codebook, l = LUT[code] replaces a*code - 1."""
+    CPW: tl.constexpr = 32 // BITS
+    W: tl.constexpr = (D + CPW - 1) // CPW
+    A: tl.constexpr = 2.0 / ((1 << BITS) - 1)
+    code = _unpack(KC + bh.to(tl.int64) * T * W, t, tvalid, D, BITS, BT)
+    if LUT:
+        lev = tl.load(KLEV + code)
+    if POST == 1:
+        c, h = _stat_rows(KCEN, KHALF, bh, t0, d, S, GS, NG, D, SYM)
+        if LUT:
+            s = _dot(qn * h[None, :], tl.trans(lev), dt, IEEE, INTERP) + tl.sum(qn * c[None, :], 1)[:, None]
+        else:
+            s = _dot(qn * (h * A)[None, :], tl.trans(code.to(dt)), dt, IEEE, INTERP)
+            s += tl.sum(qn * (c - h)[None, :], 1)[:, None]
+    else:
+        off = bh.to(tl.int64) * T
+        h = tl.load(KHALF + off + t, mask=tvalid, other=0.0).to(tl.float32)
+        if SYM == 1:
+            c = h * 0.0
+        else:
+            c = tl.load(KCEN + off + t, mask=tvalid, other=0.0).to(tl.float32)
+        qs = tl.sum(qn.to(dt).to(tl.float32), 1)[:, None]
+        if LUT:
+            s = _dot(qn, tl.trans(lev), dt, IEEE, INTERP) * h[None, :] + qs * c[None, :]
+        else:
+            s = (_dot(qn, tl.trans(code.to(dt)), dt, IEEE, INTERP) * A - qs) * h[None, :] + qs * c[None, :]
+    return s
+
+
+@triton.jit
+def _post_pv(p, VC, VCEN, VHALF, VLEV, bh, t, t0, tvalid, d, T, NG, D: tl.constexpr, S: tl.constexpr,
+             BITS: tl.constexpr, GS: tl.constexpr, SYM: tl.constexpr, LUT: tl.constexpr, POST: tl.constexpr,
+             BT: tl.constexpr, dt: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr):
+    """p . v_hat without forming v_hat (uniform levels l = a*code - 1):
+    POST 1 (per-channel statistics, one row per tile): h * (a * p . code - sum p) + c * sum p
+    POST 2 (one statistic per token):                  (p * h_t * a) . code + sum_t p_t (c_t - h_t)"""
+    CPW: tl.constexpr = 32 // BITS
+    W: tl.constexpr = (D + CPW - 1) // CPW
+    A: tl.constexpr = 2.0 / ((1 << BITS) - 1)
+    code = _unpack(VC + bh.to(tl.int64) * T * W, t, tvalid, D, BITS, BT)
+    if LUT:
+        lev = tl.load(VLEV + code)
+    if POST == 1:
+        c, h = _stat_rows(VCEN, VHALF, bh, t0, d, S, GS, NG, D, SYM)
+        ps = tl.sum(p.to(dt).to(tl.float32), 1)[:, None]
+        if LUT:
+            pv = _dot(p, lev, dt, IEEE, INTERP) * h[None, :] + ps * c[None, :]
+        else:
+            pv = (_dot(p, code.to(dt), dt, IEEE, INTERP) * A - ps) * h[None, :] + ps * c[None, :]
+    else:
+        off = bh.to(tl.int64) * T
+        h = tl.load(VHALF + off + t, mask=tvalid, other=0.0).to(tl.float32)
+        if SYM == 1:
+            c = h * 0.0
+        else:
+            c = tl.load(VCEN + off + t, mask=tvalid, other=0.0).to(tl.float32)
+        if LUT:
+            pv = _dot(p * h[None, :], lev, dt, IEEE, INTERP) + tl.sum(p * c[None, :], 1)[:, None]
+        else:
+            pv = _dot(p * (h * A)[None, :], code.to(dt), dt, IEEE, INTERP) + tl.sum(p * (c - h)[None, :], 1)[:, None]
+    return pv
 
 
 @triton.jit
@@ -140,16 +294,17 @@ def _decode_kernel(
         KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK, stride_kb, stride_kh,
         VC, VCEN, VHALF, VMASK, VOVAL, VOIDX, VLEV, VDATA, VSINK, VRING, VCHUNK, stride_vb, stride_vh,
         COS, SIN, POS, AMASK, stride_mb, stride_mh, TEMP,
-        OUT_M, OUT_L, OUT_ACC, scale,
-        H: tl.constexpr, REP: tl.constexpr, REP_PAD: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
+        OUT_M, OUT_L, OUT_ACC, scale, T, NG_K, NG_V, NSPLIT,
+        H: tl.constexpr, REP: tl.constexpr, REP_PAD: tl.constexpr, D: tl.constexpr,
         S: tl.constexpr, R: tl.constexpr,
-        BITS_K: tl.constexpr, AXIS_K: tl.constexpr, GS_K: tl.constexpr, NG_K: tl.constexpr,
+        BITS_K: tl.constexpr, AXIS_K: tl.constexpr, GS_K: tl.constexpr,
         SYM_K: tl.constexpr, LUT_K: tl.constexpr, NOUT_K: tl.constexpr, NORM_K: tl.constexpr,
         TPG_K: tl.constexpr, WR_K: tl.constexpr,
-        BITS_V: tl.constexpr, AXIS_V: tl.constexpr, GS_V: tl.constexpr, NG_V: tl.constexpr,
+        BITS_V: tl.constexpr, AXIS_V: tl.constexpr, GS_V: tl.constexpr,
         SYM_V: tl.constexpr, LUT_V: tl.constexpr, NOUT_V: tl.constexpr, TPG_V: tl.constexpr, WR_V: tl.constexpr,
         ROPE: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, TAU_PHASE: tl.constexpr,
-        NSPLIT: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr):
+        KPOST: tl.constexpr, VPOST: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr,
+        WINDOW: tl.constexpr):
     bh = tl.program_id(0)
     split = NSPLIT if WINDOW else tl.program_id(1)
     b = bh // H
@@ -174,11 +329,15 @@ def _decode_kernel(
     qh = h * REP + r
     q = tl.load(Q + b.to(tl.int64) * stride_qb + qh[:, None] * stride_qh + d[None, :], mask=rvalid[:, None],
                 other=0.0)
-    dt = q.dtype
-    if ROPE:
-        dp = (d + D // 2) % D
+    dt: tl.constexpr = Q.dtype.element_ty
     if TAU_PHASE == 2:
         temp = tl.load(TEMP + b * H * REP + qh, mask=rvalid, other=1.0)
+    KP: tl.constexpr = 0 if WINDOW else KPOST
+    VP: tl.constexpr = 0 if WINDOW else VPOST
+    if KP != 0:
+        qn = q.to(tl.float32)
+        if NORM_K:
+            qn = qn * tl.load(KNORM + bh.to(tl.int64) * D + d)[None, :]
 
     m_i = tl.full([REP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([REP_PAD], tl.float32)
@@ -204,19 +363,17 @@ def _decode_kernel(
         else:
             t = start + it * BLOCK_T + tl.arange(0, BLOCK_T)
             tvalid = t < stop
-        k = _load_side(KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK,
-                       stride_kb, stride_kh, b, h, bh, t, d, tvalid, p0, bnd_k, T, D, S, WR_K, BITS_K, AXIS_K,
-                       GS_K, NG_K, SYM_K, LUT_K, NOUT_K, NORM_K, not WINDOW)
-        if ROPE:
-            kp = _load_side(KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK,
-                            stride_kb, stride_kh, b, h, bh, t, dp, tvalid, p0, bnd_k, T, D, S, WR_K, BITS_K,
-                            AXIS_K, GS_K, NG_K, SYM_K, LUT_K, NOUT_K, NORM_K, not WINDOW)
-            # the chunk's own key arrives already rotated (it is the attention's input, not the store's)
-            k = tl.where((t == p0)[:, None], k, _rope(k, kp, t, d, COS, SIN, b, tvalid, T, D))
-        if IEEE:
-            s = tl.dot(q, tl.trans(k.to(dt)), input_precision="ieee")
+        if KP != 0:
+            s = _post_logits(qn, KC, KCEN, KHALF, KLEV, bh, t, start + it * BLOCK_T, tvalid, d, T, NG_K, D, S,
+                             BITS_K, GS_K, SYM_K, LUT_K, KP, BLOCK_T, dt, IEEE, INTERP)
         else:
-            s = tl.dot(q, tl.trans(k.to(dt)))
+            k = _load_side(KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK,
+                           stride_kb, stride_kh, b, h, bh, t, d, tvalid, p0, bnd_k, T, D, S, WR_K, BITS_K, AXIS_K,
+                           GS_K, NG_K, SYM_K, LUT_K, NOUT_K, NORM_K, not WINDOW, BLOCK_T)
+            if ROPE:
+                # the chunk's own key arrives already rotated (it is the attention's input, not the store's)
+                k = tl.where((t == p0)[:, None], k, _rope(k, t, d, COS, SIN, b, tvalid, T, D, BLOCK_T))
+            s = _dot(q, tl.trans(k), dt, IEEE, INTERP)
         s = s * scale
         allowed = rvalid[:, None] & tvalid[None, :]
         if MASK_KIND != 0:
@@ -241,13 +398,14 @@ def _decode_kernel(
             p = tl.exp(s - m_use[:, None])
             alpha = tl.exp(m_i - m_use)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = _load_side(VC, VCEN, VHALF, VMASK, VOVAL, VOIDX, VLEV, VLEV, VDATA, VSINK, VRING, VCHUNK,
-                           stride_vb, stride_vh, b, h, bh, t, d, tvalid, p0, bnd_v, T, D, S, WR_V, BITS_V,
-                           AXIS_V, GS_V, NG_V, SYM_V, LUT_V, NOUT_V, False, not WINDOW)
-            if IEEE:
-                pv = tl.dot(p.to(dt), v.to(dt), input_precision="ieee")
+            if VP != 0:
+                pv = _post_pv(p, VC, VCEN, VHALF, VLEV, bh, t, start + it * BLOCK_T, tvalid, d, T, NG_V, D, S,
+                              BITS_V, GS_V, SYM_V, LUT_V, VP, BLOCK_T, dt, IEEE, INTERP)
             else:
-                pv = tl.dot(p.to(dt), v.to(dt))
+                v = _load_side(VC, VCEN, VHALF, VMASK, VOVAL, VOIDX, VLEV, VLEV, VDATA, VSINK, VRING, VCHUNK,
+                               stride_vb, stride_vh, b, h, bh, t, d, tvalid, p0, bnd_v, T, D, S, WR_V, BITS_V,
+                               AXIS_V, GS_V, NG_V, SYM_V, LUT_V, NOUT_V, False, not WINDOW, BLOCK_T)
+                pv = _dot(p, v, dt, IEEE, INTERP)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
 
@@ -314,6 +472,21 @@ def _side_args(bufs: dict, side: str, q, geo, cfg):
     return ptrs, consts
 
 
+def _post_mode(c: dict, block_t: int, head_dim: int) -> int:
+    """1: per-channel statistics constant over each tile; 2: one statistic per token; 0: dequantize per element
+    (hybrid groups, outliers, several groups per token, or channel groups a tile straddles)."""
+    if c["BITS"] == 16 or c["SYM"] == 2 or c["NOUT"]:
+        return 0
+    if c["AXIS"] == 1 and (c["GS"] == 0 or c["GS"] % block_t == 0):
+        return 1
+    if c["AXIS"] == 0 and c["GS"] == head_dim:
+        return 2
+    return 0
+
+
+LAST_KERNELS: dict = {}  # the compiled kernels of the last launch (registers, spills: see bench/)
+
+
 def _num_splits(bh: int, max_len: int, block_t: int, device) -> int:
     """Enough programs to fill the GPU twice over, never slices shorter than 4 tiles."""
     import torch
@@ -323,7 +496,8 @@ def _num_splits(bh: int, max_len: int, block_t: int, device) -> int:
 
 
 def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale: float, is_causal: bool,
-                     cfg, spec, geo, block_t: int | None = None, num_splits: int | None = None):
+                     cfg, spec, geo, block_t: int | None = None, num_splits: int | None = None,
+                     num_warps: int = 4, num_stages: int = 2, post_scaling: bool = True):
     """kvq::attend for one query token per sequence (decode), entirely on the device.
 
     query [B, Hq, 1, D]; bufs: the layer's attend tensors by name (store.LayerStore.attend_tensors);
@@ -346,6 +520,8 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
     kp, kc = _side_args(bufs, "k", spec.key, geo, cfg)
     vp, vc = _side_args(bufs, "v", spec.value, geo, cfg)
     rope = cfg.keys_before_rope and spec.key.quantized
+    kpost = _post_mode(kc, block_t, D) if (post_scaling and not rope) else 0
+    vpost = _post_mode(vc, block_t, D) if post_scaling else 0
     cos = bufs["rope.cos"] if rope else query
     sin = bufs["rope.sin"] if rope else query
     if attn_mask is None:
@@ -371,16 +547,18 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
                 kp["data"], kp["sink"], kp["ring"], key, key.stride(0), key.stride(1),
                 vp["codes"], vp["cen"], vp["half"], vp["hmask"], vp["oval"], vp["oidx"], vp["lev"],
                 vp["data"], vp["sink"], vp["ring"], value, value.stride(0), value.stride(1),
-                cos, sin, positions, amask, smb, smh, temp, m_buf, l_buf, acc_buf, float(scale))
-        consts = dict(H=H, REP=rep, REP_PAD=rep_pad, D=D, T=T, S=cfg.sink, R=cfg.recent,
-                      BITS_K=kc["BITS"], AXIS_K=kc["AXIS"], GS_K=kc["GS"], NG_K=kc["NG"], SYM_K=kc["SYM"],
+                cos, sin, positions, amask, smb, smh, temp, m_buf, l_buf, acc_buf, float(scale), T, kc["NG"], vc["NG"], nsplit)
+        consts = dict(H=H, REP=rep, REP_PAD=rep_pad, D=D, S=cfg.sink, R=cfg.recent,
+                      BITS_K=kc["BITS"], AXIS_K=kc["AXIS"], GS_K=kc["GS"], SYM_K=kc["SYM"],
                       LUT_K=kc["LUT"], NOUT_K=kc["NOUT"], NORM_K=kc["NORM"], TPG_K=kc["TPG"], WR_K=kc["WR"],
-                      BITS_V=vc["BITS"], AXIS_V=vc["AXIS"], GS_V=vc["GS"], NG_V=vc["NG"], SYM_V=vc["SYM"],
+                      BITS_V=vc["BITS"], AXIS_V=vc["AXIS"], GS_V=vc["GS"], SYM_V=vc["SYM"],
                       LUT_V=vc["LUT"], NOUT_V=vc["NOUT"], TPG_V=vc["TPG"], WR_V=vc["WR"],
                       ROPE=rope, MASK_KIND=mask_kind, IS_CAUSAL=is_causal, TAU_PHASE=phase,
-                      NSPLIT=nsplit, BLOCK_T=block_t, IEEE=ieee)
-        _decode_kernel[(B * H, nsplit)](*args, **consts, WINDOW=False)
-        _decode_kernel[(B * H, 1)](*args, **consts, WINDOW=True)
+                      KPOST=kpost, VPOST=vpost,
+                      BLOCK_T=block_t, IEEE=ieee, INTERP=_INTERPRET)
+        LAST_KERNELS["main"] = _decode_kernel[(B * H, nsplit)](*args, **consts, WINDOW=False, num_warps=num_warps,
+                                                               num_stages=num_stages)
+        LAST_KERNELS["window"] = _decode_kernel[(B * H, 1)](*args, **consts, WINDOW=True, num_warps=4, num_stages=1)
 
     if cfg.softmax_tau is not None:
         launch(1, query)

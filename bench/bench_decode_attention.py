@@ -1,0 +1,197 @@
+"""Decode-attention kernel benchmark: the kvq Triton template per preset against torch SDPA (enable_gqa=True)
+on fp16/bf16 K/V of the same valid length. Llama-3-8B attention shapes: 32 query heads, 8 KV heads, head_dim 128.
+
+    python bench/bench_decode_attention.py [--quick] [--out results.json]
+
+Per (preset, batch, context): median time (triton.testing.do_bench), the bytes the kernel must read (every store
+tensor over the valid length, the RoPE table for pre-RoPE keys, q, the output), effective bandwidth as a fraction
+of the device-to-device copy bandwidth measured in the same run, and the speedup over SDPA. Each store is filled
+with random codes and statistics (timing does not depend on the values; correctness is tests/test_templates.py),
+sized so that the whole static buffer is the valid context. Before timing, the kernel is checked against the
+reference op on a smaller context of the same preset.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+from kvq_compile import KVQConfig  # noqa: E402
+from kvq_compile import store as st  # noqa: E402
+from kvq_compile.templates.decode_attention import decode_attention  # noqa: E402
+
+PRESETS = ["fp16", "int8", "kivi-4", "kvquant-4", "kivi-2", "innerq-2", "xquant-1.38", "calibquant-1"]
+HQ, H, D = 32, 8, 128
+
+
+def copy_bandwidth() -> float:
+    import triton.testing as tt
+
+    x = torch.empty(2 ** 30 // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    y = torch.empty_like(x)
+    ms = tt.do_bench(lambda: y.copy_(x), warmup=50, rep=300, return_mode="median")
+    return 2 * x.numel() * 2 / (ms * 1e-3)
+
+
+def random_store(cfg: KVQConfig, layer_index: int, layers: int, B: int, T: int, dtype) -> st.ModelStore:
+    geo = st.Geometry(B, H, T, D, st.dtype_name(dtype))
+    ms = st.ModelStore(cfg, layers, geo, "cuda")
+    for lay in ms.layers[: layer_index + 1]:
+        for name, t in lay.buffers.items():
+            if name.endswith("levels"):
+                continue
+            if t.dtype == torch.int32:
+                t.random_(-2 ** 31, 2 ** 31 - 1)
+            elif t.dtype == torch.bool:
+                t.copy_(torch.rand(t.shape, device="cuda") < 0.5)
+            elif t.dtype in (torch.uint8, torch.int16):
+                t.random_(0, D)
+            elif name.endswith("half"):
+                t.uniform_(0.05, 0.5)
+            elif name.endswith("norm"):
+                t.uniform_(0.5, 2.0)
+            else:
+                t.normal_()
+    for t in ms.rope.values():
+        t.uniform_(-1, 1)
+    return ms
+
+
+def bytes_read(layer: st.LayerStore, B: int, T: int, dtype) -> int:
+    names, tensors = layer.attend_tensors()
+    total = 0
+    for n, t in zip(names, tensors):
+        if n.startswith("rope."):  # read by every KV head of a batch row; counted once (the heads share L2)
+            total += t.numel() * t.element_size()
+        elif not n.endswith("levels"):
+            total += t.numel() * t.element_size()
+    total += 2 * B * HQ * D * torch.empty((), dtype=dtype).element_size()  # q in, out
+    return total
+
+
+def pick_layer(cfg: KVQConfig, layers: int = 32) -> int:
+    """The benchmarked layer: one that reads shared codes when the config shares (XQuant), else layer 0."""
+    specs = cfg.resolve(layers)
+    for i, s in enumerate(specs):
+        if s.share_key_codes_from is not None or s.share_value_codes_from is not None:
+            return i
+    return 0
+
+
+def check_small(name: str, dtype) -> float:
+    """Relative error of the template against the reference op on a small real store (filled by kvq::append)."""
+    cfg = KVQConfig.preset(name)
+    B, T, n0 = 2, 640, 600
+    geo = st.Geometry(B, H, T, D, st.dtype_name(dtype))
+    layers = 4 if name.startswith("xquant") else 1
+    ms = st.ModelStore(cfg, layers, geo, "cuda")
+    li = layers - 1
+    pos = torch.arange(n0, device="cuda")
+    cos = torch.cos(pos[None, :, None] * torch.linspace(0.01, 1, D, device="cuda")).expand(B, n0, D).to(dtype)
+    sin = torch.sin(pos[None, :, None] * torch.linspace(0.01, 1, D, device="cuda")).expand(B, n0, D).to(dtype)
+    for i, lay in enumerate(ms.layers):
+        names, tensors = lay.append_tensors()
+        k = torch.randn(B, H, n0, D, device="cuda", dtype=dtype)
+        v = torch.randn(B, H, n0, D, device="cuda", dtype=dtype)
+        c, s = (cos, sin) if cfg.keys_before_rope else (None, None)
+        torch.ops.kvq.append(tensors, k, v, pos, c, s, lay.descriptor(names))
+    lay = ms.layers[li]
+    k = torch.randn(B, H, 1, D, device="cuda", dtype=dtype)
+    v = torch.randn(B, H, 1, D, device="cuda", dtype=dtype)
+    p = torch.tensor([n0], device="cuda")
+    names, tensors = lay.append_tensors()
+    c, s = (cos[:, :1], sin[:, :1]) if cfg.keys_before_rope else (None, None)
+    torch.ops.kvq.append(tensors, k, v, p, c, s, lay.descriptor(names))
+    names, tensors = lay.attend_tensors()
+    q = torch.randn(B, HQ, 1, D, device="cuda", dtype=dtype)
+    mask = torch.ones(B, 1, 1, T, dtype=torch.bool, device="cuda")
+    mask[1, ..., :5] = False
+    ref = torch.ops.kvq.attend(q, tensors, k, v, p, mask, D ** -0.5, False, lay.descriptor(names)).float()
+    out = decode_attention(q, dict(zip(names, tensors)), k, v, p, mask, D ** -0.5, False, cfg, lay.spec, geo).float()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def main():
+    import triton.testing as tt
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--presets", default=",".join(PRESETS))
+    ap.add_argument("--sweep", action="store_true", help="also try block_t x num_warps x num_splits per shape")
+    args = ap.parse_args()
+    dtype = torch.bfloat16
+    torch.manual_seed(0)
+    presets = args.presets.split(",")
+    bw = copy_bandwidth()
+    print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  copy bandwidth {bw / 1e12:.2f} TB/s")
+    errs = {n: check_small(n, dtype) for n in presets}
+    print("relative error vs reference op (B=2, 601 tokens):", {k: f"{v:.1e}" for k, v in errs.items()})
+    shapes = [(b, c) for b in (1, 8, 32) for c in (1024, 4096, 16384, 65536)]
+    if args.quick:
+        shapes = [(1, 16384), (8, 8192), (32, 4096), (32, 16384)]
+    rows = []
+    for B, ctx in shapes:
+        q = torch.randn(B, HQ, 1, D, device="cuda", dtype=dtype)
+        k = torch.randn(B, H, ctx, D, device="cuda", dtype=dtype)
+        v = torch.randn(B, H, ctx, D, device="cuda", dtype=dtype)
+        sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
+        t_sdpa = tt.do_bench(sdpa, warmup=25, rep=100, return_mode="median")
+        sdpa_bytes = 2 * k.numel() * 2 + 2 * q.numel() * 2
+        del k, v
+        for name in presets:
+            cfg = KVQConfig.preset(name)
+            li = pick_layer(cfg)
+            ms = random_store(cfg, li, li + 1, B, ctx, dtype)
+            lay = ms.layers[li]
+            names, tensors = lay.attend_tensors()
+            bufs = dict(zip(names, tensors))
+            kc = torch.randn(B, H, 1, D, device="cuda", dtype=dtype)
+            vc = torch.randn(B, H, 1, D, device="cuda", dtype=dtype)
+            pos = torch.tensor([ctx - 1], device="cuda")
+            variants = [dict()]
+            if args.sweep:
+                auto = max(1, -(-264 // (B * H)))
+                variants = [dict(block_t=bt, num_warps=nw, num_splits=ns) for bt in (32, 64, 128) for nw in (4, 8)
+                            for ns in sorted({auto, 2 * auto, 4 * auto})]
+            best = None
+            for var in variants:
+                fn = lambda: decode_attention(q, bufs, kc, vc, pos, None, D ** -0.5, False, cfg, lay.spec,  # noqa: E731
+                                              ms.geo, **var)
+                try:
+                    t = tt.do_bench(fn, warmup=25, rep=100, return_mode="median")
+                except Exception as e:  # a variant that does not fit (shared memory) is skipped
+                    print(f"  {name} {var}: {type(e).__name__}: {str(e)[:100]}")
+                    continue
+                if best is None or t < best[0]:
+                    best = (t, var)
+            from kvq_compile.templates.decode_attention import LAST_KERNELS
+            kern = LAST_KERNELS.get("main")
+            regs = (getattr(kern, "n_regs", None), getattr(kern, "n_spills", None))
+            nbytes = bytes_read(lay, B, ctx, dtype)
+            t = best[0]
+            row = dict(preset=name, batch=B, context=ctx, ms=t, bytes=nbytes, bw_frac=nbytes / (t * 1e-3) / bw,
+                       sdpa_ms=t_sdpa, sdpa_bw_frac=sdpa_bytes / (t_sdpa * 1e-3) / bw, speedup=t_sdpa / t,
+                       bits=cfg.equivalent_bits(32, H, D, ctx), variant=best[1], regs_spills=regs)
+            rows.append(row)
+            print(f"{name:13s} B={B:2d} ctx={ctx:6d}  {t * 1e3:8.1f} us  {nbytes / 2**20:8.1f} MiB  "
+                  f"{row['bw_frac'] * 100:5.1f}% bw  sdpa {t_sdpa * 1e3:8.1f} us ({row['sdpa_bw_frac'] * 100:5.1f}%)  "
+                  f"x{row['speedup']:.2f}  {best[1]} regs/spills {regs}", flush=True)
+            del ms, bufs, tensors
+            torch.cuda.empty_cache()
+    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bw=bw, rows=rows,
+                  check_rel_err=errs, date=time.strftime("%Y-%m-%d"))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""Triton templates against the reference ops (CPU CI: TRITON_INTERPRET=1, set in conftest; GPU: compiled).
+
+Each case fills a store through the reference `kvq::append` (a prefill chunk, then single tokens), then
+compares the decode-attention template with the reference `kvq::attend` on every step."""
+import dataclasses
+
+import pytest
+import torch
+
+from kvq_compile import KVQConfig, QuantizerSpec
+from kvq_compile import store as st
+from kvq_compile.config import Axis, Levels, Symmetry
+from kvq_compile.presets import PRESETS
+from models import small_windows
+
+triton = pytest.importorskip("triton")
+from kvq_compile.templates.decode_attention import decode_attention  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def _rope(B, n, p, D, dtype):
+    ang = torch.arange(p, p + n, device=DEVICE).float()[:, None] * torch.linspace(0.05, 1.0, D, device=DEVICE)
+    return ang.cos()[None].expand(B, n, D).to(dtype), ang.sin()[None].expand(B, n, D).to(dtype)
+
+
+def check(cfg, B=2, H=2, rep=3, D=64, T=48, prefill=21, steps=3, dtype=torch.float32, layers=1, layer=0,
+          mask="bool", block_t=16, num_splits=2, seed=0):
+    """Max |template - reference| over `steps` decode steps of layer `layer` (raises on a mismatch)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=gen, device=DEVICE).to(dtype)  # noqa: E731
+    geo = st.Geometry(B, H, T, D, st.dtype_name(dtype))
+    ms = st.ModelStore(cfg, layers, geo, DEVICE)
+
+    def append(k, v, p0):
+        n = k.shape[2]
+        cos, sin = _rope(B, n, p0, D, dtype) if cfg.keys_before_rope else (None, None)
+        for i in range(layers):  # every layer of the store, so shared codes (XQuant) exist
+            names, tensors = ms.layers[i].append_tensors()
+            torch.ops.kvq.append(tensors, k + i, v - i, torch.arange(p0, p0 + n, device=DEVICE), cos, sin,
+                                 ms.layers[i].descriptor(names))
+
+    append(rnd(B, H, prefill, D), rnd(B, H, prefill, D), 0)
+    lay = ms.layers[layer]
+    names, tensors = lay.attend_tensors()
+    worst = 0.0
+    for p in range(prefill, prefill + steps):
+        k, v = rnd(B, H, 1, D), rnd(B, H, 1, D)
+        append(k, v, p)
+        k, v = k + layer, v - layer
+        q = rnd(B, H * rep, 1, D)
+        am = None
+        if mask == "bool":  # row 1 left-padded by 3
+            am = torch.ones(B, 1, 1, T, dtype=torch.bool, device=DEVICE)
+            am[1:, :, :, :3] = False
+        elif mask == "additive":  # per-head float bias, -inf on a few positions
+            am = rnd(B, H * rep, 1, T).float().to(dtype) * 0.5
+            am[:, :, :, 5:7] = float("-inf")
+        pos = torch.tensor([p], device=DEVICE)
+        ref = torch.ops.kvq.attend(q, tensors, k, v, pos, am, 0.125, False, lay.descriptor(names))
+        out = decode_attention(q, dict(zip(names, tensors)), k, v, pos, am, 0.125, False, cfg, lay.spec, geo,
+                               block_t=block_t, num_splits=num_splits)
+        assert out.dtype == q.dtype and out.shape == q.shape
+        torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype],
+                                   msg=lambda m: f"step at {p}: {m}")
+        worst = max(worst, (out.float() - ref.float()).abs().max().item())
+    return worst
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_every_preset_matches_reference(name):
+    check(small_windows(name))
+
+
+@pytest.mark.interpreter
+def test_xquant_shared_codes_layer():
+    cfg = small_windows("xquant-1.38")
+    specs = cfg.resolve(4)
+    sharing = [i for i, s in enumerate(specs) if s.share_value_codes_from is not None]
+    assert sharing, "xquant-1.38 on 4 layers should share codes"
+    check(cfg, layers=4, layer=sharing[-1])
+
+
+def _custom(bits, key_axis, key_group, value_group, sym, recent=4, sink=1, levels=Levels.UNIFORM, outliers=0.0):
+    return KVQConfig(key=QuantizerSpec(bits=bits, axis=key_axis, group_size=key_group, symmetry=sym, levels=levels,
+                                       outlier_fraction=outliers),
+                     value=QuantizerSpec(bits=bits, axis=Axis.TOKEN, group_size=value_group, symmetry=sym,
+                                         levels=levels, outlier_fraction=outliers),
+                     sink=sink, recent=recent)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_bits_and_dtypes(bits, dtype):
+    sym = Symmetry.SYMMETRIC if bits == 1 else Symmetry.ASYMMETRIC
+    cfg = _custom(bits, Axis.CHANNEL, 4, 16, sym)
+    check(cfg, dtype=dtype, prefill=23, steps=2, seed=bits)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("rep,D,mask", [(1, 128, None), (4, 64, "additive"), (3, 128, "bool")])
+def test_gqa_head_dim_masks(rep, D, mask):
+    cfg = _custom(2, Axis.TOKEN, 32, 32, Symmetry.HYBRID, recent=3, sink=2)
+    check(cfg, rep=rep, D=D, mask=mask, prefill=19, steps=2, dtype=torch.float16, num_splits=3)
+
+
+@pytest.mark.interpreter
+def test_outliers_codebook_channel_groups_odd_lengths():
+    cfg = _custom(3, Axis.CHANNEL, 8, None, Symmetry.ASYMMETRIC, recent=8, sink=0, levels=Levels.NORMAL_FLOAT,
+                  outliers=0.03)
+    cfg.codebooks = {"0.key": torch.linspace(-1, 1, 8).pow(3).tolist()}
+    check(cfg, prefill=37, steps=9, T=64, block_t=32, num_splits=4)  # crosses a key-group flush
+
+
+@pytest.mark.interpreter
+def test_calibquant_tau_with_splits():
+    cfg = small_windows("calibquant-1")
+    cfg.softmax_tau = (1.0, 2.0)
+    check(cfg, num_splits=5, mask="additive")
+
+
+@pytest.mark.interpreter
+def test_split_count_does_not_change_the_result():
+    cfg = small_windows("kivi-4")
+    a = check(cfg, num_splits=1, seed=3)
+    b = check(cfg, num_splits=7, seed=3)
+    assert a < 1e-4 and b < 1e-4
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("bits,levels", [(2, Levels.UNIFORM), (4, Levels.NORMAL_FLOAT), (1, Levels.UNIFORM)])
+def test_post_scaled_paths(bits, levels):
+    """Channel groups a tile never straddles (group 16, tiles of 16) take the post-scaled path on both sides."""
+    sym = Symmetry.SYMMETRIC if bits == 1 else Symmetry.ASYMMETRIC
+    q = QuantizerSpec(bits=bits, axis=Axis.CHANNEL, group_size=16, symmetry=sym, levels=levels)
+    cfg = KVQConfig(key=q, value=q, sink=0, recent=16)
+    check(cfg, prefill=53, steps=3, T=72, block_t=16, num_splits=3, dtype=torch.float16, seed=bits)
