@@ -46,6 +46,9 @@ def _bufs(store, names):
 def append(store: list[torch.Tensor], key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
            cos: torch.Tensor | None, sin: torch.Tensor | None, layout: str) -> None:
     cfg, geo, spec, names = _decode_layout(layout)
+    if key.shape[2] == 1:  # decode: positions stay on the device (CUDA-graph safe)
+        st.append_decode(_bufs(store, names), cfg, spec, geo, key, value, positions, cos, sin)
+        return
     p0, _ = st.positions_span(positions)
     st.append(_bufs(store, names), cfg, spec, geo, key, value, p0, cos, sin)
 
@@ -86,10 +89,7 @@ def attend_reference(query, k_prefix, v_prefix, key, value, attn_mask, scale, is
     return (probs @ v).to(query.dtype)
 
 
-@torch.library.custom_op("kvq::attend", mutates_args=())
-def attend(query: torch.Tensor, store: list[torch.Tensor], key: torch.Tensor, value: torch.Tensor,
-           positions: torch.Tensor, attn_mask: torch.Tensor | None, scale: float, is_causal: bool,
-           layout: str) -> torch.Tensor:
+def attend_cpu_reference(query, store, key, value, positions, attn_mask, scale, is_causal, layout):
     cfg, geo, spec, names = _decode_layout(layout)
     p0, n = st.positions_span(positions)
     kp, vp = st.read(_bufs(store, names), cfg, spec, geo.head_dim, p0 + n, p0)
@@ -97,6 +97,40 @@ def attend(query: torch.Tensor, store: list[torch.Tensor], key: torch.Tensor, va
     return attend_reference(query, kp, vp, key, value, attn_mask, scale, is_causal, tau)
 
 
+@torch.library.custom_op("kvq::attend", mutates_args=())
+def attend(query: torch.Tensor, store: list[torch.Tensor], key: torch.Tensor, value: torch.Tensor,
+           positions: torch.Tensor, attn_mask: torch.Tensor | None, scale: float, is_causal: bool,
+           layout: str) -> torch.Tensor:
+    return attend_cpu_reference(query, store, key, value, positions, attn_mask, scale, is_causal, layout)
+
+
 @attend.register_fake
 def _attend_fake(query, store, key, value, positions, attn_mask, scale, is_causal, layout):
     return query.new_empty(*query.shape[:-1], value.shape[-1])
+
+
+def _register_gpu_kernels() -> None:
+    """On CUDA, decode steps (one query token) run the Triton template; chunks keep the reference path.
+    Without Triton the ops still run, on their reference kernels, with a warning."""
+    import os
+    import warnings
+
+    if not torch.cuda.is_available() or os.environ.get("KVQ_REFERENCE_KERNELS") == "1":
+        return
+    try:
+        from .templates.decode_attention import decode_attention
+    except Exception as e:  # noqa: BLE001  (triton missing or broken)
+        warnings.warn(f"kvq: Triton decode attention unavailable ({type(e).__name__}: {e}); "
+                      "kvq ops run their reference kernels (slow, and not CUDA-graph safe)")
+        return
+
+    @attend.register_kernel("cuda")
+    def _attend_cuda(query, store, key, value, positions, attn_mask, scale, is_causal, layout):
+        if query.shape[2] != 1:
+            return attend_cpu_reference(query, store, key, value, positions, attn_mask, scale, is_causal, layout)
+        cfg, geo, spec, names = _decode_layout(layout)
+        return decode_attention(query, _bufs(store, names), key, value, positions, attn_mask, scale, is_causal,
+                                cfg, spec, geo)
+
+
+_register_gpu_kernels()

@@ -350,3 +350,74 @@ def read(bufs: dict, cfg: KVQConfig, spec: LayerSpec, head_dim: int, length: int
     if cfg.keys_before_rope and upto:
         k = ref.rope_rotate(k, bufs["rope.cos"][:, :upto].float(), bufs["rope.sin"][:, :upto].float())
     return k, v
+
+
+# ---------------------------------------------------------------------------------------------
+# Sync-free append of one token (decode), for CUDA graphs
+# ---------------------------------------------------------------------------------------------
+def _device_fill_boundary(length: torch.Tensor, sink: int, recent: int, tpg: int) -> torch.Tensor:
+    return sink + torch.clamp(length - sink - recent, min=0) // tpg * tpg
+
+
+def _write_rows(buf: torch.Tensor, dim: int, index: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor) -> None:
+    """buf[index along dim] = rows where `keep` is False, unchanged where True (index clamped in range)."""
+    index = index.clamp(0, buf.shape[dim] - 1)
+    old = buf.index_select(dim, index)
+    buf.index_copy_(dim, index, torch.where(keep, old, rows.to(buf.dtype)))
+
+
+def append_side_decode(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: torch.Tensor,
+                       p0: torch.Tensor, is_key: bool) -> None:
+    """`append_side` for one token at device position p0 (a 0-d tensor): the same writes, without reading
+    p0 on the host. Every branch of `append_side` becomes a masked write of fixed shape; the token group
+    that may complete is always quantized (with `reference.quantize_block`) and written only if it did."""
+    if not q.quantized:
+        b["data"].index_copy_(2, p0.reshape(1), x.to(b["data"].dtype))
+        return
+    S, R, G = cfg.sink, cfg.recent, q.tokens_per_group
+    wr = ring_size(R, G)
+    dt = geo.torch_dtype
+    dev = x.device
+    q_old = _device_fill_boundary(p0, S, R, G)
+    q_new = _device_fill_boundary(p0 + 1, S, R, G)
+    no_flush = (q_new <= q_old)
+    pos = q_old + torch.arange(G, device=dev)  # the group that completes when q_new > q_old
+    block = x.expand(-1, -1, G, -1)
+    if wr:
+        ring_part = b["ring"].index_select(2, pos % wr)
+        block = torch.where((pos == p0).view(1, 1, G, 1), block, ring_part)
+    block = block.to(dt)
+    if "norm" in b:
+        block = block.float() / b["norm"]
+    static = q.axis is Axis.CHANNEL and q.group_size is None
+    static_range = (b["center"] if "center" in b else torch.zeros_like(b["half"]), b["half"]) if static else None
+    qb = ref.quantize_block(block, q, _levels(b, q), dt, cfg.eta_for(q), static_range)
+    keep = no_flush.view(1, 1, 1, 1)
+    if "codes" in b:
+        _write_rows(b["codes"], 2, pos, ref.pack_bits(qb.codes, q.bits), keep)
+    if not static:
+        gidx = pos if q.axis is Axis.TOKEN else ((q_old - S) // G).reshape(1)
+        if "center" in b:
+            _write_rows(b["center"], 2, gidx, qb.center, keep)
+        _write_rows(b["half"], 2, gidx, qb.half, keep)
+        if "mask" in b:
+            _write_rows(b["mask"], 2, gidx, qb.mask, keep)
+    if "out_val" in b:
+        _write_rows(b["out_val"], 2, pos, qb.outlier_values, keep)
+        _write_rows(b["out_idx"], 2, pos, qb.outlier_index, keep)
+    if S:
+        _write_rows(b["sink"], 2, p0.reshape(1), x, (p0 >= S).view(1, 1, 1, 1))
+    if wr:  # after the group was read out of the ring: the new token may reuse its slot
+        _write_rows(b["ring"], 2, (p0 % wr).reshape(1), x, (q_new > p0).view(1, 1, 1, 1))
+
+
+def append_decode(bufs: dict, cfg: KVQConfig, spec: LayerSpec, geo: Geometry, key: torch.Tensor,
+                  value: torch.Tensor, positions: torch.Tensor, cos=None, sin=None) -> None:
+    """`append` of one token per sequence at positions[0], with no host synchronization."""
+    p0 = positions.reshape(-1)[0]
+    if cos is not None and "rope.cos" in bufs:
+        cos, sin = (c[:, 0] if c.dim() == 4 else c for c in (cos, sin))
+        for name, c in (("rope.cos", cos), ("rope.sin", sin)):
+            bufs[name].index_copy_(1, p0.reshape(1), c.to(bufs[name].dtype).expand(geo.batch, 1, geo.head_dim))
+    append_side_decode(_side(bufs, "k"), spec.key, cfg, geo, key, p0, True)
+    append_side_decode(_side(bufs, "v"), spec.value, cfg, geo, value, p0, False)

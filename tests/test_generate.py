@@ -107,7 +107,14 @@ def test_compiled_store_equals_simulation_of_its_inputs(name, monkeypatch):
         seen.setdefault(id(bufs["v.half"]), []).append((key.clone(), value.clone()))
         return real_append(bufs, cfg_, spec, geo, key, value, p0, cos, sin)
 
+    real_decode = st.append_decode
+
+    def spy_decode(bufs, cfg_, spec, geo, key, value, positions, cos=None, sin=None):
+        seen.setdefault(id(bufs["v.half"]), []).append((key.clone(), value.clone()))
+        return real_decode(bufs, cfg_, spec, geo, key, value, positions, cos, sin)
+
     monkeypatch.setattr(st, "append", spy)
+    monkeypatch.setattr(st, "append_decode", spy_decode)
     ids, mask = prompts(2, 9, pad=(2, 0))
     _generate(model, ids, mask, kvq_backend(cfg), new=14)
     store = list(bk._STORES.values())[-1][1]

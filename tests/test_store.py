@@ -8,6 +8,7 @@ from kvq_compile import Axis, KVQConfig, QuantizerSpec, Symmetry
 from kvq_compile import store as st
 from kvq_compile.presets import PRESETS
 from kvq_compile.simulate import quantized_view
+from models import small_windows
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
@@ -93,3 +94,33 @@ def test_quantized_store_is_smaller_than_fp16():
     expected = 2 + 32 / 32 + 16 * ((128 + 31) + 128) / (2 * T)
     assert cfg.equivalent_bits(32, 8, 128, T) == pytest.approx(expected)
     assert KVQConfig.preset("fp16").equivalent_bits(32, 8, 128, 16384) == 16
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_sync_free_decode_append_is_bit_exact(name):
+    """`append_decode` (device-side positions, masked writes) leaves every buffer exactly as the reference
+    `append` does, across flushes of token groups, the sink, the ring, and shared-code layers."""
+    cfg = small_windows(name)
+    B, H, T, D = 2, 2, 40, 64
+    geo = st.Geometry(B, H, T, D, "float32")
+    ref_store, dec_store = st.ModelStore(cfg, 4, geo, "cpu"), st.ModelStore(cfg, 4, geo, "cpu")
+    gen = torch.Generator().manual_seed(7)
+
+    def chunk(n):
+        kv = torch.randn(B, H, n, D, generator=gen), torch.randn(B, H, n, D, generator=gen)
+        cs = (torch.randn(B, n, D, generator=gen), torch.randn(B, n, D, generator=gen)) if cfg.keys_before_rope \
+            else (None, None)
+        return kv, cs
+
+    (k, v), cs = chunk(9)
+    for a, b in zip(ref_store.layers, dec_store.layers):
+        for lay in (a, b):
+            st.append(dict(zip(*lay.append_tensors())), cfg, lay.spec, geo, k, v, 0, *cs)
+    for p in range(9, T):
+        (k, v), cs = chunk(1)
+        for a, b in zip(ref_store.layers, dec_store.layers):
+            st.append(dict(zip(*a.append_tensors())), cfg, a.spec, geo, k, v, p, *cs)
+            st.append_decode(dict(zip(*b.append_tensors())), cfg, b.spec, geo, k, v, torch.tensor([p]), *cs)
+    for i, (a, b) in enumerate(zip(ref_store.layers, dec_store.layers)):
+        for n in a.buffers:
+            assert torch.equal(a.buffers[n], b.buffers[n]), f"layer {i} {n}"

@@ -1,0 +1,112 @@
+"""End-to-end decode benchmark: a random-weight Llama-3-8B-shaped model (bf16, fewer layers) generating with
+HF eager, HF's compiled static cache, and kvq_backend with several presets, in one run.
+
+    python bench/bench_generate.py --layers 8 --shapes 8x8192,32x4096 --presets fp16,int8,kivi-4,kivi-2
+
+Decode tokens/s = new tokens after the first / time after the first generated token (prefill excluded: the
+first step's time, measured separately with max_new_tokens=1, is subtracted). Peak memory is
+torch.cuda.max_memory_allocated over the whole generate. Roofline tokens/s = copy bandwidth / (weight bytes +
+KV bytes read per step), with the KV bytes of each preset from its store size at the mean context.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+
+def build(layers: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=65536,
+                      rope_theta=500000.0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    return model
+
+
+def timed_generate(model, ids, new, **kw):
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                         do_sample=False, **kw)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t, out
+
+
+def main():
+    from transformers import CompileConfig
+
+    from kvq_compile import KVQConfig, kvq_backend
+    from kvq_compile import store as st
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--shapes", default="1x16384,8x8192,32x4096")
+    ap.add_argument("--presets", default="fp16,int8,kivi-4,kivi-2")
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--baselines", default="eager,hf-compiled")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    x = torch.empty(2 ** 29, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty_like(x)
+    import triton.testing as tt
+
+    bw = 2 * x.numel() * 2 / (tt.do_bench(lambda: y.copy_(x), return_mode="median") * 1e-3)
+    del x, y
+    model = build(args.layers)
+    wbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    print(f"{torch.cuda.get_device_name()} torch {torch.__version__} copy {bw / 1e12:.2f} TB/s, "
+          f"{args.layers} layers, weights {wbytes / 2**30:.1f} GiB", flush=True)
+    rows = []
+    for shape in args.shapes.split(","):
+        B, P = map(int, shape.split("x"))
+        ids = torch.randint(100, 120000, (B, P), device="cuda")
+        runs = [(b, None) for b in args.baselines.split(",") if b] + [("kvq", p) for p in args.presets.split(",")]
+        for kind, preset in runs:
+            torch._dynamo.reset()
+            torch.cuda.empty_cache()
+            kw = {}
+            if kind == "hf-compiled":
+                kw = dict(cache_implementation="static", compile_config=CompileConfig())
+            elif kind == "kvq":
+                kw = dict(cache_implementation="static",
+                          compile_config=CompileConfig(backend=kvq_backend(preset), fullgraph=True))
+            elif kind == "eager":
+                kw = dict(cache_implementation="static", disable_compile=True)
+            try:
+                timed_generate(model, ids, 3, **kw)  # compile + warm up (CUDA graphs record)
+                t1, _ = timed_generate(model, ids, 1, **kw)
+                torch.cuda.reset_peak_memory_stats()
+                tn, out = timed_generate(model, ids, args.new, **kw)
+            except Exception as e:  # noqa: BLE001  report and go on
+                print(f"{kind} {preset} B={B} P={P}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                continue
+            peak = torch.cuda.max_memory_allocated()
+            tps = B * (args.new - 1) / (tn - t1)
+            ctx = P + args.new // 2
+            if kind == "kvq":
+                kv_bytes = st.model_store_bytes(KVQConfig.preset(preset), args.layers, B, 8, ctx, 128)
+            else:  # fp16 cache of the valid length (eager/compiled HF read the whole static buffer: more)
+                kv_bytes = 2 * args.layers * B * 8 * ctx * 128 * 2
+            roof = B / ((wbytes + kv_bytes) / bw)
+            row = dict(kind=kind, preset=preset, batch=B, prompt=P, tok_s=tps, ms_step=1e3 * (tn - t1) / (args.new - 1),
+                       peak_gib=peak / 2**30, roofline_tok_s=roof, frac_roofline=tps / roof)
+            rows.append(row)
+            print(f"{kind:12s} {str(preset):12s} B={B:2d} P={P:6d}  {tps:9.1f} tok/s  {row['ms_step']:7.2f} ms/step  "
+                  f"peak {row['peak_gib']:6.1f} GiB  roofline {roof:9.1f} tok/s ({100 * tps / roof:5.1f}%)", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bw=bw,
+                           layers=args.layers, rows=rows, date=time.strftime("%Y-%m-%d")), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
