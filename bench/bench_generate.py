@@ -3,8 +3,9 @@ HF eager, HF's compiled static cache, and kvq_backend with several presets, in o
 
     python bench/bench_generate.py --layers 8 --shapes 8x8192,32x4096 --presets fp16,int8,kivi-4,kivi-2
 
-Decode tokens/s = new tokens after the first / time after the first generated token (prefill excluded: the
-first step's time, measured separately with max_new_tokens=1, is subtracted). Peak memory is
+Decode tokens/s = batch / median time between consecutive generated tokens (a logits processor timestamps each
+token after a device sync; the prefill and the first three steps, which compile and record CUDA graphs, are left
+out). Peak memory is
 torch.cuda.max_memory_allocated over the whole generate. Roofline tokens/s = copy bandwidth / (weight bytes +
 KV bytes read per step), with the KV bytes of each preset from its store size at the mean context.
 """
@@ -32,13 +33,45 @@ def build(layers: int):
     return model
 
 
+class StepClock:
+    """A logits processor that timestamps every generated token (after a device sync)."""
+
+    def __init__(self):
+        self.times = []
+
+    def __call__(self, input_ids, scores):
+        torch.cuda.synchronize()
+        self.times.append(time.perf_counter())
+        return scores
+
+
 def timed_generate(model, ids, new, **kw):
-    torch.cuda.synchronize()
-    t = time.perf_counter()
+    """(median seconds per decode step, steps timed): the intervals between tokens 3..new, so neither the
+    prefill nor the first compiled steps (compilation, CUDA-graph recording) are counted."""
+    from transformers import LogitsProcessorList
+
+    clock = StepClock()
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                         do_sample=False, **kw)
-    torch.cuda.synchronize()
-    return time.perf_counter() - t, out
+                         do_sample=False, logits_processor=LogitsProcessorList([clock]), **kw)
+    dts = sorted(b - a for a, b in zip(clock.times[3:], clock.times[4:]))
+    return dts[len(dts) // 2], len(dts)
+
+
+def profile_step(model, preset):
+    """Top CUDA kernels and CPU ops of a few kvq decode steps (B=8, P=2048), after warm-up."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import CompileConfig
+
+    from kvq_compile import kvq_backend
+
+    torch._dynamo.reset()
+    ids = torch.randint(100, 120000, (8, 2048), device="cuda")
+    kw = dict(cache_implementation="static", compile_config=CompileConfig(backend=kvq_backend(preset), fullgraph=True))
+    timed_generate(model, ids, 8, **kw)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        timed_generate(model, ids, 8, **kw)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60))
 
 
 def main():
@@ -54,6 +87,7 @@ def main():
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--baselines", default="eager,hf-compiled")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", default=None, help="preset whose decode step is profiled (top kernels)")
     args = ap.parse_args()
     x = torch.empty(2 ** 29, dtype=torch.bfloat16, device="cuda")
     y = torch.empty_like(x)
@@ -82,26 +116,26 @@ def main():
             elif kind == "eager":
                 kw = dict(cache_implementation="static", disable_compile=True)
             try:
-                timed_generate(model, ids, 3, **kw)  # compile + warm up (CUDA graphs record)
-                t1, _ = timed_generate(model, ids, 1, **kw)
                 torch.cuda.reset_peak_memory_stats()
-                tn, out = timed_generate(model, ids, args.new, **kw)
+                step, _ = timed_generate(model, ids, args.new, **kw)
             except Exception as e:  # noqa: BLE001  report and go on
                 print(f"{kind} {preset} B={B} P={P}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
             peak = torch.cuda.max_memory_allocated()
-            tps = B * (args.new - 1) / (tn - t1)
+            tps = B / step
             ctx = P + args.new // 2
             if kind == "kvq":
                 kv_bytes = st.model_store_bytes(KVQConfig.preset(preset), args.layers, B, 8, ctx, 128)
             else:  # fp16 cache of the valid length (eager/compiled HF read the whole static buffer: more)
                 kv_bytes = 2 * args.layers * B * 8 * ctx * 128 * 2
             roof = B / ((wbytes + kv_bytes) / bw)
-            row = dict(kind=kind, preset=preset, batch=B, prompt=P, tok_s=tps, ms_step=1e3 * (tn - t1) / (args.new - 1),
+            row = dict(kind=kind, preset=preset, batch=B, prompt=P, tok_s=tps, ms_step=1e3 * step,
                        peak_gib=peak / 2**30, roofline_tok_s=roof, frac_roofline=tps / roof)
             rows.append(row)
             print(f"{kind:12s} {str(preset):12s} B={B:2d} P={P:6d}  {tps:9.1f} tok/s  {row['ms_step']:7.2f} ms/step  "
                   f"peak {row['peak_gib']:6.1f} GiB  roofline {roof:9.1f} tok/s ({100 * tps / roof:5.1f}%)", flush=True)
+    if args.profile:
+        profile_step(model, args.profile)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bw=bw,

@@ -124,6 +124,27 @@ def _register_gpu_kernels() -> None:
                       "kvq ops run their reference kernels (slow, and not CUDA-graph safe)")
         return
 
+    compiled_appends: dict = {}
+
+    @append.register_kernel("cuda")
+    def _append_cuda(store, key, value, positions, cos, sin, layout):
+        cfg, geo, spec, names = _decode_layout(layout)
+        if key.shape[2] != 1:
+            p0, _ = st.positions_span(positions)
+            st.append(_bufs(store, names), cfg, spec, geo, key, value, p0, cos, sin)
+            return
+        # One decode append is ~100 small torch ops; Inductor fuses them into a few kernels. Layers with the
+        # same quantizers share one compiled function (the layer index is not part of the key).
+        k = (cfg.to_json(), repr(spec.key), repr(spec.value), geo, tuple(names))
+        fn = compiled_appends.get(k)
+        if fn is None:
+            def run(bufs, key, value, positions, cos, sin, cfg=cfg, spec=spec, geo=geo):
+                st.append_decode(bufs, cfg, spec, geo, key, value, positions, cos, sin)
+
+            fn = compiled_appends[k] = (torch.compile(run, fullgraph=True, dynamic=False)
+                                        if os.environ.get("KVQ_COMPILE_APPEND", "1") == "1" else run)
+        fn(_bufs(store, names), key, value, positions, cos, sin)
+
     @attend.register_kernel("cuda")
     def _attend_cuda(query, store, key, value, positions, attn_mask, scale, is_causal, layout):
         if query.shape[2] != 1:
