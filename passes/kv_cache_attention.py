@@ -232,7 +232,7 @@ def find_attention(gm: fx.GraphModule, keys_before_rope: bool, report: RewriteRe
                 break
             chain = k_chain if cache is k_cache else v_chain
             allowed = {appends[cache][0], *(chain[-1:] if chain else [node])}
-            others = [u for u in cache.users if u not in allowed]
+            others = [u for u in cache.users if u not in allowed and not _metadata_only(u)]
             if others:
                 problem = f"{cache.name} is also used by {others[0].format_node()[:60]!r}, not only append and attention"
                 break
@@ -282,6 +282,20 @@ def find_attention(gm: fx.GraphModule, keys_before_rope: bool, report: RewriteRe
 # ---------------------------------------------------------------------------------------------
 # Rewriting
 # ---------------------------------------------------------------------------------------------
+_METADATA_METHODS = {"size", "dim", "stride", "numel", "element_size", "get_device"}
+_METADATA_ATTRS = {"shape", "dtype", "device", "ndim"}
+
+
+def _metadata_only(node: fx.Node) -> bool:
+    """A use that reads the cache tensor's metadata, never its values (HF's mask code calls keys.size() on
+    some devices): it stays valid after the rewrite, which keeps the cache tensor's shape."""
+    if node.op == "call_method" and node.target in _METADATA_METHODS:
+        return True
+    if node.op == "call_function" and node.target is getattr and len(node.args) > 1:
+        return node.args[1] in _METADATA_ATTRS
+    return node.op == "call_function" and node.target in (torch.ops.aten.sym_size.int, torch.ops.aten.sym_stride.int)
+
+
 def rewrite(gm: fx.GraphModule, matches: list[AttentionMatch], model_store, register_buffer) -> None:
     """Replace each match's appends with kvq::append and its attention with kvq::attend.
 

@@ -1,0 +1,71 @@
+"""Quantize-on-append cost per layer and decode step, against the decode attention of the same step.
+
+    python bench/bench_append.py
+
+For each preset at (batch, context): kvq::append of one token per sequence as the CUDA op runs it (the
+sync-free torch implementation compiled by Inductor), the same uncompiled, and decode attention, each timed by
+replaying a captured CUDA graph of 20 calls (launch overhead excluded as in a reduce-overhead decode step).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_decode_attention import D, H, HQ, pick_layer, random_store  # noqa: E402
+
+from kvq_compile import KVQConfig  # noqa: E402
+from kvq_compile import store as st  # noqa: E402
+from kvq_compile.templates.decode_attention import decode_attention  # noqa: E402
+
+
+def graph_time(fn, reps=20) -> float:
+    """Median microseconds of one fn() call, from replays of a CUDA graph of `reps` calls."""
+    import triton.testing as tt
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    return tt.do_bench(g.replay, warmup=10, rep=100, return_mode="median") * 1e3 / reps
+
+
+def main():
+    dtype = torch.bfloat16
+    print(f"{torch.cuda.get_device_name()} torch {torch.__version__}")
+    for B, ctx in ((8, 8192), (32, 4096)):
+        for name in ("int8", "kivi-4", "kivi-2", "kvquant-4", "innerq-2", "xquant-1.38", "calibquant-1"):
+            cfg = KVQConfig.preset(name)
+            li = pick_layer(cfg)
+            ms = random_store(cfg, li, li + 1, B, ctx + 64, dtype)
+            lay = ms.layers[li]
+            names, tensors = lay.append_tensors()
+            layout = lay.descriptor(names)
+            k = torch.randn(B, H, 1, D, device="cuda", dtype=dtype)
+            v = torch.randn(B, H, 1, D, device="cuda", dtype=dtype)
+            pos = torch.tensor([ctx], device="cuda")
+            cs = (torch.randn(B, 1, D, device="cuda", dtype=dtype),) * 2 if cfg.keys_before_rope else (None, None)
+            t_op = graph_time(lambda: torch.ops.kvq.append(tensors, k, v, pos, *cs, layout))
+            bufs = dict(zip(names, tensors))
+            t_eager = graph_time(lambda: st.append_decode(bufs, cfg, lay.spec, ms.geo, k, v, pos, *cs))
+            an, at = lay.attend_tensors()
+            ab = dict(zip(an, at))
+            q = torch.randn(B, HQ, 1, D, device="cuda", dtype=dtype)
+            t_att = graph_time(lambda: decode_attention(q, ab, k, v, pos, None, D ** -0.5, False, cfg, lay.spec,
+                                                        ms.geo))
+            print(f"{name:13s} B={B:2d} ctx={ctx:5d}  append (compiled) {t_op:7.1f} us  append (eager ops) "
+                  f"{t_eager:7.1f} us  attention {t_att:7.1f} us  append/attention {t_op / t_att:5.2f}", flush=True)
+            del ms, bufs, ab, tensors, at
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
