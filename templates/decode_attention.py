@@ -488,11 +488,13 @@ LAST_KERNELS: dict = {}  # the compiled kernels of the last launch (registers, s
 
 
 def _num_splits(bh: int, max_len: int, block_t: int, device) -> int:
-    """Enough programs to fill the GPU twice over, never slices shorter than 4 tiles."""
+    """About 16 programs per SM in all (each program streams its slice tile by tile with little memory in
+    flight, so the GPU needs many of them), never slices shorter than two tiles. On an H200 the best split
+    counts of a sweep (bench/RESULTS.md) put 1000-2100 programs in flight at every batch size."""
     import torch
 
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return max(1, min(-(-2 * sms // bh), max_len // (4 * block_t), 64))
+    return max(1, min(-(-16 * sms // bh), max_len // (2 * block_t), 1024))
 
 
 def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale: float, is_causal: bool,
