@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 from kvq_compile import KVQConfig  # noqa: E402
 from kvq_compile import store as st  # noqa: E402
+from kvq_compile.ops import attend_cpu_reference  # noqa: E402  (the reference, whatever device)
 from kvq_compile.templates.decode_attention import decode_attention  # noqa: E402
 
 PRESETS = ["fp16", "int8", "kivi-4", "kvquant-4", "kivi-2", "innerq-2", "xquant-1.38", "calibquant-1"]
@@ -113,7 +114,7 @@ def check_small(name: str, dtype) -> float:
     q = torch.randn(B, HQ, 1, D, device="cuda", dtype=dtype)
     mask = torch.ones(B, 1, 1, T, dtype=torch.bool, device="cuda")
     mask[1, ..., :5] = False
-    ref = torch.ops.kvq.attend(q, tensors, k, v, p, mask, D ** -0.5, False, lay.descriptor(names)).float()
+    ref = attend_cpu_reference(q, tensors, k, v, p, mask, D ** -0.5, False, lay.descriptor(names)).float()
     out = decode_attention(q, dict(zip(names, tensors)), k, v, p, mask, D ** -0.5, False, cfg, lay.spec, geo).float()
     return ((out - ref).norm() / ref.norm()).item()
 
@@ -126,6 +127,8 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--presets", default=",".join(PRESETS))
     ap.add_argument("--sweep", action="store_true", help="also try block_t x num_warps x num_splits per shape")
+    ap.add_argument("--shapes", default=None, help="e.g. 32x16384,8x8192")
+    ap.add_argument("--splits", default=None, help="sweep only these split counts (with --sweep), e.g. 2,4,8,16")
     args = ap.parse_args()
     dtype = torch.bfloat16
     torch.manual_seed(0)
@@ -137,6 +140,8 @@ def main():
     shapes = [(b, c) for b in (1, 8, 32) for c in (1024, 4096, 16384, 65536)]
     if args.quick:
         shapes = [(1, 16384), (8, 8192), (32, 4096), (32, 16384)]
+    if args.shapes:
+        shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
     rows = []
     for B, ctx in shapes:
         q = torch.randn(B, HQ, 1, D, device="cuda", dtype=dtype)
@@ -161,6 +166,8 @@ def main():
                 auto = max(1, -(-264 // (B * H)))
                 variants = [dict(block_t=bt, num_warps=nw, num_splits=ns) for bt in (32, 64, 128) for nw in (4, 8)
                             for ns in sorted({auto, 2 * auto, 4 * auto})]
+                if args.splits:
+                    variants = [dict()] + [dict(block_t=64, num_warps=4, num_splits=int(n)) for n in args.splits.split(",")]
             best = None
             for var in variants:
                 fn = lambda: decode_attention(q, bufs, kc, vc, pos, None, D ** -0.5, False, cfg, lay.spec,  # noqa: E731
@@ -170,6 +177,8 @@ def main():
                 except Exception as e:  # a variant that does not fit (shared memory) is skipped
                     print(f"  {name} {var}: {type(e).__name__}: {str(e)[:100]}")
                     continue
+                if args.splits:
+                    print(f"  {name} B={B} ctx={ctx} {var or 'default'}: {t * 1e3:.1f} us", flush=True)
                 if best is None or t < best[0]:
                     best = (t, var)
             from kvq_compile.templates.decode_attention import LAST_KERNELS
