@@ -69,16 +69,40 @@ def _levels(code, sym, BITS: tl.constexpr, SYM: tl.constexpr, LUT: tl.constexpr,
 
 
 @triton.jit
-def _unpack(cbase, t, tmask, D: tl.constexpr, BITS: tl.constexpr, BT: tl.constexpr):
+def _split_join(x, NB: tl.constexpr):
+    """[..] -> [.., 2]: the low and the high NB bits of each 2*NB-bit field (a new in-thread minor dim)."""
+    m: tl.constexpr = (1 << NB) - 1
+    return tl.join(x & m, (x >> NB) & m)
+
+
+@triton.jit
+def _unpack(cbase, t, tmask, D: tl.constexpr, BITS: tl.constexpr, BT: tl.constexpr, JOIN: tl.constexpr):
     """int32 codes [BT, D] of positions t: channel d is code d % CPW of word d // CPW (CPW = 32 // BITS).
-    Each word is gathered once per code it holds (L1 hits). Unpacking whole [BT, W] words by repeated
-    tl.join + tl.reshape ran on the interpreter but gave wrong results on the H200 with triton 3.6 when
-    followed by a [BT, D // GS, GS] reshape, and was not faster there (bench/RESULTS.md)."""
+
+    JOIN: whole words are loaded ([BT, W], contiguous) and split in halves repeatedly (32 -> 16 -> ... ->
+    BITS bits) with tl.join, which keeps the channel order w * CPW + j; ~10x faster on an H200 than the
+    per-element gather (bench/RESULTS.md). Not used for hybrid groups: followed by their [BT, D // GS, GS]
+    view it gave wrong results on the H200 with triton 3.6 (right under the interpreter). Otherwise (and
+    for 3-bit words, 10 codes each) every code gathers its word (L1 hits)."""
     CPW: tl.constexpr = 32 // BITS
     W: tl.constexpr = (D + CPW - 1) // CPW
-    d = tl.arange(0, D)
-    words = tl.load(cbase + (t[:, None] * W + (d // CPW)[None, :]), mask=tmask[:, None], other=0)
-    return (words >> ((d % CPW) * BITS)[None, :]) & ((1 << BITS) - 1)
+    if JOIN and (CPW & (CPW - 1)) == 0:
+        x = tl.load(cbase + (t[:, None] * W + tl.arange(0, W)[None, :]), mask=tmask[:, None], other=0)
+        if BITS <= 16:
+            x = _split_join(x, 16)
+        if BITS <= 8:
+            x = _split_join(x, 8)
+        if BITS <= 4:
+            x = _split_join(x, 4)
+        if BITS <= 2:
+            x = _split_join(x, 2)
+        if BITS <= 1:
+            x = _split_join(x, 1)
+        return tl.reshape(x, [BT, D])
+    else:
+        d = tl.arange(0, D)
+        words = tl.load(cbase + (t[:, None] * W + (d // CPW)[None, :]), mask=tmask[:, None], other=0)
+        return (words >> ((d % CPW) * BITS)[None, :]) & ((1 << BITS) - 1)
 
 
 @triton.jit
@@ -96,7 +120,7 @@ def _dequant(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_pt
     W: tl.constexpr = (D + CPW - 1) // CPW
     bh64 = bh.to(tl.int64)
     m2 = tmask[:, None]
-    code = _unpack(codes_ptr + bh64 * T * W, t, tmask, D, BITS, BT)
+    code = _unpack(codes_ptr + bh64 * T * W, t, tmask, D, BITS, BT, SYM != 2)
     if AXIS == 0:  # per-token groups of GS channels: statistics [BT, NGRP]
         NGRP: tl.constexpr = D // GS
         gb = bh64 * T * NGRP
@@ -229,7 +253,7 @@ def _post_logits(qn, KC, KCEN, KHALF, KLEV, bh, t, t0, tvalid, d, T, NG, D: tl.c
     CPW: tl.constexpr = 32 // BITS
     W: tl.constexpr = (D + CPW - 1) // CPW
     A: tl.constexpr = 2.0 / ((1 << BITS) - 1)
-    code = _unpack(KC + bh.to(tl.int64) * T * W, t, tvalid, D, BITS, BT)
+    code = _unpack(KC + bh.to(tl.int64) * T * W, t, tvalid, D, BITS, BT, SYM != 2)
     if LUT:
         lev = tl.load(KLEV + code)
     if POST == 1:
@@ -264,7 +288,7 @@ def _post_pv(p, VC, VCEN, VHALF, VLEV, bh, t, t0, tvalid, d, T, NG, D: tl.conste
     CPW: tl.constexpr = 32 // BITS
     W: tl.constexpr = (D + CPW - 1) // CPW
     A: tl.constexpr = 2.0 / ((1 << BITS) - 1)
-    code = _unpack(VC + bh.to(tl.int64) * T * W, t, tvalid, D, BITS, BT)
+    code = _unpack(VC + bh.to(tl.int64) * T * W, t, tvalid, D, BITS, BT, SYM != 2)
     if LUT:
         lev = tl.load(VLEV + code)
     if POST == 1:
