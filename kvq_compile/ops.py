@@ -109,6 +109,31 @@ def _attend_fake(query, store, key, value, positions, attn_mask, scale, is_causa
     return query.new_empty(*query.shape[:-1], value.shape[-1])
 
 
+_COMPILED_APPENDS: dict = {}
+
+
+def compiled_decode_append(cfg, spec, geo, names, compile: bool | None = None):
+    """`store.append_decode` for one layer layout, compiled by Inductor (one decode append is ~100 small torch
+    ops; compiled, a few fused kernels). Layers with equal quantizers share one function. Each function gets
+    its own code object, so Dynamo's recompile limit applies per layout, not to all of them together.
+    KVQ_COMPILE_APPEND=0 (or compile=False) returns the plain function."""
+    import os
+    import types
+
+    if compile is None:
+        compile = os.environ.get("KVQ_COMPILE_APPEND", "1") == "1"
+    key = (cfg.to_json(), repr(spec.key), repr(spec.value), geo, tuple(names), compile)
+    fn = _COMPILED_APPENDS.get(key)
+    if fn is None:
+        def run(bufs, key, value, positions, cos, sin, cfg=cfg, spec=spec, geo=geo):
+            st.append_decode(bufs, cfg, spec, geo, key, value, positions, cos, sin)
+
+        code = run.__code__.replace(co_name=f"kvq_decode_append_{len(_COMPILED_APPENDS)}")
+        run = types.FunctionType(code, run.__globals__, code.co_name, run.__defaults__, run.__closure__)
+        fn = _COMPILED_APPENDS[key] = torch.compile(run, fullgraph=True, dynamic=False) if compile else run
+    return fn
+
+
 def _register_gpu_kernels() -> None:
     """On CUDA, decode steps (one query token) run the Triton template; chunks keep the reference path.
     Without Triton the ops still run, on their reference kernels, with a warning."""
@@ -124,8 +149,6 @@ def _register_gpu_kernels() -> None:
                       "kvq ops run their reference kernels (slow, and not CUDA-graph safe)")
         return
 
-    compiled_appends: dict = {}
-
     @append.register_kernel("cuda")
     def _append_cuda(store, key, value, positions, cos, sin, layout):
         cfg, geo, spec, names = _decode_layout(layout)
@@ -133,17 +156,7 @@ def _register_gpu_kernels() -> None:
             p0, _ = st.positions_span(positions)
             st.append(_bufs(store, names), cfg, spec, geo, key, value, p0, cos, sin)
             return
-        # One decode append is ~100 small torch ops; Inductor fuses them into a few kernels. Layers with the
-        # same quantizers share one compiled function (the layer index is not part of the key).
-        k = (cfg.to_json(), repr(spec.key), repr(spec.value), geo, tuple(names))
-        fn = compiled_appends.get(k)
-        if fn is None:
-            def run(bufs, key, value, positions, cos, sin, cfg=cfg, spec=spec, geo=geo):
-                st.append_decode(bufs, cfg, spec, geo, key, value, positions, cos, sin)
-
-            fn = compiled_appends[k] = (torch.compile(run, fullgraph=True, dynamic=False)
-                                        if os.environ.get("KVQ_COMPILE_APPEND", "1") == "1" else run)
-        fn(_bufs(store, names), key, value, positions, cos, sin)
+        compiled_decode_append(cfg, spec, geo, names)(_bufs(store, names), key, value, positions, cos, sin)
 
     @attend.register_kernel("cuda")
     def _attend_cuda(query, store, key, value, positions, attn_mask, scale, is_causal, layout):

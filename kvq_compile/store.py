@@ -378,6 +378,17 @@ def append_side_decode(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry,
     wr = ring_size(R, G)
     dt = geo.torch_dtype
     dev = x.device
+    first = (p0 == 0).view(1, 1, 1, 1)  # a one-token first chunk sets what `append_side` sets at p0 == 0
+    if "norm" in b:
+        b["norm"].copy_(torch.where(first, x.float().abs().amax(-2, keepdim=True).sqrt().clamp_min(ref.EPS),
+                                    b["norm"]))
+    static = q.axis is Axis.CHANNEL and q.group_size is None
+    if static:
+        scaled = x.float() / b["norm"] if "norm" in b else x
+        c, h = ref.static_channel_range(scaled, q, dt, cfg.eta_for(q))
+        if "center" in b:
+            b["center"].copy_(torch.where(first, c, b["center"]))
+        b["half"].copy_(torch.where(first, h, b["half"]))
     q_old = _device_fill_boundary(p0, S, R, G)
     q_new = _device_fill_boundary(p0 + 1, S, R, G)
     no_flush = (q_new <= q_old)
@@ -389,7 +400,6 @@ def append_side_decode(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry,
     block = block.to(dt)
     if "norm" in b:
         block = block.float() / b["norm"]
-    static = q.axis is Axis.CHANNEL and q.group_size is None
     static_range = (b["center"] if "center" in b else torch.zeros_like(b["half"]), b["half"]) if static else None
     qb = ref.quantize_block(block, q, _levels(b, q), dt, cfg.eta_for(q), static_range)
     keep = no_flush.view(1, 1, 1, 1)
