@@ -243,6 +243,30 @@ def _stat_rows(cen_ptr, half_ptr, bh, t0, d, S: tl.constexpr, GS: tl.constexpr, 
 
 
 @triton.jit
+def _code_values(C, LEV, bh, t, tvalid, T, D: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr,
+                 LUT: tl.constexpr, BT: tl.constexpr):
+    """[BT, D] float32: the codebook level LUT[code] of each code, or the code itself (uniform levels)."""
+    CPW: tl.constexpr = 32 // BITS
+    W: tl.constexpr = (D + CPW - 1) // CPW
+    code = _unpack(C + bh.to(tl.int64) * T * W, t, tvalid, D, BITS, BT, SYM != 2)
+    if LUT:
+        return tl.load(LEV + code)
+    return code.to(tl.float32)
+
+
+@triton.jit
+def _token_stats(CEN, HALF, bh, t, tvalid, T, SYM: tl.constexpr):
+    """(center, half) [BT] of TOKEN-axis statistics with one group per token (center 0 when symmetric)."""
+    off = bh.to(tl.int64) * T
+    h = tl.load(HALF + off + t, mask=tvalid, other=0.0).to(tl.float32)
+    if SYM == 1:
+        c = h * 0.0
+    else:
+        c = tl.load(CEN + off + t, mask=tvalid, other=0.0).to(tl.float32)
+    return c, h
+
+
+@triton.jit
 def _post_logits(qn, KC, KCEN, KHALF, KLEV, bh, t, t0, tvalid, d, T, NG, D: tl.constexpr, S: tl.constexpr,
                  BITS: tl.constexpr, GS: tl.constexpr, SYM: tl.constexpr, LUT: tl.constexpr, POST: tl.constexpr,
                  BT: tl.constexpr, dt: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr):
@@ -250,31 +274,22 @@ def _post_logits(qn, KC, KCEN, KHALF, KLEV, bh, t, t0, tvalid, d, T, NG, D: tl.c
     POST 1 (per-channel statistics, one row per tile): (q * h * a) . code + q . (c - h)
     POST 2 (one statistic per token):                  h_t * (a * q . code_t - sum q) + c_t * sum q
     With a codebook, l = LUT[code] replaces a*code - 1."""
-    CPW: tl.constexpr = 32 // BITS
-    W: tl.constexpr = (D + CPW - 1) // CPW
     A: tl.constexpr = 2.0 / ((1 << BITS) - 1)
-    code = _unpack(KC + bh.to(tl.int64) * T * W, t, tvalid, D, BITS, BT, SYM != 2)
-    if LUT:
-        lev = tl.load(KLEV + code)
+    x = _code_values(KC, KLEV, bh, t, tvalid, T, D, BITS, SYM, LUT, BT)
     if POST == 1:
         c, h = _stat_rows(KCEN, KHALF, bh, t0, d, S, GS, NG, D, SYM)
         if LUT:
-            s = _dot(qn * h[None, :], tl.trans(lev), dt, IEEE, INTERP) + tl.sum(qn * c[None, :], 1)[:, None]
+            s = _dot(qn * h[None, :], tl.trans(x), dt, IEEE, INTERP) + tl.sum(qn * c[None, :], 1)[:, None]
         else:
-            s = _dot(qn * (h * A)[None, :], tl.trans(code.to(dt)), dt, IEEE, INTERP)
+            s = _dot(qn * (h * A)[None, :], tl.trans(x), dt, IEEE, INTERP)
             s += tl.sum(qn * (c - h)[None, :], 1)[:, None]
     else:
-        off = bh.to(tl.int64) * T
-        h = tl.load(KHALF + off + t, mask=tvalid, other=0.0).to(tl.float32)
-        if SYM == 1:
-            c = h * 0.0
-        else:
-            c = tl.load(KCEN + off + t, mask=tvalid, other=0.0).to(tl.float32)
+        c, h = _token_stats(KCEN, KHALF, bh, t, tvalid, T, SYM)
         qs = tl.sum(qn.to(dt).to(tl.float32), 1)[:, None]
         if LUT:
-            s = _dot(qn, tl.trans(lev), dt, IEEE, INTERP) * h[None, :] + qs * c[None, :]
+            s = _dot(qn, tl.trans(x), dt, IEEE, INTERP) * h[None, :] + qs * c[None, :]
         else:
-            s = (_dot(qn, tl.trans(code.to(dt)), dt, IEEE, INTERP) * A - qs) * h[None, :] + qs * c[None, :]
+            s = (_dot(qn, tl.trans(x), dt, IEEE, INTERP) * A - qs) * h[None, :] + qs * c[None, :]
     return s
 
 
@@ -285,30 +300,21 @@ def _post_pv(p, VC, VCEN, VHALF, VLEV, bh, t, t0, tvalid, d, T, NG, D: tl.conste
     """p . v_hat without forming v_hat (uniform levels l = a*code - 1):
     POST 1 (per-channel statistics, one row per tile): h * (a * p . code - sum p) + c * sum p
     POST 2 (one statistic per token):                  (p * h_t * a) . code + sum_t p_t (c_t - h_t)"""
-    CPW: tl.constexpr = 32 // BITS
-    W: tl.constexpr = (D + CPW - 1) // CPW
     A: tl.constexpr = 2.0 / ((1 << BITS) - 1)
-    code = _unpack(VC + bh.to(tl.int64) * T * W, t, tvalid, D, BITS, BT, SYM != 2)
-    if LUT:
-        lev = tl.load(VLEV + code)
+    x = _code_values(VC, VLEV, bh, t, tvalid, T, D, BITS, SYM, LUT, BT)
     if POST == 1:
         c, h = _stat_rows(VCEN, VHALF, bh, t0, d, S, GS, NG, D, SYM)
         ps = tl.sum(p.to(dt).to(tl.float32), 1)[:, None]
         if LUT:
-            pv = _dot(p, lev, dt, IEEE, INTERP) * h[None, :] + ps * c[None, :]
+            pv = _dot(p, x, dt, IEEE, INTERP) * h[None, :] + ps * c[None, :]
         else:
-            pv = (_dot(p, code.to(dt), dt, IEEE, INTERP) * A - ps) * h[None, :] + ps * c[None, :]
+            pv = (_dot(p, x, dt, IEEE, INTERP) * A - ps) * h[None, :] + ps * c[None, :]
     else:
-        off = bh.to(tl.int64) * T
-        h = tl.load(VHALF + off + t, mask=tvalid, other=0.0).to(tl.float32)
-        if SYM == 1:
-            c = h * 0.0
-        else:
-            c = tl.load(VCEN + off + t, mask=tvalid, other=0.0).to(tl.float32)
+        c, h = _token_stats(VCEN, VHALF, bh, t, tvalid, T, SYM)
         if LUT:
-            pv = _dot(p * h[None, :], lev, dt, IEEE, INTERP) + tl.sum(p * c[None, :], 1)[:, None]
+            pv = _dot(p * h[None, :], x, dt, IEEE, INTERP) + tl.sum(p * c[None, :], 1)[:, None]
         else:
-            pv = _dot(p * (h * A)[None, :], code.to(dt), dt, IEEE, INTERP) + tl.sum(p * (c - h)[None, :], 1)[:, None]
+            pv = _dot(p * (h * A)[None, :], x, dt, IEEE, INTERP) + tl.sum(p * (c - h)[None, :], 1)[:, None]
     return pv
 
 
