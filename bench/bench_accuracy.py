@@ -1,0 +1,72 @@
+"""Decode-mode perplexity of SmolLM2-135M on held-out Austen text, per preset (CPU, reference ops).
+
+    python bench/bench_accuracy.py [--presets fp16,int8,kivi-2] [--windows 4] [--prefix 512] [--tokens 1024]
+
+Each window: prefill `prefix` tokens, then teacher-forced decoding of the next `tokens` tokens, one token
+per step, every step appending to and attending over the quantized store through the kvq ops (`KVQCache`
+drives the same `kvq::append` / `kvq::attend` the backend's rewrite emits). Perplexity is over the decoded
+tokens; the `fp16` preset is the unquantized reference of the same procedure. Text: evaluation novels of
+bench/model.py (never the calibration ones).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from model import EVALUATION_NOVELS, load_model, token_windows  # noqa: E402
+
+from kvq_compile import KVQConfig  # noqa: E402
+from kvq_compile.hf import KVQCache  # noqa: E402
+
+
+@torch.no_grad()
+def decode_nll(model, ids: torch.Tensor, prefix: int, cfg: KVQConfig) -> tuple[float, int]:
+    """Summed negative log-likelihood of ids[:, prefix + 1:] decoded one token at a time, and the count."""
+    B, L = ids.shape
+    cache = KVQCache(model, cfg, batch_size=B, max_cache_len=L)
+    logits = model(ids[:, :prefix], past_key_values=cache).logits[:, -1]
+    nll, count = 0.0, 0
+    for i in range(prefix, L - 1):
+        nll += torch.nn.functional.cross_entropy(logits.float(), ids[:, i], reduction="sum").item()
+        count += B
+        logits = model(ids[:, i:i + 1], past_key_values=cache).logits[:, -1]
+    nll += torch.nn.functional.cross_entropy(logits.float(), ids[:, L - 1], reduction="sum").item()
+    return nll, count + B
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--presets", default="fp16,int8,kivi-4,kivi-2,kvquant-4-1%,kvquant-3-1%,kvquant-2-1%,innerq-2,"
+                                          "xquant-1.38,calibquant-1")
+    ap.add_argument("--windows", type=int, default=4)
+    ap.add_argument("--prefix", type=int, default=512)
+    ap.add_argument("--tokens", type=int, default=1024)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    model, tok = load_model()
+    cfg0 = model.config
+    ids = token_windows(tok, EVALUATION_NOVELS, args.prefix + args.tokens, args.windows)
+    print(f"SmolLM2-135M, {args.windows} windows x ({args.prefix} prefix + {args.tokens} decoded), torch "
+          f"{torch.__version__}, {time.strftime('%Y-%m-%d')}")
+    print("| preset | equivalent bits | decode-mode perplexity | vs fp16 | seconds |")
+    print("|---|---|---|---|---|")
+    base = None
+    for name in args.presets.split(","):
+        cfg = KVQConfig.preset(name)
+        t = time.time()
+        nll, n = decode_nll(model, ids, args.prefix, cfg)
+        ppl = math.exp(nll / n)
+        base = base or ppl
+        bits = cfg.equivalent_bits(cfg0.num_hidden_layers, cfg0.num_key_value_heads, 64, ids.shape[1])
+        print(f"| {name} | {bits:.2f} | {ppl:.3f} | {100 * (ppl / base - 1):+.2f}% | {time.time() - t:.0f} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
