@@ -74,6 +74,9 @@ class QuantizerSpec:
     levels: see `Levels`.
     outlier_fraction: dense-and-sparse outliers (KVQuant): this fraction of each token vector's
         entries (at least one when > 0) is kept exactly in the cache dtype with its channel index.
+    range_scale: static per-channel ranges only: their half-width is multiplied by this, so that the
+        levels sit inside the prefill's min/max (the CalibQuant reference code uses 0.5 for Keys and 0.3 for
+        Values; values beyond the shrunk range clamp to the outer levels).
     """
 
     bits: int = 16
@@ -82,6 +85,7 @@ class QuantizerSpec:
     symmetry: Symmetry = Symmetry.ASYMMETRIC
     levels: Levels = Levels.UNIFORM
     outlier_fraction: float = 0.0
+    range_scale: float = 1.0
 
     def __post_init__(self):
         object.__setattr__(self, "axis", Axis(self.axis))
@@ -93,6 +97,11 @@ class QuantizerSpec:
             raise _fix(f"group_size={self.group_size} must be a positive integer, or None for the whole axis")
         if not 0.0 <= self.outlier_fraction < 0.5:
             raise _fix(f"outlier_fraction={self.outlier_fraction} must lie in [0, 0.5); use 0.01 for KVQuant's 1%")
+        if not 0.0 < self.range_scale <= 1.0:
+            raise _fix(f"range_scale={self.range_scale} must lie in (0, 1]; use 1 to keep the observed range")
+        if self.range_scale != 1.0 and not (self.axis is Axis.CHANNEL and self.group_size is None):
+            raise _fix("range_scale applies to static per-channel ranges only: set axis=channel and "
+                       "group_size=None, or range_scale=1")
         if self.symmetry is Symmetry.HYBRID and self.bits < 2:
             raise _fix("symmetry=hybrid needs bits >= 2 (its asymmetric branch uses bits-1); use symmetric at 1 bit")
         if self.levels is Levels.NORMAL_FLOAT and self.symmetry is Symmetry.HYBRID:

@@ -90,13 +90,16 @@ def kvquant_2_1() -> KVQConfig:
 
 
 def _calibquant(bits: int) -> KVQConfig:
-    q = QuantizerSpec(bits=bits, axis=Axis.CHANNEL, group_size=None)
-    return KVQConfig(key=q, value=q, recent=128, softmax_tau=(0.0, 3.0))
+    key = QuantizerSpec(bits=bits, axis=Axis.CHANNEL, group_size=None, range_scale=0.5)
+    value = QuantizerSpec(bits=bits, axis=Axis.CHANNEL, group_size=None, range_scale=0.3)
+    return KVQConfig(key=key, value=value, recent=128, softmax_tau=(0.0, 3.0))
 
 
 def calibquant_1() -> KVQConfig:
     """CalibQuant 1-bit (arXiv 2502.14882, §3-4): channel-wise 1-bit Keys and Values (one range per channel,
-    fixed from the prefill as in the reference code's per-channel min/max over the prompt), post-scaling
+    fixed from the prefill as in the reference code's per-channel min/max over the prompt, shrunk about its
+    center to 0.5 (Keys) and 0.3 (Values) of its half-width as the reference code's SCALE_K / SCALE_V do),
+    post-scaling
     (per-channel scale folded into the query) and the pre-softmax calibration g(x) with the reference
     code's (tau1, tau2) = (0, 3). Generated tokens stay exact in a 128-token recent window, as the
     reference code keeps text tokens in full precision."""

@@ -157,8 +157,8 @@ def _range(xg: torch.Tensor, symmetric: bool, valid: torch.Tensor | None):
 
 
 def static_channel_range(x: torch.Tensor, spec: QuantizerSpec, storage_dtype: torch.dtype, eta: float = 0.0):
-    """Per-channel (center, half) [..., 1, D] of a chunk [..., T, D] for CHANNEL-axis static ranges.
-    With outliers, the top and bottom outlier_fraction/2 of each channel are left out (KVQuant's
+    """Per-channel (center, half) [..., 1, D] of a chunk [..., T, D] for CHANNEL-axis static ranges, the
+    half-width scaled by spec.range_scale (and XQuant's 1 - 2 eta). With outliers, the top and bottom outlier_fraction/2 of each channel are left out (KVQuant's
     per-vector percentile thresholds)."""
     xf = x.float()
     f = spec.outlier_fraction
@@ -171,7 +171,7 @@ def static_channel_range(x: torch.Tensor, spec: QuantizerSpec, storage_dtype: to
         c, h = torch.zeros_like(mx), torch.maximum(mx.abs(), mn.abs())
     else:
         c, h = (mx + mn) / 2, (mx - mn) / 2
-    h = h * (1 - 2 * eta)
+    h = h * (1 - 2 * eta) * spec.range_scale
     return c.to(storage_dtype), h.clamp_min(EPS).to(storage_dtype)
 
 

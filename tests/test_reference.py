@@ -101,6 +101,20 @@ def test_calibrated_softmax_is_the_linear_map():
     torch.testing.assert_close(ref.calibrated_softmax(logits, allowed, tau), expect)
 
 
+def test_range_scale_shrinks_static_ranges_about_their_center():
+    x = torch.randn(2, 3, 40, 16) * 3 + 1
+    full = QuantizerSpec(bits=1, axis=Axis.CHANNEL, group_size=None)
+    shrunk = QuantizerSpec(bits=1, axis=Axis.CHANNEL, group_size=None, range_scale=0.3)
+    c1, h1 = ref.static_channel_range(x, full, torch.float32)
+    c2, h2 = ref.static_channel_range(x, shrunk, torch.float32)
+    torch.testing.assert_close(c2, c1)
+    torch.testing.assert_close(h2, h1 * 0.3)
+    # 1-bit: every value lands on center +- half, so the shrunk range is much closer to typical values
+    err_full = (ref.quantize_dequantize(x, full) - x).abs().mean()
+    err_shrunk = (ref.quantize_dequantize(x, shrunk) - x).abs().mean()
+    assert err_shrunk < 0.8 * err_full
+
+
 def test_rope_unrotate_inverts_rotate():
     x = torch.randn(2, 3, 7, 64)
     ang = torch.rand(2, 7, 32) * 6
@@ -118,6 +132,8 @@ def test_rope_unrotate_inverts_rotate():
      "use a divisor of 64"),
     (lambda: KVQConfig.preset("kivi-3"), "known presets: fp16, int8, kivi-2"),
     (lambda: QuantizerSpec(bits=1, symmetry="hybrid"), "use symmetric at 1 bit"),
+    (lambda: QuantizerSpec(bits=1, axis="channel", group_size=None, range_scale=1.5), "must lie in"),
+    (lambda: QuantizerSpec(bits=2, axis="token", range_scale=0.5), "static per-channel ranges only"),
 ])
 def test_invalid_configs_name_the_fix(make, fix):
     with pytest.raises(ValueError, match=fix):
