@@ -131,10 +131,6 @@ class KVQCache(Cache):
         super().__init__(layers=layers)
         _bind(model, self)
 
-    def nbytes(self) -> int:
-        """Bytes the cache holds: the store (plus 8 bytes of length counter per layer)."""
-        return self.model_store.nbytes() + 8 * len(self.layers)
-
 
 def kvq_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The "kvq" attention implementation: append + attend through the store when a KVQCache announced

@@ -45,12 +45,22 @@ def _bufs(store, names):
 @torch.library.custom_op("kvq::append", mutates_args=("store",))
 def append(store: list[torch.Tensor], key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
            cos: torch.Tensor | None, sin: torch.Tensor | None, layout: str) -> None:
+    _append_impl(store, key, value, positions, cos, sin, layout, compiled=False)
+
+
+def _append_impl(store, key, value, positions, cos, sin, layout: str, compiled: bool) -> None:
+    """A chunk goes through the reference append (reads its start position on the host); one token per
+    sequence through the sync-free decode append (positions stay on the device: CUDA-graph safe), compiled
+    by Inductor when `compiled` (the CUDA kernel)."""
     cfg, geo, spec, names = _decode_layout(layout)
-    if key.shape[2] == 1:  # decode: positions stay on the device (CUDA-graph safe)
-        st.append_decode(_bufs(store, names), cfg, spec, geo, key, value, positions, cos, sin)
-        return
-    p0, _ = st.positions_span(positions)
-    st.append(_bufs(store, names), cfg, spec, geo, key, value, p0, cos, sin)
+    bufs = _bufs(store, names)
+    if key.shape[2] != 1:
+        p0, _ = st.positions_span(positions)
+        st.append(bufs, cfg, spec, geo, key, value, p0, cos, sin)
+    elif compiled:
+        compiled_decode_append(layout)(bufs, key, value, positions, cos, sin)
+    else:
+        st.append_decode(bufs, cfg, spec, geo, key, value, positions, cos, sin)
 
 
 @append.register_fake
@@ -109,10 +119,11 @@ def _attend_fake(query, store, key, value, positions, attn_mask, scale, is_causa
     return query.new_empty(*query.shape[:-1], value.shape[-1])
 
 
-_COMPILED_APPENDS: dict = {}
+_COMPILED_APPENDS: dict = {}  # (quantizers, geometry, buffer names) -> function; lru_cache maps layouts to it
 
 
-def compiled_decode_append(cfg, spec, geo, names, compile: bool | None = None):
+@functools.lru_cache(maxsize=None)
+def compiled_decode_append(layout: str, compile: bool | None = None):
     """`store.append_decode` for one layer layout, compiled by Inductor (one decode append is ~100 small torch
     ops; compiled, a few fused kernels). Layers with equal quantizers share one function. Each function gets
     its own code object, so Dynamo's recompile limit applies per layout, not to all of them together.
@@ -120,9 +131,10 @@ def compiled_decode_append(cfg, spec, geo, names, compile: bool | None = None):
     import os
     import types
 
+    cfg, geo, spec, names = _decode_layout(layout)
     if compile is None:
         compile = os.environ.get("KVQ_COMPILE_APPEND", "1") == "1"
-    key = (cfg.to_json(), repr(spec.key), repr(spec.value), geo, tuple(names), compile)
+    key = (cfg.to_json(), repr(spec.key), repr(spec.value), geo, names, compile)
     fn = _COMPILED_APPENDS.get(key)
     if fn is None:
         def run(bufs, key, value, positions, cos, sin, cfg=cfg, spec=spec, geo=geo):
@@ -151,12 +163,7 @@ def _register_gpu_kernels() -> None:
 
     @append.register_kernel("cuda")
     def _append_cuda(store, key, value, positions, cos, sin, layout):
-        cfg, geo, spec, names = _decode_layout(layout)
-        if key.shape[2] != 1:
-            p0, _ = st.positions_span(positions)
-            st.append(_bufs(store, names), cfg, spec, geo, key, value, p0, cos, sin)
-            return
-        compiled_decode_append(cfg, spec, geo, names)(_bufs(store, names), key, value, positions, cos, sin)
+        _append_impl(store, key, value, positions, cos, sin, layout, compiled=True)
 
     @attend.register_kernel("cuda")
     def _attend_cuda(query, store, key, value, positions, attn_mask, scale, is_causal, layout):

@@ -156,6 +156,12 @@ def _range(xg: torch.Tensor, symmetric: bool, valid: torch.Tensor | None):
     return (mx + mn) / 2, (mx - mn) / 2
 
 
+def key_norm(x: torch.Tensor) -> torch.Tensor:
+    """InnerQ's per-channel Key normalization [..., 1, D]: sqrt of each channel's absolute maximum over the
+    tokens of x [..., T, D] (Keys are divided by it before quantization and multiplied after)."""
+    return x.float().abs().amax(-2, keepdim=True).sqrt().clamp_min(EPS)
+
+
 def static_channel_range(x: torch.Tensor, spec: QuantizerSpec, storage_dtype: torch.dtype, eta: float = 0.0):
     """Per-channel (center, half) [..., 1, D] of a chunk [..., T, D] for CHANNEL-axis static ranges, the
     half-width scaled by spec.range_scale (and XQuant's 1 - 2 eta). With outliers, the top and bottom outlier_fraction/2 of each channel are left out (KVQuant's

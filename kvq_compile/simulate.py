@@ -37,7 +37,7 @@ def quantized_view(history: torch.Tensor, q: QuantizerSpec, cfg: KVQConfig, leng
     body = history[:, :, S:first_chunk] if first_chunk > S else history[:, :, :first_chunk]
     norm = None
     if is_key and cfg.key_norm:
-        norm = body.float().abs().amax(-2, keepdim=True).sqrt().clamp_min(ref.EPS)
+        norm = ref.key_norm(body)
     static = None
     if q.axis is Axis.CHANNEL and q.group_size is None:
         static = ref.static_channel_range(body.float() / norm if norm is not None else body, q, dt, cfg.eta_for(q))

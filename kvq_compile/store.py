@@ -226,6 +226,11 @@ def _levels(b: dict, q: QuantizerSpec) -> torch.Tensor:
     return b["levels"] if "levels" in b else ref.levels_for(q, device=b["half"].device)
 
 
+def _static_range(b: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(center, half) of a side's static per-channel ranges (center 0 when symmetric: not stored)."""
+    return (b["center"] if "center" in b else torch.zeros_like(b["half"]), b["half"])
+
+
 def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: torch.Tensor, p0: int,
                 is_key: bool) -> None:
     """Write chunk x [B, H, n, D] at positions [p0, p0 + n) into one side's buffers (in place)."""
@@ -238,7 +243,7 @@ def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: tor
     dt = geo.torch_dtype
     body = x[:, :, S:] if n > S else x  # statistics skip the exact sink tokens when there are others
     if p0 == 0 and "norm" in b:
-        b["norm"].copy_(body.float().abs().amax(-2, keepdim=True).sqrt().clamp_min(ref.EPS))
+        b["norm"].copy_(ref.key_norm(body))
     static = q.axis is Axis.CHANNEL and q.group_size is None
     if p0 == 0 and static:
         scaled = body.float() / b["norm"] if "norm" in b else body
@@ -257,8 +262,7 @@ def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: tor
         block = torch.cat(parts, dim=2)
         if "norm" in b:
             block = block.float() / b["norm"]
-        static_range = (b["center"] if "center" in b else torch.zeros_like(b["half"]), b["half"]) if static else None
-        qb = ref.quantize_block(block, q, _levels(b, q), dt, cfg.eta_for(q), static_range)
+        qb = ref.quantize_block(block, q, _levels(b, q), dt, cfg.eta_for(q), _static_range(b) if static else None)
         if "codes" in b:  # absent when this layer dequantizes an earlier layer's codes (XQuant)
             b["codes"][:, :, q_old:q_new] = ref.pack_bits(qb.codes, q.bits)
         if not static:
@@ -380,8 +384,7 @@ def append_side_decode(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry,
     dev = x.device
     first = (p0 == 0).view(1, 1, 1, 1)  # a one-token first chunk sets what `append_side` sets at p0 == 0
     if "norm" in b:
-        b["norm"].copy_(torch.where(first, x.float().abs().amax(-2, keepdim=True).sqrt().clamp_min(ref.EPS),
-                                    b["norm"]))
+        b["norm"].copy_(torch.where(first, ref.key_norm(x), b["norm"]))
     static = q.axis is Axis.CHANNEL and q.group_size is None
     if static:
         scaled = x.float() / b["norm"] if "norm" in b else x
@@ -400,8 +403,7 @@ def append_side_decode(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry,
     block = block.to(dt)
     if "norm" in b:
         block = block.float() / b["norm"]
-    static_range = (b["center"] if "center" in b else torch.zeros_like(b["half"]), b["half"]) if static else None
-    qb = ref.quantize_block(block, q, _levels(b, q), dt, cfg.eta_for(q), static_range)
+    qb = ref.quantize_block(block, q, _levels(b, q), dt, cfg.eta_for(q), _static_range(b) if static else None)
     keep = no_flush.view(1, 1, 1, 1)
     if "codes" in b:
         _write_rows(b["codes"], 2, pos, ref.pack_bits(qb.codes, q.bits), keep)

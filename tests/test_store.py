@@ -142,7 +142,7 @@ def test_compiled_decode_append_matches_reference(name):
     gen = torch.Generator().manual_seed(3)
     a, b = ref_store.layers[0], cmp_store.layers[0]
     names, _ = b.append_tensors()
-    fn = compiled_decode_append(cfg, b.spec, geo, names, compile=True)
+    fn = compiled_decode_append(b.descriptor(names), compile=True)
     for p in range(0, 14):
         k, v = torch.randn(B, H, 1, D, generator=gen), torch.randn(B, H, 1, D, generator=gen)
         cs = (torch.randn(B, 1, D, generator=gen), torch.randn(B, 1, D, generator=gen)) if cfg.keys_before_rope \
