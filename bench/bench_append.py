@@ -2,9 +2,10 @@
 
     python bench/bench_append.py
 
-For each preset at (batch, context): kvq::append of one token per sequence as the CUDA op runs it (the
-sync-free torch implementation compiled by Inductor), the same uncompiled, and decode attention, each timed by
-replaying a captured CUDA graph of 20 calls (launch overhead excluded as in a reduce-overhead decode step).
+For each preset at (batch, context): kvq::append of one token per sequence as the CUDA op runs it (the Triton
+template `templates/quantize_append.py`, K and V in one launch), the sync-free torch implementation compiled by
+Inductor (KVQ_APPEND=inductor), the same uncompiled, and decode attention, each timed by replaying a captured
+CUDA graph of 20 calls (launch overhead excluded as in a reduce-overhead decode step).
 """
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ from bench_decode_attention import D, H, HQ, pick_layer, random_store  # noqa: E
 
 from kvq_compile import KVQConfig  # noqa: E402
 from kvq_compile import store as st  # noqa: E402
+from kvq_compile.ops import compiled_decode_append  # noqa: E402
 from kvq_compile.templates.decode_attention import decode_attention  # noqa: E402
+from kvq_compile.templates.quantize_append import append_decode  # noqa: E402
 
 
 def graph_time(fn, reps=20) -> float:
@@ -53,16 +56,23 @@ def main():
             v = torch.randn(B, H, 1, D, device="cuda", dtype=dtype)
             pos = torch.tensor([ctx], device="cuda")
             cs = (torch.randn(B, 1, D, device="cuda", dtype=dtype),) * 2 if cfg.keys_before_rope else (None, None)
-            t_op = graph_time(lambda: torch.ops.kvq.append(tensors, k, v, pos, *cs, layout))
             bufs = dict(zip(names, tensors))
+            t_op = graph_time(lambda: append_decode(bufs, cfg, lay.spec, ms.geo, k, v, pos, *cs))
+            flush = next(p for p in range(ctx, ctx + 64) if all(  # a step that quantizes a group on both sides
+                st.fill_boundary(p + 1, cfg.sink, cfg.recent, q.tokens_per_group)
+                > st.fill_boundary(p, cfg.sink, cfg.recent, q.tokens_per_group) for q in (cfg.key, cfg.value)))
+            pos_f = torch.tensor([flush], device="cuda")
+            t_flush = graph_time(lambda: append_decode(bufs, cfg, lay.spec, ms.geo, k, v, pos_f, *cs))
+            t_ind = graph_time(lambda: compiled_decode_append(layout)(bufs, k, v, pos, *cs))
             t_eager = graph_time(lambda: st.append_decode(bufs, cfg, lay.spec, ms.geo, k, v, pos, *cs))
             an, at = lay.attend_tensors()
             ab = dict(zip(an, at))
             q = torch.randn(B, HQ, 1, D, device="cuda", dtype=dtype)
             t_att = graph_time(lambda: decode_attention(q, ab, k, v, pos, None, D ** -0.5, False, cfg, lay.spec,
                                                         ms.geo))
-            print(f"{name:13s} B={B:2d} ctx={ctx:5d}  append (compiled) {t_op:7.1f} us  append (eager ops) "
-                  f"{t_eager:7.1f} us  attention {t_att:7.1f} us  append/attention {t_op / t_att:5.2f}", flush=True)
+            print(f"{name:13s} B={B:2d} ctx={ctx:5d}  append (triton) {t_op:7.1f} us (group flush {t_flush:6.1f})  append (inductor) {t_ind:7.1f} "
+                  f"us  append (eager ops) {t_eager:7.1f} us  attention {t_att:7.1f} us  append/attention "
+                  f"{t_op / t_att:5.3f}", flush=True)
             del ms, bufs, ab, tensors, at
             torch.cuda.empty_cache()
 

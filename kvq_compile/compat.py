@@ -50,9 +50,10 @@ def counter(group: str, key: str) -> int:
 
 
 def fix_triton_interpreter() -> None:
-    """Under TRITON_INTERPRET=1 (the CPU CI), triton 3.6's interpreter turns a loop bound computed from a
-    loaded value into `int(array of shape (1,))`, which numpy >= 2 refuses. Patch its tensor `__index__`
-    to take the single element. No effect on compiled GPU kernels."""
+    """Under TRITON_INTERPRET=1 (the CPU CI), two fixes to triton 3.6's interpreter, no effect on compiled GPU
+    kernels: it turns a loop bound computed from a loaded value into `int(array of shape (1,))`, which
+    numpy >= 2 refuses (its tensor `__index__` now takes the single element); and it converts float32 to
+    bfloat16 by truncation where the GPU rounds to nearest even (now rounded as on the GPU)."""
     import os
 
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -72,6 +73,22 @@ def fix_triton_interpreter() -> None:
 
     patched._kvq_fixed = True
     interp._patch_lang_tensor = patched
+
+    convert = getattr(interp, "_convert_float", None)
+    if convert is not None and not getattr(convert, "_kvq_fixed", False):
+        import triton.language as tl
+
+        def convert_float(input, input_dtype, output_dtype, rounding_mode):
+            # float32 -> bfloat16 by round-to-nearest-even, as the GPU's conversion (the interpreter's own
+            # truncates, and its RTNE neither carries into the exponent nor breaks ties to even)
+            if input_dtype == tl.float32 and output_dtype == tl.bfloat16 and rounding_mode in (
+                    None, interp._ir.ROUNDING_MODE.RTNE):
+                x = torch.from_numpy(np.ascontiguousarray(input).view(np.float32).copy())
+                return x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+            return convert(input, input_dtype, output_dtype, rounding_mode)
+
+        convert_float._kvq_fixed = True
+        interp._convert_float = convert_float
 
 
 # ---------------------------------------------------------------------------------------------

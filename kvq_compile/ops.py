@@ -50,17 +50,43 @@ def append(store: list[torch.Tensor], key: torch.Tensor, value: torch.Tensor, po
 
 def _append_impl(store, key, value, positions, cos, sin, layout: str, compiled: bool) -> None:
     """A chunk goes through the reference append (reads its start position on the host); one token per
-    sequence through the sync-free decode append (positions stay on the device: CUDA-graph safe), compiled
-    by Inductor when `compiled` (the CUDA kernel)."""
+    sequence through the sync-free decode append (positions stay on the device: CUDA-graph safe). On CUDA
+    (`compiled`) that is the Triton template `quantize_append` (one launch for K and V), or with
+    KVQ_APPEND=inductor (or a layout the template does not take) the reference decode append compiled by
+    Inductor."""
     cfg, geo, spec, names = _decode_layout(layout)
     bufs = _bufs(store, names)
     if key.shape[2] != 1:
         p0, _ = st.positions_span(positions)
         st.append(bufs, cfg, spec, geo, key, value, p0, cos, sin)
+    elif compiled and _triton_append(layout):
+        from .templates.quantize_append import append_decode
+
+        append_decode(bufs, cfg, spec, geo, key, value, positions, cos, sin)
     elif compiled:
         compiled_decode_append(layout)(bufs, key, value, positions, cos, sin)
     else:
         st.append_decode(bufs, cfg, spec, geo, key, value, positions, cos, sin)
+
+
+@functools.lru_cache(maxsize=512)
+def _triton_append(layout: str) -> bool:
+    """Whether decode appends of this layout run the Triton template (logged once per layout when not)."""
+    import logging
+    import os
+
+    choice = os.environ.get("KVQ_APPEND", "triton")
+    if choice not in ("triton", "inductor"):
+        raise ValueError(f"KVQ_APPEND={choice!r}: use 'triton' (the template) or 'inductor' (compiled torch)")
+    if choice == "inductor":
+        return False
+    from .templates.quantize_append import supported
+
+    cfg, geo, spec, _ = _decode_layout(layout)
+    why = supported(cfg, spec, geo)
+    if why:
+        logging.getLogger("kvq_compile").info("kvq append: Inductor-compiled torch instead of the template (%s)", why)
+    return why is None
 
 
 @append.register_fake

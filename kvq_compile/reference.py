@@ -191,8 +191,8 @@ def static_channel_range(x: torch.Tensor, spec: QuantizerSpec, storage_dtype: to
 def select_outliers(xf: torch.Tensor, spec: QuantizerSpec, static_range=None):
     """KVQuant's dense-and-sparse outliers of a float32 block [..., T, D]: (index [..., T, k], valid
     [..., T, D] with False at the outliers), or (None, None) without outliers. Per token vector, the k entries
-    farthest from their range's center in units of its half-width: the static per-channel range when given,
-    else the full (outliers included) range of their group."""
+    farthest from their range's center in units of its half-width (ties: the lower channel first): the static
+    per-channel range when given, else the full (outliers included) range of their group."""
     k = outliers_per_token(spec, xf.shape[-1])
     if not k:
         return None, None
@@ -203,7 +203,10 @@ def select_outliers(xf: torch.Tensor, spec: QuantizerSpec, static_range=None):
         cg, hg = _range(xg, False, None)
         c0 = from_groups(cg.expand(xg.shape), spec, xf.shape)
         h0 = from_groups(hg.expand(xg.shape), spec, xf.shape)
-    idx = ((xf - c0).abs() / h0.clamp_min(EPS)).topk(k, dim=-1).indices  # [..., T, k]
+    score = (xf - c0).abs() / h0.clamp_min(EPS)
+    # the k largest, ties to the lower channel (a token's max and min often score exactly 1): a stable sort,
+    # not topk, whose tie order is the implementation's (CPU and CUDA differ; the Triton append takes argmax)
+    idx = score.sort(dim=-1, descending=True, stable=True).indices[..., :k]  # [..., T, k]
     return idx, torch.ones_like(xf, dtype=torch.bool).scatter(-1, idx, False)
 
 

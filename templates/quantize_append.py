@@ -1,0 +1,401 @@
+"""Quantize-on-append of one decode token per sequence, in Triton: K and V of a layer in one launch.
+
+The same writes as `kvq_compile.store.append_decode` (the reference this is tested against), per
+(sequence b, KV head h, side K|V), with the token x = chunk[b, h, 0] at device position p0 and the side's
+fill boundary Q(L) = S + floor(max(0, L - S - R) / G) * G:
+
+    unquantized side:  data[p0] = x
+    p0 == 0:           norm = sqrt(max_t |x|) (InnerQ Keys); static per-channel ranges from x / norm:
+                       c = (max + min) / 2 (0 symmetric), h = (max - min) / 2 (max |x| symmetric),
+                       h *= (1 - 2 eta) * range_scale          (rounded to the cache dtype)
+    flush = Q(p0 + 1) > Q(p0): the group of G tokens at [Q(p0), Q(p0) + G) (the ring's slots, or x itself)
+                       is quantized, x_g = tokens.to(dtype) / norm:
+        outliers       per token, the NOUT channels farthest from their range's center in units of its
+                       half-width (static range, else the group's full asymmetric range), kept exact
+        range          per group over the other members: asymmetric (c, h) = ((max + min) / 2, (max - min) / 2),
+                       symmetric (0, max |x|); h *= 1 - 2 eta; both rounded to the cache dtype
+        hybrid         symmetric B-bit vs asymmetric (B-1)-bit by the group's L1 error, ties asymmetric
+        code           uniform: round_half_even((clamp((x - c) / h, -1, 1) + 1) * (n - 1) / 2), n levels
+                       (reference.level_count); codebook: #{midpoints between levels < (x - c) / h}
+        packed         word w of a token holds channels w * CPW + j at bit offset j * BITS
+    sink:              p0 < S: sink[p0] = x
+    ring:              p0 not quantized at once (Q(p0 + 1) <= p0): ring[p0 % WR] = x, after the group's
+                       ring slots were read (a CTA barrier between the read and the write)
+    RoPE table (Keys stored before RoPE): cos/sin[b, p0] = the step's cos/sin row.
+
+Layout in registers: a group is [GP, WP, CP] (tokens, words, codes per word, each padded to a power of
+two); channel d = w * CPW + j, so packing is a reduction over the last dimension for every bit width
+(3-bit words hold 10 codes). Per-token groups of GS channels reduce over their members by a static loop
+over the D // GS groups; per-channel groups reduce over the tokens.
+
+Glossary: D head_dim; G tokens per group (1 unless Keys/Values are CHANNEL-grouped, KIVI); GP its power of
+two; BITS code width (16: unquantized); CPW codes per int32 word (32 // BITS), CP its power of two; W words
+per token, WP its power of two; AXIS 0 TOKEN / 1 CHANNEL; GS channels (TOKEN) or tokens (CHANNEL, 0 =
+static ranges) per group; NGRP groups per token (TOKEN axis); SYM 0 asymmetric / 1 symmetric / 2 hybrid;
+LUT levels from a table of NLEV; NOUT outliers per token; NORM InnerQ key normalization; S sink, R recent,
+WR ring slots; T max cache length; HAS_CODES False when the codes are shared from an earlier layer (XQuant:
+only this layer's statistics are written); ETA XQuant's range shrink; RSCALE static ranges' range_scale.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kvq_compile import compat
+
+compat.fix_triton_interpreter()
+
+EPS: tl.constexpr = 1e-6
+
+
+@triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def _fill_boundary(L, S: tl.constexpr, R: tl.constexpr, G: tl.constexpr):
+    return S + tl.maximum(L - S - R, 0) // G * G
+
+
+@triton.jit
+def _reduce(v, grp, OP: tl.constexpr, AXIS: tl.constexpr, NGRP: tl.constexpr):
+    """Reduce v [GP, WP, CP] over each quantization group and broadcast back: OP 0 max, 1 min, 2 sum.
+    AXIS 1: a channel's group is its tokens (dim 0); AXIS 0: group `grp` (d // GS) of each token."""
+    if OP == 0:
+        ident = float("-inf")
+    elif OP == 1:
+        ident = float("inf")
+    else:
+        ident = 0.0
+    if AXIS == 1:
+        if OP == 0:
+            r = tl.max(v, 0)
+        elif OP == 1:
+            r = tl.min(v, 0)
+        else:
+            r = tl.sum(v, 0)
+        out = tl.broadcast_to(r[None, :, :], v.shape)
+    else:
+        out = tl.zeros(v.shape, tl.float32)
+        for gi in tl.static_range(NGRP):
+            sel = grp == gi
+            vv = tl.where(sel, v, ident)
+            if OP == 0:
+                r = tl.max(tl.max(vv, 2), 1)
+            elif OP == 1:
+                r = tl.min(tl.min(vv, 2), 1)
+            else:
+                r = tl.sum(tl.sum(vv, 2), 1)
+            out = tl.where(sel, r[:, None, None], out)
+    return out
+
+
+@triton.jit
+def _range(x, valid, grp, SYMMETRIC: tl.constexpr, AXIS: tl.constexpr, NGRP: tl.constexpr):
+    """(center, half) of each group over its valid members (reference._range; 0, 0 for an empty group)."""
+    mx = _reduce(tl.where(valid, x, float("-inf")), grp, 0, AXIS, NGRP)
+    mn = _reduce(tl.where(valid, x, float("inf")), grp, 1, AXIS, NGRP)
+    empty = mx == float("-inf")
+    mx = tl.where(empty, 0.0, mx)
+    mn = tl.where(empty, 0.0, mn)
+    if SYMMETRIC:
+        return mx * 0.0, tl.maximum(tl.abs(mx), tl.abs(mn))
+    return (mx + mn) / 2, (mx - mn) / 2
+
+
+@triton.jit
+def _round_half_even(y):
+    r = tl.floor(y + 0.5)
+    tie = (r - y) == 0.5
+    odd = (r.to(tl.int32) & 1) == 1
+    return tl.where(tie & odd, r - 1.0, r)
+
+
+@triton.jit
+def _uniform_code(xn, N: tl.constexpr):
+    """Nearest of N evenly spaced levels in [-1, 1] (reference.nearest_level, uniform)."""
+    xc = tl.minimum(tl.maximum(xn, -1.0), 1.0)
+    return _round_half_even((xc + 1.0) * ((N - 1) / 2)).to(tl.int32)
+
+
+@triton.jit
+def _level(code, N: tl.constexpr):
+    return -1.0 + code.to(tl.float32) * (2.0 / (N - 1))
+
+
+@triton.jit
+def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, OIDX, SINK, RING, LEV, NORM,
+                 b, h, bh, p0, T, NGC,
+                 D: tl.constexpr, BITS: tl.constexpr, AXIS: tl.constexpr, GS: tl.constexpr, SYM: tl.constexpr,
+                 LUT: tl.constexpr, NLEV: tl.constexpr, NOUT: tl.constexpr, NORM_ON: tl.constexpr,
+                 S: tl.constexpr, R: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, WR: tl.constexpr,
+                 HAS_CODES: tl.constexpr, ETA: tl.constexpr, RSCALE: tl.constexpr):
+    bh64 = bh.to(tl.int64)
+    dt = RING.dtype.element_ty
+    xrow = X + b.to(tl.int64) * stride_xb + h * stride_xh
+    if BITS == 16:
+        dd = tl.arange(0, D)
+        tl.store(DATA + bh64 * T * D + p0.to(tl.int64) * D + dd, tl.load(xrow + dd).to(DATA.dtype.element_ty))
+        return
+    CPW: tl.constexpr = 32 // BITS
+    W: tl.constexpr = (D + CPW - 1) // CPW
+    WP: tl.constexpr = triton.next_power_of_2(W)
+    CP: tl.constexpr = triton.next_power_of_2(CPW)
+    NGRP: tl.constexpr = D // GS if AXIS == 0 else 1
+    STATIC: tl.constexpr = AXIS == 1 and GS == 0
+    gt = tl.arange(0, GP)[:, None, None]
+    w3 = tl.arange(0, WP)[None, :, None]
+    j3 = tl.arange(0, CP)[None, None, :]
+    dch = w3 * CPW + j3  # [1, WP, CP] channel of each slot
+    ev = (j3 < CPW) & (dch < D)  # slot holds a channel
+    dsafe = tl.where(ev, dch, 0)
+    grp = dsafe // GS if AXIS == 0 else dsafe * 0
+
+    xtok = tl.load(xrow + dsafe, mask=ev, other=0.0).to(tl.float32)  # [1, WP, CP] the appended token
+    first = p0 == 0
+    if NORM_ON:
+        nrm = tl.load(NORM + bh64 * D + dsafe, mask=ev, other=1.0)
+        nrm = tl.where(first, tl.maximum(tl.sqrt_rn(tl.abs(xtok)), EPS), nrm)
+        tl.store(NORM + bh64 * D + dsafe, nrm, mask=ev & first)
+    if STATIC:
+        sc = xtok
+        if NORM_ON:
+            sc = tl.math.div_rn(xtok, nrm)
+        if SYM == 1:
+            c_new = sc * 0.0
+            h_new = tl.abs(sc)
+        else:
+            c_new = sc
+            h_new = sc * 0.0
+        h_new = tl.maximum(h_new * (1 - 2 * ETA) * RSCALE, EPS)
+        scen = tl.load(CEN + bh64 * D + dsafe, mask=ev, other=0.0)
+        shalf = tl.load(HALF + bh64 * D + dsafe, mask=ev, other=1.0)
+        scen = tl.where(first, c_new.to(dt), scen)
+        shalf = tl.where(first, h_new.to(dt), shalf)
+        if SYM != 1:
+            tl.store(CEN + bh64 * D + dsafe, scen, mask=ev & first)
+        tl.store(HALF + bh64 * D + dsafe, shalf, mask=ev & first)
+        scen = scen.to(tl.float32)
+        shalf = shalf.to(tl.float32)
+        if SYM == 1:
+            scen = scen * 0.0
+
+    q_old = _fill_boundary(p0, S, R, G)
+    q_new = _fill_boundary(p0 + 1, S, R, G)
+    flush = q_new > q_old
+    pos = q_old + gt  # [GP, 1, 1]
+    tv = gt < G
+    emask = tv & ev
+    if WR > 0:
+        xr = tl.load(RING + bh64 * WR * D + ((pos % WR) * D + dsafe), mask=emask & (pos != p0), other=0.0)
+        xg = tl.where(pos == p0, xtok.to(dt), xr)
+    else:
+        xg = (xtok + gt * 0.0).to(dt)
+    xg = xg.to(tl.float32)
+    if NORM_ON:
+        xg = tl.math.div_rn(xg, nrm)
+    xg = tl.where(emask, xg, 0.0)
+
+    valid = emask
+    if NOUT > 0:
+        if STATIC:
+            c0, h0 = scen, shalf
+        else:
+            c0, h0 = _range(xg, emask, grp, False, AXIS, NGRP)
+        score = tl.where(emask, tl.math.div_rn(tl.abs(xg - c0), tl.maximum(h0, EPS)), -1.0)
+        flat_i = tl.reshape(gt * 0 + w3 * CP + j3, [GP, WP * CP])
+        flat_d = tl.reshape(gt * 0 + dch, [GP, WP * CP])
+        flat_x = tl.reshape(xg, [GP, WP * CP])
+        for k in tl.static_range(NOUT):
+            fs = tl.reshape(score, [GP, WP * CP])
+            f = tl.argmax(fs, 1)  # [GP]
+            pick = flat_i == f[:, None]
+            oidx = tl.sum(tl.where(pick, flat_d, 0), 1)
+            oval = tl.sum(tl.where(pick, flat_x, 0.0), 1)
+            orow = bh64 * T * NOUT + pos.reshape([GP]).to(tl.int64) * NOUT + k
+            om = tv.reshape([GP]) & flush
+            tl.store(OVAL + orow, oval.to(OVAL.dtype.element_ty), mask=om)
+            tl.store(OIDX + orow, oidx.to(OIDX.dtype.element_ty), mask=om)
+            chosen = tl.reshape(pick, [GP, WP, CP])
+            score = tl.where(chosen, -1.0, score)
+            valid = valid & ~chosen
+
+    if STATIC:
+        cen, half = scen, shalf
+        xn = tl.math.div_rn(xg - cen, half)
+        if LUT:
+            code = xn.to(tl.int32) * 0
+            for i in tl.static_range(NLEV - 1):
+                mid = (tl.load(LEV + i) + tl.load(LEV + i + 1)) / 2
+                code += (mid < xn).to(tl.int32)
+        else:
+            code = _uniform_code(xn, (1 << BITS) - 1 if (SYM == 1 and BITS > 1) else (1 << BITS))
+    elif SYM == 2:
+        NS: tl.constexpr = (1 << BITS) - 1
+        NA: tl.constexpr = 1 << (BITS - 1)
+        cs, hs = _range(xg, valid, grp, True, AXIS, NGRP)
+        ca, ha = _range(xg, valid, grp, False, AXIS, NGRP)
+        cs = cs.to(dt).to(tl.float32)
+        hs = tl.maximum(hs, EPS).to(dt).to(tl.float32)
+        ca = ca.to(dt).to(tl.float32)
+        ha = tl.maximum(ha, EPS).to(dt).to(tl.float32)
+        ks = _uniform_code(tl.math.div_rn(xg - cs, hs), NS)
+        ka = _uniform_code(tl.math.div_rn(xg - ca, ha), NA)
+        es = tl.where(valid, tl.abs(_level(ks, NS) * hs + cs - xg), 0.0)
+        ea = tl.where(valid, tl.abs(_level(ka, NA) * ha + ca - xg), 0.0)
+        m = _reduce(es, grp, 2, AXIS, NGRP) < _reduce(ea, grp, 2, AXIS, NGRP)
+        code = tl.where(m, ks, ka)
+        cen = tl.where(m, cs, ca)
+        half = tl.where(m, hs, ha)
+    else:
+        cen, half = _range(xg, valid, grp, SYM == 1, AXIS, NGRP)
+        half = tl.maximum(half * (1 - 2 * ETA), EPS).to(dt).to(tl.float32)
+        cen = cen.to(dt).to(tl.float32)
+        xn = tl.math.div_rn(xg - cen, half)
+        if LUT:
+            code = xn.to(tl.int32) * 0
+            for i in tl.static_range(NLEV - 1):
+                mid = (tl.load(LEV + i) + tl.load(LEV + i + 1)) / 2
+                code += (mid < xn).to(tl.int32)
+        else:
+            code = _uniform_code(xn, (1 << BITS) - 1 if (SYM == 1 and BITS > 1) else (1 << BITS))
+
+    if HAS_CODES:
+        code = tl.where(emask, code, 0)
+        words = tl.reduce(code << (j3 * BITS), 2, _or)  # [GP, WP]
+        wi = tl.arange(0, WP)[None, :]
+        posw = pos.reshape([GP, 1]).to(tl.int64)
+        tl.store(CODES + bh64 * T * W + posw * W + wi, words, mask=(tv.reshape([GP, 1]) & (wi < W)) & flush)
+    if not STATIC:  # group statistics, one writer slot per group
+        if AXIS == 0:
+            rep = emask & (dsafe % GS == 0)
+            off = bh64 * T * NGRP + pos.to(tl.int64) * NGRP + grp
+        else:
+            rep = emask & (gt == 0)
+            off = bh64 * NGC * D + ((q_old - S) // G) * D + dsafe + gt * 0
+        rep = rep & flush
+        if SYM != 1:
+            tl.store(CEN + off, cen.to(dt), mask=rep)
+        tl.store(HALF + off, half.to(dt), mask=rep)
+        if SYM == 2:
+            tl.store(HMASK + off, m.to(HMASK.dtype.element_ty), mask=rep)
+
+    d1 = tl.arange(0, D)
+    xrow1 = tl.load(xrow + d1).to(dt)
+    if S > 0:
+        tl.store(SINK + bh64 * S * D + p0 * D + d1, xrow1, mask=(d1 < D) & (p0 < S))
+    if WR > 0:
+        tl.debug_barrier()  # every thread has read the group's ring slots before one is overwritten
+        tl.store(RING + bh64 * WR * D + (p0 % WR) * D + d1, xrow1, mask=(d1 < D) & (q_new <= p0))
+
+
+@triton.jit
+def _append_kernel(
+        KX, stride_kb, stride_kh, KDATA, KCODES, KCEN, KHALF, KHMASK, KOVAL, KOIDX, KSINK, KRING, KLEV, KNORM,
+        VX, stride_vb, stride_vh, VDATA, VCODES, VCEN, VHALF, VHMASK, VOVAL, VOIDX, VSINK, VRING, VLEV,
+        POS, COS_IN, SIN_IN, stride_cb, COS_T, SIN_T, T, NGC_K, NGC_V,
+        H: tl.constexpr, D: tl.constexpr, S: tl.constexpr, R: tl.constexpr, ROPE: tl.constexpr,
+        BITS_K: tl.constexpr, AXIS_K: tl.constexpr, GS_K: tl.constexpr, SYM_K: tl.constexpr, LUT_K: tl.constexpr,
+        NLEV_K: tl.constexpr, NOUT_K: tl.constexpr, NORM_K: tl.constexpr, G_K: tl.constexpr, GP_K: tl.constexpr,
+        WR_K: tl.constexpr, CODES_K: tl.constexpr, ETA_K: tl.constexpr, RSCALE_K: tl.constexpr,
+        BITS_V: tl.constexpr, AXIS_V: tl.constexpr, GS_V: tl.constexpr, SYM_V: tl.constexpr, LUT_V: tl.constexpr,
+        NLEV_V: tl.constexpr, NOUT_V: tl.constexpr, G_V: tl.constexpr, GP_V: tl.constexpr,
+        WR_V: tl.constexpr, CODES_V: tl.constexpr, ETA_V: tl.constexpr, RSCALE_V: tl.constexpr):
+    bh = tl.program_id(0)
+    side = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    p0 = tl.load(POS).to(tl.int32)
+    if side == 0:
+        _append_side(KX, stride_kb, stride_kh, KDATA, KCODES, KCEN, KHALF, KHMASK, KOVAL, KOIDX, KSINK, KRING,
+                     KLEV, KNORM, b, h, bh, p0, T, NGC_K, D, BITS_K, AXIS_K, GS_K, SYM_K, LUT_K, NLEV_K, NOUT_K,
+                     NORM_K, S, R, G_K, GP_K, WR_K, CODES_K, ETA_K, RSCALE_K)
+        if ROPE:
+            if h == 0:
+                d = tl.arange(0, D)
+                src = b.to(tl.int64) * stride_cb + d
+                dst = b.to(tl.int64) * T * D + p0.to(tl.int64) * D + d
+                tl.store(COS_T + dst, tl.load(COS_IN + src).to(COS_T.dtype.element_ty))
+                tl.store(SIN_T + dst, tl.load(SIN_IN + src).to(SIN_T.dtype.element_ty))
+    else:
+        _append_side(VX, stride_vb, stride_vh, VDATA, VCODES, VCEN, VHALF, VHMASK, VOVAL, VOIDX, VSINK, VRING,
+                     VLEV, VLEV, b, h, bh, p0, T, NGC_V, D, BITS_V, AXIS_V, GS_V, SYM_V, LUT_V, NLEV_V, NOUT_V,
+                     False, S, R, G_V, GP_V, WR_V, CODES_V, ETA_V, RSCALE_V)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launcher
+# ---------------------------------------------------------------------------------------------
+def _side(bufs: dict, side: str, q, cfg, geo):
+    """(pointers, constants) of one side; absent buffers are never read (any tensor stands in)."""
+    from kvq_compile.config import Axis, Symmetry
+
+    g = lambda n: bufs.get(f"{side}.{n}")  # noqa: E731
+    if not q.quantized:
+        data = g("data")
+        ptrs = dict(data=data, codes=data, cen=data, half=data, hmask=data, oval=data, oidx=data, sink=data,
+                    ring=data, lev=data, norm=data)
+        return ptrs, dict(BITS=16, AXIS=0, GS=1, SYM=0, LUT=False, NLEV=1, NOUT=0, NORM=False, G=1, GP=1, WR=0,
+                          CODES=False, ETA=0.0, RSCALE=1.0, NGC=1)
+    half = g("half")
+    pick = lambda n: g(n) if g(n) is not None else half  # noqa: E731
+    ptrs = {k: pick(n) for k, n in (("data", "half"), ("codes", "codes"), ("cen", "center"), ("half", "half"),
+                                    ("hmask", "mask"), ("oval", "out_val"), ("oidx", "out_idx"),
+                                    ("sink", "sink"), ("ring", "ring"), ("lev", "levels"), ("norm", "norm"))}
+    if q.axis is Axis.TOKEN:
+        axis, gs = 0, q.group_size or geo.head_dim
+    else:
+        axis, gs = 1, q.group_size or 0
+    G = q.tokens_per_group
+    if g("ring") is not None and g("ring").dtype != half.dtype:
+        raise ValueError("kvq append: ring and statistics must share the cache dtype")
+    return ptrs, dict(BITS=q.bits, AXIS=axis, GS=gs, SYM={Symmetry.ASYMMETRIC: 0, Symmetry.SYMMETRIC: 1,
+                                                            Symmetry.HYBRID: 2}[q.symmetry],
+                      LUT=g("levels") is not None, NLEV=g("levels").numel() if g("levels") is not None else 1,
+                      NOUT=g("out_val").shape[-1] if g("out_val") is not None else 0, NORM=g("norm") is not None,
+                      G=G, GP=triton.next_power_of_2(G), WR=g("ring").shape[2] if g("ring") is not None else 0,
+                      CODES=g("codes") is not None, ETA=float(cfg.eta_for(q)), RSCALE=float(q.range_scale),
+                      NGC=half.shape[2] if axis == 1 and gs else 1)
+
+
+def supported(cfg, spec, geo) -> str | None:
+    """Why this layer's append cannot run here (None: it can)."""
+    if geo.head_dim & (geo.head_dim - 1):
+        return f"head_dim {geo.head_dim} is not a power of two"
+    for q in (spec.key, spec.value):
+        if q.quantized and q.symmetry.value == "hybrid" and q.bits < 2:
+            return "hybrid groups need at least 2 bits"
+    return None
+
+
+def append_decode(bufs: dict, cfg, spec, geo, key, value, positions, cos=None, sin=None, num_warps: int = 4):
+    """kvq::append of one token per sequence at positions[0], on the device (no host synchronization).
+    key/value [B, H, 1, D]; cos/sin [B|1, 1, D] or [B|1, 1, 1, D] for Keys stored before RoPE."""
+    B, H, n, D = key.shape
+    if n != 1:
+        raise ValueError("append_decode takes one token per sequence; chunks use store.append")
+    why = supported(cfg, spec, geo)
+    if why:
+        raise NotImplementedError(f"kvq Triton append: {why}")
+    key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (key, value))
+    kp, kc = _side(bufs, "k", spec.key, cfg, geo)
+    vp, vc = _side(bufs, "v", spec.value, cfg, geo)
+    rope = cos is not None and "rope.cos" in bufs
+    if rope:
+        cos, sin = (c.reshape(c.shape[0], -1, D)[:, 0].contiguous() for c in (cos, sin))
+        stride_cb = D if cos.shape[0] > 1 else 0
+        cos_t, sin_t = bufs["rope.cos"], bufs["rope.sin"]
+    else:
+        cos = sin = cos_t = sin_t = key
+        stride_cb = 0
+    _append_kernel[(B * H, 2)](
+        key, key.stride(0), key.stride(1), kp["data"], kp["codes"], kp["cen"], kp["half"], kp["hmask"], kp["oval"],
+        kp["oidx"], kp["sink"], kp["ring"], kp["lev"], kp["norm"],
+        value, value.stride(0), value.stride(1), vp["data"], vp["codes"], vp["cen"], vp["half"], vp["hmask"],
+        vp["oval"], vp["oidx"], vp["sink"], vp["ring"], vp["lev"],
+        positions, cos, sin, stride_cb, cos_t, sin_t, geo.max_len, kc["NGC"], vc["NGC"],
+        H=H, D=D, S=cfg.sink, R=cfg.recent, ROPE=rope,
+        **{f"{k}_K": v for k, v in kc.items() if k != "NGC"},
+        **{f"{k}_V": v for k, v in vc.items() if k not in ("NGC", "NORM")},
+        num_warps=num_warps)

@@ -1,0 +1,155 @@
+"""The Triton quantize-on-append template against the reference decode append (`store.append_decode`).
+
+Two stores get the same prefill chunk (reference `store.append`), then the same decode tokens: one through
+the reference, one through the template. After every step each buffer must agree: exact copies (ring, sink,
+unquantized data, RoPE table, outliers) bit for bit, statistics and the key norm to the
+dtype's rounding (torch 2.13's float32 sqrt on the CPU is off by an ulp for ~20% of inputs; the template's is
+correctly rounded), codes exactly except where a value sits on a rounding boundary (a 1-ulp difference of a division
+may pick the neighbouring level; at most 0.5% of the codes, each one level apart)."""
+import pytest
+import torch
+
+from kvq_compile import KVQConfig, QuantizerSpec
+from kvq_compile import reference as ref
+from kvq_compile import store as st
+from kvq_compile.config import Axis, Levels, Symmetry
+from kvq_compile.presets import PRESETS
+from models import small_windows
+
+triton = pytest.importorskip("triton")
+from kvq_compile.templates.quantize_append import append_decode  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _rope(B, n, p, D, dtype):
+    ang = torch.arange(p, p + n, device=DEVICE).float()[:, None] * torch.linspace(0.05, 1.0, D, device=DEVICE)
+    return ang.cos()[None].expand(B, n, D).to(dtype), ang.sin()[None].expand(B, n, D).to(dtype)
+
+
+def _codes_close(name, a, b, spec, D):
+    ua, ub = (ref.unpack_bits(x, spec.bits, D) for x in (a, b))
+    diff = (ua != ub)
+    assert diff.float().mean().item() <= 0.005, f"{name}: {diff.sum().item()} of {diff.numel()} codes differ"
+    if diff.any():
+        assert (ua - ub).abs().max().item() <= 1, f"{name}: codes differ by more than one level"
+
+
+def check(cfg, B=2, H=3, D=64, T=40, prefill=9, steps=14, dtype=torch.float32, layers=1, seed=0, scale=1.0,
+          first_token_decode=False):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    rnd = lambda *s: (torch.randn(*s, generator=gen, device=DEVICE) * scale).to(dtype)  # noqa: E731
+    geo = st.Geometry(B, H, T, D, st.dtype_name(dtype))
+    ms_ref, ms_tri = st.ModelStore(cfg, layers, geo, DEVICE), st.ModelStore(cfg, layers, geo, DEVICE)
+    start = 0
+    if not first_token_decode:
+        k, v = rnd(B, H, prefill, D), rnd(B, H, prefill, D)
+        cos, sin = _rope(B, prefill, 0, D, dtype) if cfg.keys_before_rope else (None, None)
+        for ms in (ms_ref, ms_tri):
+            for i, lay in enumerate(ms.layers):
+                st.append(lay.buffers | lay.rope, cfg, lay.spec, geo, k + i, v - i, 0, cos, sin)
+        start = prefill
+    for p in range(start, start + steps):
+        k, v = rnd(B, H, 1, D), rnd(B, H, 1, D)
+        cos, sin = _rope(1, 1, p, D, dtype) if cfg.keys_before_rope else (None, None)
+        pos = torch.tensor([p], device=DEVICE)
+        for i in range(layers):
+            lr, lt = ms_ref.layers[i], ms_tri.layers[i]
+            st.append_decode(lr.buffers | lr.rope, cfg, lr.spec, geo, k + i, v - i, pos, cos, sin)
+            append_decode(lt.buffers | lt.rope, cfg, lt.spec, geo, k + i, v - i, pos, cos, sin)
+            for name, a in (lr.buffers | lr.rope).items():
+                b = (lt.buffers | lt.rope)[name]
+                side = lr.spec.key if name.startswith("k.") else lr.spec.value
+                what = f"layer {i} {name} after position {p}"
+                if name.endswith(".codes"):
+                    _codes_close(what, a, b, side, D)
+                elif name.endswith((".center", ".half", ".norm")):  # norm: torch's CPU sqrt is 1 ulp off
+                    torch.testing.assert_close(b.float(), a.float(), rtol=2 * torch.finfo(dtype).eps,
+                                               atol=1e-6, msg=lambda m: f"{what}: {m}")
+                else:
+                    assert torch.equal(a, b), f"{what}: {(a != b).sum().item()} elements differ"
+    return ms_ref, ms_tri
+
+
+def _q(bits, axis, group, sym=Symmetry.ASYMMETRIC, levels=Levels.UNIFORM, outliers=0.0, range_scale=1.0):
+    return QuantizerSpec(bits=bits, axis=axis, group_size=group, symmetry=sym, levels=levels,
+                         outlier_fraction=outliers, range_scale=range_scale)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_every_preset(name):
+    cfg = small_windows(name)
+    check(cfg, layers=4 if name.startswith("xquant") else 1, seed=len(name))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_bits_dtypes_channel_groups(bits, dtype):
+    sym = Symmetry.SYMMETRIC if bits in (1, 4) else Symmetry.ASYMMETRIC
+    cfg = KVQConfig(key=_q(bits, Axis.CHANNEL, 4, sym), value=_q(bits, Axis.TOKEN, 16, sym), sink=1, recent=8)
+    check(cfg, dtype=dtype, seed=bits)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("D", [64, 128])
+def test_hybrid_both_axes_head_dims(D):
+    cfg = KVQConfig(key=_q(3, Axis.TOKEN, 32, Symmetry.HYBRID), value=_q(2, Axis.CHANNEL, 4, Symmetry.HYBRID),
+                    sink=2, recent=4, key_norm=True)
+    check(cfg, D=D, dtype=torch.float16, seed=D)
+
+
+@pytest.mark.interpreter
+def test_outliers_codebooks_static_and_grouped():
+    cfg = KVQConfig(key=_q(3, Axis.CHANNEL, None, levels=Levels.NORMAL_FLOAT, outliers=0.03),
+                    value=_q(2, Axis.CHANNEL, 4, outliers=0.05), sink=1, recent=4, keys_before_rope=True)
+    cfg.codebooks = {"0.key": torch.linspace(-1, 1, 8).pow(3).tolist()}
+    check(cfg, D=64, steps=12, seed=5)
+
+
+@pytest.mark.interpreter
+def test_first_token_sets_norm_and_static_ranges():
+    """A decode append at position 0 (no prefill) sets InnerQ's key norm and the static per-channel ranges
+    (with XQuant's eta and CalibQuant's range_scale) from that token, as the reference does."""
+    cfg = KVQConfig(key=_q(2, Axis.CHANNEL, None, range_scale=0.5), value=_q(4, Axis.CHANNEL, None, Symmetry.SYMMETRIC),
+                    sink=0, recent=2, key_norm=True, eta={2: 0.1})
+    check(cfg, first_token_decode=True, steps=6, dtype=torch.bfloat16)
+
+
+def test_rejects_chunks():
+    cfg = small_windows("kivi-2")
+    geo = st.Geometry(1, 1, 16, 64, "float32")
+    lay = st.ModelStore(cfg, 1, geo, DEVICE).layers[0]
+    x = torch.zeros(1, 1, 2, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="one token"):
+        append_decode(lay.buffers, cfg, lay.spec, geo, x, x, torch.tensor([0, 1], device=DEVICE))
+
+
+@pytest.mark.interpreter
+def test_op_routes_decode_appends_to_the_template(monkeypatch):
+    """The CUDA kernel of kvq::append (`ops._append_impl(compiled=True)`) takes the template for one token
+    (run here on CPU tensors under the interpreter); KVQ_APPEND must name a known implementation."""
+    from kvq_compile import ops
+
+    cfg = small_windows("kivi-2")
+    geo = st.Geometry(2, 2, 24, 64, "float32")
+    a, b = st.ModelStore(cfg, 1, geo, DEVICE).layers[0], st.ModelStore(cfg, 1, geo, DEVICE).layers[0]
+    names, tensors = b.append_tensors()
+    layout = b.descriptor(names)
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    for p in range(14):
+        k, v = (torch.randn(2, 2, 1, 64, generator=gen, device=DEVICE) for _ in range(2))
+        pos = torch.tensor([p], device=DEVICE)
+        st.append_decode(a.buffers, cfg, a.spec, geo, k, v, pos)
+        ops._append_impl(tensors, k, v, pos, None, None, layout, compiled=True)
+    for name, x in a.buffers.items():
+        if name.endswith("codes"):
+            _codes_close(name, x, b.buffers[name], a.spec.key if name[0] == "k" else a.spec.value, 64)
+        else:
+            torch.testing.assert_close(b.buffers[name], x, rtol=1e-6, atol=1e-6)
+    monkeypatch.setenv("KVQ_APPEND", "cuda-graphs")
+    ops._triton_append.cache_clear()
+    with pytest.raises(ValueError, match="KVQ_APPEND"):
+        ops._append_impl(tensors, k, v, pos, None, None, layout, compiled=True)
+    ops._triton_append.cache_clear()
