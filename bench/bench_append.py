@@ -15,30 +15,13 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_decode_attention import D, H, HQ, pick_layer, random_store  # noqa: E402
+from bench_decode_attention import D, H, HQ, graph_time, pick_layer, random_store  # noqa: E402
 
 from kvq_compile import KVQConfig  # noqa: E402
 from kvq_compile import store as st  # noqa: E402
 from kvq_compile.ops import compiled_decode_append  # noqa: E402
 from kvq_compile.templates.decode_attention import decode_attention  # noqa: E402
 from kvq_compile.templates.quantize_append import append_decode  # noqa: E402
-
-
-def graph_time(fn, reps=20) -> float:
-    """Median microseconds of one fn() call, from replays of a CUDA graph of `reps` calls."""
-    import triton.testing as tt
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    return tt.do_bench(g.replay, warmup=10, rep=100, return_mode="median") * 1e3 / reps
 
 
 def main():

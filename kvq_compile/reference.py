@@ -23,6 +23,7 @@ import torch
 from .config import Axis, Levels, QuantizerSpec, Symmetry
 
 EPS = 1e-6
+HYBRID_MARGIN = 1e-5  # hybrid groups go symmetric only when err_sym < err_asym * (1 - HYBRID_MARGIN)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,7 +243,9 @@ def quantize_block(x: torch.Tensor, spec: QuantizerSpec, levels: torch.Tensor, s
         codes_g = nearest_level((xg - cg) / hg, levels, uniform)
     elif spec.symmetry is Symmetry.HYBRID:
         # InnerQ's quantize_hybrid: symmetric B-bit levels (sign + B-1 magnitude bits) vs asymmetric B-1 bit
-        # levels; the symmetric ones only where their L1 error is strictly lower (ties stay asymmetric)
+        # levels; the symmetric ones only where their L1 error is lower by more than float32 rounding (ties stay
+        # asymmetric). Exact ties are common (|x| + |max| = |x - max| for x < 0 < max: a 4-token group often
+        # ties), and the order of a float sum would decide them differently in each kernel: HYBRID_MARGIN.
         cs, hs = _range(xg, True, vg)
         ca, ha = _range(xg, False, vg)
         cs, hs = cs.to(storage_dtype).float(), hs.clamp_min(EPS).to(storage_dtype).float()
@@ -253,7 +256,7 @@ def quantize_block(x: torch.Tensor, spec: QuantizerSpec, levels: torch.Tensor, s
         ka = nearest_level((xg - ca) / ha, lev_a, True)
         err_s = ((lev_s[ks] * hs + cs - xg).abs() * (1 if vg is None else vg)).sum(-1, keepdim=True)
         err_a = ((lev_a[ka] * ha + ca - xg).abs() * (1 if vg is None else vg)).sum(-1, keepdim=True)
-        m = err_s < err_a
+        m = err_s < err_a * (1 - HYBRID_MARGIN)
         codes_g = torch.where(m, ks, ka)
         center = torch.where(m, cs, ca).squeeze(-1).to(storage_dtype)
         half = torch.where(m, hs, ha).squeeze(-1).to(storage_dtype)

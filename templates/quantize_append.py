@@ -14,7 +14,8 @@ fill boundary Q(L) = S + floor(max(0, L - S - R) / G) * G:
                        half-width (static range, else the group's full asymmetric range), kept exact
         range          per group over the other members: asymmetric (c, h) = ((max + min) / 2, (max - min) / 2),
                        symmetric (0, max |x|); h *= 1 - 2 eta; both rounded to the cache dtype
-        hybrid         symmetric B-bit vs asymmetric (B-1)-bit by the group's L1 error, ties asymmetric
+        hybrid         symmetric B-bit vs asymmetric (B-1)-bit by the group's L1 error, symmetric only when
+                       lower by more than float rounding (err_s < err_a * (1 - 1e-5)), else asymmetric
         code           uniform: round_half_even((clamp((x - c) / h, -1, 1) + 1) * (n - 1) / 2), n levels
                        (reference.level_count); codebook: #{midpoints between levels < (x - c) / h}
         packed         word w of a token holds channels w * CPW + j at bit offset j * BITS
@@ -45,7 +46,8 @@ from kvq_compile import compat
 
 compat.fix_triton_interpreter()
 
-EPS: tl.constexpr = 1e-6
+EPS = tl.constexpr(1e-6)
+HYBRID_MARGIN = tl.constexpr(1e-5)  # reference.HYBRID_MARGIN
 
 
 @triton.jit
@@ -244,7 +246,7 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
         ka = _uniform_code(tl.math.div_rn(xg - ca, ha), NA)
         es = tl.where(valid, tl.abs(_level(ks, NS) * hs + cs - xg), 0.0)
         ea = tl.where(valid, tl.abs(_level(ka, NA) * ha + ca - xg), 0.0)
-        m = _reduce(es, grp, 2, AXIS, NGRP) < _reduce(ea, grp, 2, AXIS, NGRP)
+        m = _reduce(es, grp, 2, AXIS, NGRP) < _reduce(ea, grp, 2, AXIS, NGRP) * (1 - HYBRID_MARGIN)
         code = tl.where(m, ks, ka)
         cen = tl.where(m, cs, ca)
         half = tl.where(m, hs, ha)
