@@ -39,18 +39,19 @@ class LaunchConfig:
     """One launch of `decode_attention`: tokens per tile, warps and pipeline stages of the main launch, and
     programs per SM that set the split-K count."""
 
-    block_t: int
+    block_t: int  # 0: the template's default for the layout (`decode_attention.default_block_t`)
     num_warps: int
     num_stages: int
     programs_per_sm: int
 
     def __str__(self) -> str:
-        return f"t{self.block_t}_w{self.num_warps}_s{self.num_stages}_p{self.programs_per_sm}"
+        return f"t{self.block_t or 'default'}_w{self.num_warps}_s{self.num_stages}_p{self.programs_per_sm}"
 
 
 DEVICES = {"cuda"}  # the CPU test suite adds "cpu": the template then runs under TRITON_INTERPRET=1
-DEFAULT_CONFIG = LaunchConfig(64, 4, 2, 16)  # what the opaque CUDA kernel uses
-CONFIGS = (DEFAULT_CONFIG, LaunchConfig(32, 4, 2, 16), LaunchConfig(128, 4, 2, 16), LaunchConfig(64, 4, 3, 32))
+DEFAULT_CONFIG = LaunchConfig(0, 4, 2, 16)  # what the opaque CUDA kernel uses
+CONFIGS = (DEFAULT_CONFIG, LaunchConfig(32, 4, 2, 16), LaunchConfig(64, 4, 2, 16), LaunchConfig(128, 4, 2, 16),
+           LaunchConfig(64, 4, 3, 32))
 MAX_AUTOTUNE_CONFIGS = CONFIGS + tuple(
     LaunchConfig(t, w, s, p) for t in (32, 64, 128) for w in (4, 8) for s in (2, 3) for p in (8, 32)
     if LaunchConfig(t, w, s, p) not in CONFIGS)
@@ -70,7 +71,8 @@ def launch(*tensors, out, kvq_layout: str, scale: float, is_causal: bool, n_stor
     mask = tensors[4 + n_store] if has_mask else None
     cfg, geo, spec, names = _decode_layout(kvq_layout)
     decode_attention(query, dict(zip(names, store)), key, value, positions, mask, scale, is_causal, cfg, spec, geo,
-                     block_t=block_t, num_warps=num_warps, num_stages=num_stages, programs_per_sm=programs_per_sm,
+                     block_t=block_t or None, num_warps=num_warps, num_stages=num_stages,
+                     programs_per_sm=programs_per_sm,
                      out=out)
 
 

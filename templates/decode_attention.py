@@ -93,9 +93,8 @@ def _unpack(cbase, t, tmask, D: tl.constexpr, BITS: tl.constexpr, BT: tl.constex
 
     JOIN: whole words are loaded ([BT, W], contiguous) and split in halves repeatedly (32 -> 16 -> ... ->
     BITS bits) with tl.join, which keeps the channel order w * CPW + j; ~10x faster on an H200 than the
-    per-element gather (bench/RESULTS.md). Not used for hybrid groups: followed by their [BT, D // GS, GS]
-    view it gave wrong results on the H200 with triton 3.6 (right under the interpreter). Otherwise (and
-    for 3-bit words, 10 codes each) every code gathers its word (L1 hits)."""
+    per-element gather (bench/RESULTS.md). Not used for per-token hybrid Value groups (see `_dequant`).
+    Otherwise (and for 3-bit words, 10 codes each) every code gathers its word (L1 hits)."""
     CPW: tl.constexpr = 32 // BITS
     W: tl.constexpr = (D + CPW - 1) // CPW
     if JOIN and (CPW & (CPW - 1)) == 0:
@@ -118,22 +117,39 @@ def _unpack(cbase, t, tmask, D: tl.constexpr, BITS: tl.constexpr, BT: tl.constex
 
 
 @triton.jit
+def _per_channel(stat, BT: tl.constexpr, NGRP: tl.constexpr, GS: tl.constexpr):
+    """[BT, NGRP] group statistics -> [BT, NGRP * GS], each repeated over its group's channels."""
+    return tl.reshape(tl.broadcast_to(stat[:, :, None], [BT, NGRP, GS]), [BT, NGRP * GS])
+
+
+@triton.jit
 def _dequant(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_ptr, norm_ptr, bh, t, d, tmask,
              T, D: tl.constexpr, S: tl.constexpr, BITS: tl.constexpr, AXIS: tl.constexpr,
              GS: tl.constexpr, NG, SYM: tl.constexpr, LUT: tl.constexpr, NOUT: tl.constexpr,
-             NORM: tl.constexpr, BT: tl.constexpr):
-    """float32 [BT, D] values of positions t (quantized region), channels d = arange(D).
+             NORM: tl.constexpr, BT: tl.constexpr, KEY: tl.constexpr):
+    """float32 [BT, D] values of positions t (quantized region), channels d = arange(D); KEY: the Keys' side.
 
     Codes come in as whole words ([BT, W] contiguous loads) and are unpacked with a broadcast shift into
     [BT, W, CPW] -> [BT, D] when 32 // BITS is a power of two (1, 2, 4, 8 bits); 3-bit words (10 codes)
     fall back to a per-element gather. Per-token group statistics ([BT, D // GS]) are broadcast over
-    their group in a [BT, D // GS, GS] view; per-channel ones are rows of length D."""
+    their group in a [BT, D // GS, GS] view; per-channel ones are rows of length D. Hybrid groups: whole words
+    on the channel axis and for per-token Key groups (statistics broadcast to [BT, D]); per-token Value groups
+    gather (joined, they give wrong results on H100/H200 with triton 3.6: tests/test_templates.py's
+    test_gqa_head_dim_masks fails on the GPU, right under the interpreter)."""
     CPW: tl.constexpr = 32 // BITS
     W: tl.constexpr = (D + CPW - 1) // CPW
     bh64 = bh.to(tl.int64)
     m2 = tmask[:, None]
-    code = _unpack(codes_ptr + bh64 * T * W, t, tmask, D, BITS, BT, SYM != 2)
-    if AXIS == 0:  # per-token groups of GS channels: statistics [BT, NGRP]
+    code = _unpack(codes_ptr + bh64 * T * W, t, tmask, D, BITS, BT, (SYM != 2) or (AXIS == 1) or KEY)
+    if AXIS == 0 and SYM == 2 and KEY:  # hybrid per-token Key groups, statistics broadcast to [BT, D]
+        NGRP2: tl.constexpr = D // GS
+        gb = bh64 * T * NGRP2
+        gi = t[:, None] * NGRP2 + tl.arange(0, NGRP2)[None, :]
+        half = _per_channel(tl.load(half_ptr + gb + gi, mask=m2, other=0.0).to(tl.float32), BT, NGRP2, GS)
+        sym = _per_channel(tl.load(hmask_ptr + gb + gi, mask=m2, other=0).to(tl.int32), BT, NGRP2, GS) != 0
+        x = _levels(code, sym, BITS, SYM, LUT, lev_ptr) * half
+        x += _per_channel(tl.load(cen_ptr + gb + gi, mask=m2, other=0.0).to(tl.float32), BT, NGRP2, GS)
+    elif AXIS == 0:  # per-token groups of GS channels: statistics [BT, NGRP]
         NGRP: tl.constexpr = D // GS
         gb = bh64 * T * NGRP
         gi = t[:, None] * NGRP + tl.arange(0, NGRP)[None, :]
@@ -181,7 +197,8 @@ def _load_side(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_
                data_ptr, sink_ptr, ring_ptr, chunk_ptr, stride_cb, stride_ch, b, h, bh, t, d, tvalid, p0, bnd,
                T, D: tl.constexpr, S: tl.constexpr, WR: tl.constexpr, BITS: tl.constexpr,
                AXIS: tl.constexpr, GS: tl.constexpr, NG, SYM: tl.constexpr, LUT: tl.constexpr,
-               NOUT: tl.constexpr, NORM: tl.constexpr, ONLY_CODES: tl.constexpr, BT: tl.constexpr):
+               NOUT: tl.constexpr, NORM: tl.constexpr, ONLY_CODES: tl.constexpr, BT: tl.constexpr,
+               KEY: tl.constexpr):
     """float32 [BT, D] of one side (K or V) at positions t, from wherever the store keeps each position."""
     bh64 = bh.to(tl.int64)
     if BITS == 16:
@@ -191,12 +208,12 @@ def _load_side(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_
             return x
     elif ONLY_CODES:
         x = _dequant(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_ptr, norm_ptr, bh, t, d,
-                     tvalid, T, D, S, BITS, AXIS, GS, NG, SYM, LUT, NOUT, NORM, BT)
+                     tvalid, T, D, S, BITS, AXIS, GS, NG, SYM, LUT, NOUT, NORM, BT, KEY)
         return x
     else:
         inq = tvalid & (t >= S) & (t < bnd) & (t < p0)
         x = _dequant(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_ptr, norm_ptr, bh, t, d,
-                     inq, T, D, S, BITS, AXIS, GS, NG, SYM, LUT, NOUT, NORM, BT)
+                     inq, T, D, S, BITS, AXIS, GS, NG, SYM, LUT, NOUT, NORM, BT, KEY)
         x = tl.where(inq[:, None], x, 0.0)
         if S > 0:
             ins = tvalid & (t < S) & (t < p0)
@@ -411,7 +428,7 @@ def _decode_kernel(
         else:
             k = _load_side(KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK,
                            stride_kb, stride_kh, b, h, bh, t, d, tvalid, p0, bnd_k, T, D, S, WR_K, BITS_K, AXIS_K,
-                           GS_K, NG_K, SYM_K, LUT_K, NOUT_K, NORM_K, not WINDOW, BLOCK_T)
+                           GS_K, NG_K, SYM_K, LUT_K, NOUT_K, NORM_K, not WINDOW, BLOCK_T, True)
             if ROPE:
                 # the chunk's own key arrives already rotated (it is the attention's input, not the store's)
                 k = tl.where((t == p0)[:, None], k, _rope(k, t, d, COS, SIN, b, tvalid, T, D, BLOCK_T))
@@ -446,7 +463,7 @@ def _decode_kernel(
             else:
                 v = _load_side(VC, VCEN, VHALF, VMASK, VOVAL, VOIDX, VLEV, VLEV, VDATA, VSINK, VRING, VCHUNK,
                                stride_vb, stride_vh, b, h, bh, t, d, tvalid, p0, bnd_v, T, D, S, WR_V, BITS_V,
-                               AXIS_V, GS_V, NG_V, SYM_V, LUT_V, NOUT_V, False, not WINDOW, BLOCK_T)
+                               AXIS_V, GS_V, NG_V, SYM_V, LUT_V, NOUT_V, False, not WINDOW, BLOCK_T, False)
                 pv = _dot(p, v, dt, IEEE, INTERP)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
@@ -526,6 +543,14 @@ def _post_mode(c: dict, block_t: int, head_dim: int) -> int:
     return 0
 
 
+def default_block_t(kc: dict, vc: dict, rope: bool) -> int:
+    """Tokens per tile when the caller names none: 32 where a side dequantizes element by element through a
+    codebook, hybrid levels or outliers, or keys are rotated after dequantization (64-token tiles need more than
+    255 registers there and spill: kvquant-4 and innerq-2 on an H100, bench/RESULTS.md), else 64."""
+    heavy = rope or any(c["BITS"] != 16 and (c["LUT"] or c["SYM"] == 2 or c["NOUT"]) for c in (kc, vc))
+    return 32 if heavy else 64
+
+
 LAST_KERNELS: dict = {}  # the compiled kernels of the last launch (registers, spills: see bench/)
 
 
@@ -547,7 +572,8 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
 
     query [B, Hq, 1, D]; bufs: the layer's attend tensors by name (store.LayerStore.attend_tensors);
     key/value [B, H, 1, D]: the chunk just appended at positions[0]; attn_mask [B|1, Hq|1, 1, >= L] or None.
-    Launch configuration (what `kvq_compile.lowering` autotunes): block_t tokens per tile, num_warps and
+    Launch configuration (what `kvq_compile.lowering` autotunes): block_t tokens per tile (None: the
+    layout's `default_block_t`), num_warps and
     num_stages of the main launch, programs_per_sm for the split count (or num_splits outright).
     out: a contiguous [B, Hq, 1, D] tensor to write into (else a new one)."""
     import torch
@@ -560,7 +586,6 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
         raise ValueError(f"query heads {Hq} are not a multiple of KV heads {H}")
     rep = Hq // H
     rep_pad = max(16, triton.next_power_of_2(rep))
-    block_t = block_t or 64
     T = geo.max_len
     if query.stride(-1) != 1:
         query = query.contiguous()
@@ -568,6 +593,7 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
     kp, kc = _side_args(bufs, "k", spec.key, geo, cfg)
     vp, vc = _side_args(bufs, "v", spec.value, geo, cfg)
     rope = cfg.keys_before_rope and spec.key.quantized
+    block_t = block_t or default_block_t(kc, vc, rope)
     kpost = _post_mode(kc, block_t, D) if (post_scaling and not rope) else 0
     vpost = _post_mode(vc, block_t, D) if post_scaling else 0
     cos = bufs["rope.cos"] if rope else query
