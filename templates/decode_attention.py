@@ -93,7 +93,7 @@ def _unpack(cbase, t, tmask, D: tl.constexpr, BITS: tl.constexpr, BT: tl.constex
 
     JOIN: whole words are loaded ([BT, W], contiguous) and split in halves repeatedly (32 -> 16 -> ... ->
     BITS bits) with tl.join, which keeps the channel order w * CPW + j; ~10x faster on an H200 than the
-    per-element gather (bench/RESULTS.md). Not used for per-token hybrid Value groups (see `_dequant`).
+    per-element gather (bench/RESULTS.md). Not used for hybrid groups (see `_dequant`).
     Otherwise (and for 3-bit words, 10 codes each) every code gathers its word (L1 hits)."""
     CPW: tl.constexpr = 32 // BITS
     W: tl.constexpr = (D + CPW - 1) // CPW
@@ -117,39 +117,25 @@ def _unpack(cbase, t, tmask, D: tl.constexpr, BITS: tl.constexpr, BT: tl.constex
 
 
 @triton.jit
-def _per_channel(stat, BT: tl.constexpr, NGRP: tl.constexpr, GS: tl.constexpr):
-    """[BT, NGRP] group statistics -> [BT, NGRP * GS], each repeated over its group's channels."""
-    return tl.reshape(tl.broadcast_to(stat[:, :, None], [BT, NGRP, GS]), [BT, NGRP * GS])
-
-
-@triton.jit
 def _dequant(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_ptr, norm_ptr, bh, t, d, tmask,
              T, D: tl.constexpr, S: tl.constexpr, BITS: tl.constexpr, AXIS: tl.constexpr,
              GS: tl.constexpr, NG, SYM: tl.constexpr, LUT: tl.constexpr, NOUT: tl.constexpr,
-             NORM: tl.constexpr, BT: tl.constexpr, KEY: tl.constexpr):
-    """float32 [BT, D] values of positions t (quantized region), channels d = arange(D); KEY: the Keys' side.
+             NORM: tl.constexpr, BT: tl.constexpr):
+    """float32 [BT, D] values of positions t (quantized region), channels d = arange(D).
 
     Codes come in as whole words ([BT, W] contiguous loads) and are unpacked with a broadcast shift into
     [BT, W, CPW] -> [BT, D] when 32 // BITS is a power of two (1, 2, 4, 8 bits); 3-bit words (10 codes)
     fall back to a per-element gather. Per-token group statistics ([BT, D // GS]) are broadcast over
-    their group in a [BT, D // GS, GS] view; per-channel ones are rows of length D. Hybrid groups: whole words
-    on the channel axis and for per-token Key groups (statistics broadcast to [BT, D]); per-token Value groups
-    gather (joined, they give wrong results on H100/H200 with triton 3.6: tests/test_templates.py's
-    test_gqa_head_dim_masks fails on the GPU, right under the interpreter)."""
+    their group in a [BT, D // GS, GS] view; per-channel ones are rows of length D. Hybrid groups gather
+    their words: unpacked from whole words they give wrong results on H100/H200 with triton 3.6 (right under
+    the interpreter) on either axis, with the statistics in a [BT, D // GS, GS] view or broadcast to [BT, D]:
+    test_hybrid_groups_half_precision_tiles (fp16, 16-token tiles), test_gqa_head_dim_masks on the GPU."""
     CPW: tl.constexpr = 32 // BITS
     W: tl.constexpr = (D + CPW - 1) // CPW
     bh64 = bh.to(tl.int64)
     m2 = tmask[:, None]
-    code = _unpack(codes_ptr + bh64 * T * W, t, tmask, D, BITS, BT, (SYM != 2) or (AXIS == 1) or KEY)
-    if AXIS == 0 and SYM == 2 and KEY:  # hybrid per-token Key groups, statistics broadcast to [BT, D]
-        NGRP2: tl.constexpr = D // GS
-        gb = bh64 * T * NGRP2
-        gi = t[:, None] * NGRP2 + tl.arange(0, NGRP2)[None, :]
-        half = _per_channel(tl.load(half_ptr + gb + gi, mask=m2, other=0.0).to(tl.float32), BT, NGRP2, GS)
-        sym = _per_channel(tl.load(hmask_ptr + gb + gi, mask=m2, other=0).to(tl.int32), BT, NGRP2, GS) != 0
-        x = _levels(code, sym, BITS, SYM, LUT, lev_ptr) * half
-        x += _per_channel(tl.load(cen_ptr + gb + gi, mask=m2, other=0.0).to(tl.float32), BT, NGRP2, GS)
-    elif AXIS == 0:  # per-token groups of GS channels: statistics [BT, NGRP]
+    code = _unpack(codes_ptr + bh64 * T * W, t, tmask, D, BITS, BT, SYM != 2)
+    if AXIS == 0:  # per-token groups of GS channels: statistics [BT, NGRP]
         NGRP: tl.constexpr = D // GS
         gb = bh64 * T * NGRP
         gi = t[:, None] * NGRP + tl.arange(0, NGRP)[None, :]
@@ -197,8 +183,7 @@ def _load_side(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_
                data_ptr, sink_ptr, ring_ptr, chunk_ptr, stride_cb, stride_ch, b, h, bh, t, d, tvalid, p0, bnd,
                T, D: tl.constexpr, S: tl.constexpr, WR: tl.constexpr, BITS: tl.constexpr,
                AXIS: tl.constexpr, GS: tl.constexpr, NG, SYM: tl.constexpr, LUT: tl.constexpr,
-               NOUT: tl.constexpr, NORM: tl.constexpr, ONLY_CODES: tl.constexpr, BT: tl.constexpr,
-               KEY: tl.constexpr):
+               NOUT: tl.constexpr, NORM: tl.constexpr, ONLY_CODES: tl.constexpr, BT: tl.constexpr):
     """float32 [BT, D] of one side (K or V) at positions t, from wherever the store keeps each position."""
     bh64 = bh.to(tl.int64)
     if BITS == 16:
@@ -208,12 +193,12 @@ def _load_side(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_
             return x
     elif ONLY_CODES:
         x = _dequant(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_ptr, norm_ptr, bh, t, d,
-                     tvalid, T, D, S, BITS, AXIS, GS, NG, SYM, LUT, NOUT, NORM, BT, KEY)
+                     tvalid, T, D, S, BITS, AXIS, GS, NG, SYM, LUT, NOUT, NORM, BT)
         return x
     else:
         inq = tvalid & (t >= S) & (t < bnd) & (t < p0)
         x = _dequant(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_ptr, norm_ptr, bh, t, d,
-                     inq, T, D, S, BITS, AXIS, GS, NG, SYM, LUT, NOUT, NORM, BT, KEY)
+                     inq, T, D, S, BITS, AXIS, GS, NG, SYM, LUT, NOUT, NORM, BT)
         x = tl.where(inq[:, None], x, 0.0)
         if S > 0:
             ins = tvalid & (t < S) & (t < p0)
@@ -428,7 +413,7 @@ def _decode_kernel(
         else:
             k = _load_side(KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK,
                            stride_kb, stride_kh, b, h, bh, t, d, tvalid, p0, bnd_k, T, D, S, WR_K, BITS_K, AXIS_K,
-                           GS_K, NG_K, SYM_K, LUT_K, NOUT_K, NORM_K, not WINDOW, BLOCK_T, True)
+                           GS_K, NG_K, SYM_K, LUT_K, NOUT_K, NORM_K, not WINDOW, BLOCK_T)
             if ROPE:
                 # the chunk's own key arrives already rotated (it is the attention's input, not the store's)
                 k = tl.where((t == p0)[:, None], k, _rope(k, t, d, COS, SIN, b, tvalid, T, D, BLOCK_T))
@@ -463,7 +448,7 @@ def _decode_kernel(
             else:
                 v = _load_side(VC, VCEN, VHALF, VMASK, VOVAL, VOIDX, VLEV, VLEV, VDATA, VSINK, VRING, VCHUNK,
                                stride_vb, stride_vh, b, h, bh, t, d, tvalid, p0, bnd_v, T, D, S, WR_V, BITS_V,
-                               AXIS_V, GS_V, NG_V, SYM_V, LUT_V, NOUT_V, False, not WINDOW, BLOCK_T, False)
+                               AXIS_V, GS_V, NG_V, SYM_V, LUT_V, NOUT_V, False, not WINDOW, BLOCK_T)
                 pv = _dot(p, v, dt, IEEE, INTERP)
             acc = acc * alpha[:, None] + pv
             m_i = m_new

@@ -143,3 +143,11 @@ def test_post_scaled_paths(bits, levels, sym):
     q = QuantizerSpec(bits=bits, axis=Axis.CHANNEL, group_size=16, symmetry=sym, levels=levels)
     cfg = KVQConfig(key=q, value=q, sink=0, recent=16)
     check(cfg, prefill=53, steps=3, T=72, block_t=16, num_splits=3, dtype=torch.float16, seed=bits)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("block_t,dtype", [(16, torch.float16), (32, torch.bfloat16), (64, torch.float16)])
+def test_hybrid_groups_half_precision_tiles(block_t, dtype):
+    """innerq-2 (hybrid groups on both axes) in half precision at several tile lengths: hybrid codes unpacked
+    from whole words gave wrong results on the GPU at 16-token fp16 tiles only (the template gathers them)."""
+    check(small_windows("innerq-2"), dtype=dtype, block_t=block_t, prefill=27, steps=2, T=64, num_splits=3)
