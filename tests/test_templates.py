@@ -151,3 +151,18 @@ def test_hybrid_groups_half_precision_tiles(block_t, dtype):
     """innerq-2 (hybrid groups on both axes) in half precision at several tile lengths: hybrid codes unpacked
     from whole words gave wrong results on the GPU at 16-token fp16 tiles only (the template gathers them)."""
     check(small_windows("innerq-2"), dtype=dtype, block_t=block_t, prefill=27, steps=2, T=64, num_splits=3)
+
+
+@pytest.mark.parametrize("name,tile", [("kivi-2", 64), ("int8", 64), ("calibquant-1", 64), ("kvquant-4", 32),
+                                       ("kvquant-2-1%", 32), ("innerq-2", 32)])
+def test_default_tile_is_short_where_dequantization_is_per_element(name, tile):
+    """64-token tiles spilled registers (255) on an H100 for codebook, hybrid, outlier and RoPE-after-
+    dequantization layouts; the launcher's default is 32 tokens there (bench/RESULTS.md, session 5)."""
+    from kvq_compile.templates.decode_attention import _side_args, default_block_t
+
+    cfg = KVQConfig.preset(name)
+    geo = st.Geometry(1, 2, 64, 64, "float16")
+    lay = st.ModelStore(cfg, 1, geo, "cpu").layers[0]
+    bufs = dict(zip(*lay.attend_tensors()))
+    kc, vc = (_side_args(bufs, s, q, geo, cfg)[1] for s, q in (("k", lay.spec.key), ("v", lay.spec.value)))
+    assert default_block_t(kc, vc, cfg.keys_before_rope and lay.spec.key.quantized) == tile
