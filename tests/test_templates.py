@@ -161,7 +161,7 @@ def test_default_tile_is_short_where_dequantization_is_per_element(name, tile):
     from kvq_compile.templates.decode_attention import _side_args, default_block_t
 
     cfg = KVQConfig.preset(name)
-    geo = st.Geometry(1, 2, 64, 64, "float16")
+    geo = st.Geometry(1, 2, 256, 64, "float16")
     lay = st.ModelStore(cfg, 1, geo, "cpu").layers[0]
     bufs = dict(zip(*lay.attend_tensors()))
     kc, vc = (_side_args(bufs, s, q, geo, cfg)[1] for s, q in (("k", lay.spec.key), ("v", lay.spec.value)))
