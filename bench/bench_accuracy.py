@@ -92,13 +92,28 @@ def agreement(tokens: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def rows_from_table(text: str) -> list[dict]:
-    """Rows (name, bits, ppl, increase) of the markdown table this script prints."""
+    """Rows (name, bits, ppl, increase, agreement) of the markdown table this script prints."""
     rows = []
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 6 and cells[1].replace(".", "").isdigit():
             rows.append(dict(name=cells[0], bits=float(cells[1]), ppl=float(cells[2]),
-                             increase=float(cells[3].rstrip("%"))))
+                             increase=float(cells[3].rstrip("%")), agreement=cells[4]))
+    return rows
+
+
+def known_rows(logs: list[str], windows: int, prefix: int, tokens: int) -> dict[str, dict]:
+    """Rows measured by an earlier run of this script (its printed log), by name, for reuse instead of
+    recomputing; a log whose header names another protocol is refused. The caller vouches that the code
+    that decides the numbers (kvq_compile, bench/model.py, decode_nll) is unchanged since that run."""
+    want = f"{windows} windows x ({prefix} prefix + {tokens} decoded)"
+    rows = {}
+    for path in logs:
+        with open(path) as f:
+            text = f.read()
+        if want not in text:
+            raise ValueError(f"{path}: not a run of the protocol '{want}'")
+        rows.update({r["name"]: dict(r, reused_from=path) for r in rows_from_table(text)})
     return rows
 
 
@@ -115,6 +130,8 @@ def main():
                     help="calibrated configs (save_calibration directories) evaluated after the presets")
     ap.add_argument("--out", default=None, help="rows as JSON")
     ap.add_argument("--svg", default=None, help="perplexity increase against equivalent bits, one line per family")
+    ap.add_argument("--known", nargs="+", default=[], metavar="LOG",
+                    help="reuse rows printed by earlier runs of the same protocol and code (their logs)")
     ap.add_argument("--replot", default=None, metavar="LOG", help="only plot the table printed in LOG to --svg")
     args = ap.parse_args()
     from bench_findings import svg_plot  # noqa: E402  (same plot as the findings)
@@ -124,6 +141,7 @@ def main():
             svg_plot(rows_from_table(f.read()), args.svg)
         return
     calibrated = [load_calibration(d) for d in args.calibration]  # fail early on a bad directory
+    known = known_rows(args.known, args.windows, args.prefix, args.tokens)
     torch.manual_seed(0)
     model, tok = load_model()
     cfg0 = model.config
@@ -131,13 +149,22 @@ def main():
     print(f"SmolLM2-135M, {args.windows} windows x ({args.prefix} prefix + {args.tokens} decoded), torch "
           f"{torch.__version__}, {time.strftime('%Y-%m-%d')}")
     prompts = token_windows(tok, EVALUATION_NOVELS, 128, args.agreement) if args.agreement else None
-    ref_tokens = greedy_tokens(model, prompts, KVQConfig.preset("fp16"), 64) if args.agreement else None
+    ref_tokens = None
     print("| preset | equivalent bits | decode-mode perplexity | vs fp16 | greedy agreement | seconds |")
     print("|---|---|---|---|---|---|")
     base, rows = None, []
     configs = [config_named(name, cfg0.num_hidden_layers) for name in args.presets.split(",") if name]
     for cfg in configs + calibrated:
         name = cfg.name
+        if name in known and (not args.agreement or known[name]["agreement"] != "-"):
+            r = known[name]
+            base = base or r["ppl"]
+            print(f"| {name} | {r['bits']:.2f} | {r['ppl']:.3f} | {100 * (r['ppl'] / base - 1):+.2f}% | "
+                  f"{r['agreement']} | reused |", flush=True)
+            rows.append(dict(r, increase=100 * (r["ppl"] / base - 1)))
+            continue
+        if args.agreement and ref_tokens is None:
+            ref_tokens = greedy_tokens(model, prompts, KVQConfig.preset("fp16"), 64)
         t = time.time()
         nll, n = decode_nll(model, ids, args.prefix, cfg)
         ppl = math.exp(nll / n)

@@ -3,6 +3,7 @@ measured by decode-mode perplexity (bench_accuracy.decode_nll) on held-out Auste
 
     python bench/bench_findings.py [--windows 2] [--prefix 512] [--tokens 256] [--out findings.json]
                                    [--svg bench/accuracy_vs_bits.svg] [--only kvquant]
+                                   [--known bench_accuracy.log ...]
 
 Every config is a preset with one field changed (see FINDINGS); the calibrated KVQuant codebooks come from
 `kvq_compile.calibrate` on the calibration novels (never the evaluation ones), 4 sequences of 1024 tokens,
@@ -22,7 +23,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_accuracy import decode_nll  # noqa: E402
+from bench_accuracy import decode_nll, known_rows  # noqa: E402
 from model import CALIBRATION_NOVELS, EVALUATION_NOVELS, load_model, novel_text, token_windows  # noqa: E402
 
 from kvq_compile import KVQConfig, QuantizerSpec, calibrate, load_calibration, save_calibration  # noqa: E402
@@ -63,8 +64,8 @@ def configs(calibrated_dir: str, layers: int) -> dict[str, KVQConfig]:
     c["xquant-1.38 eta 0"] = _with("xquant-1.38", "xquant-1.38 eta 0", eta={})
     for b in (1.38, 1.16):
         x, a = xquant_config(layers, b), asymkv_config(layers, b)
-        c[f"xquant-{b} (bit map)"], c[f"asymkv-{b}"] = x, a
-        x.name, a.name = f"xquant-{b} (bit map)", f"asymkv-{b}"
+        c[f"xquant-{b}-map"], c[f"asymkv-{b}"] = x, a
+        x.name, a.name = f"xquant-{b}-map", f"asymkv-{b}"
     c["innerq-2 symmetric"] = _with("innerq-2", "innerq-2 symmetric", key__symmetry=Symmetry.SYMMETRIC,
                                     value__symmetry=Symmetry.SYMMETRIC)
     c["innerq-2 asymmetric"] = _with("innerq-2", "innerq-2 asymmetric", key__symmetry=Symmetry.ASYMMETRIC,
@@ -90,9 +91,9 @@ FINDINGS = [
      ["calibquant-1", "calibquant-1 V per-token"]),
     ("eta > 0 beats eta = 0", "XQuant Tab. 4", ["xquant-1.38", "xquant-1.38 eta 0"]),
     ("XQuant beats AsymKV-style mixed precision at ~1.38 code bits", "XQuant Tab. 7",
-     ["xquant-1.38 (bit map)", "asymkv-1.38"]),
+     ["xquant-1.38-map", "asymkv-1.38"]),
     ("XQuant beats AsymKV-style mixed precision at ~1.16 code bits", "XQuant Tab. 7",
-     ["xquant-1.16 (bit map)", "asymkv-1.16"]),
+     ["xquant-1.16-map", "asymkv-1.16"]),
     ("hybrid >= symmetric > asymmetric at 2 bits", "InnerQ Tab. 2",
      ["innerq-2", "innerq-2 symmetric", "innerq-2 asymmetric"]),
     ("the sink window matters more for outer-grouped (KIVI) caches", "InnerQ Fig. 5",
@@ -157,6 +158,8 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--svg", default=None)
     ap.add_argument("--only", default=None, help="run only findings whose text or source contains this")
+    ap.add_argument("--known", nargs="+", default=[], metavar="LOG",
+                    help="reuse rows that bench_accuracy.py printed for the same protocol and code (its logs)")
     args = ap.parse_args()
     torch.manual_seed(0)
     model, tok = load_model()
@@ -169,8 +172,13 @@ def main():
     names = ["fp16"] + list(dict.fromkeys(n for f in findings for n in f[2]))
     print(f"SmolLM2-135M, {args.windows} windows x ({args.prefix} prefix + {args.tokens} decoded), torch "
           f"{torch.__version__}, {time.strftime('%Y-%m-%d')}", flush=True)
+    known = known_rows(args.known, args.windows, args.prefix, args.tokens)
     res = {}
     for n in names:
+        if n in known:
+            res[n] = dict(name=n, ppl=known[n]["ppl"], bits=known[n]["bits"], reused_from=known[n]["reused_from"])
+            print(f"  {n:40s} {res[n]['bits']:5.2f} bits  ppl {res[n]['ppl']:9.3f}  (reused)", flush=True)
+            continue
         t = time.time()
         nll, cnt = decode_nll(model, ids, args.prefix, cfgs[n])
         ppl = math.exp(nll / cnt)
