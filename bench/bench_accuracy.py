@@ -106,7 +106,7 @@ def known_rows(logs: list[str], windows: int, prefix: int, tokens: int) -> dict[
     """Rows measured by an earlier run of this script (its printed log), by name, for reuse instead of
     recomputing; a log whose header names another protocol is refused. The caller vouches that the code
     that decides the numbers (kvq_compile, bench/model.py, decode_nll) is unchanged since that run."""
-    want = f"{windows} windows x ({prefix} prefix + {tokens} decoded)"
+    want = f"SmolLM2-135M, {windows} windows x ({prefix} prefix + {tokens} decoded),"  # the header's protocol
     rows = {}
     for path in logs:
         with open(path) as f:

@@ -161,6 +161,7 @@ def main():
     ap.add_argument("--known", nargs="+", default=[], metavar="LOG",
                     help="reuse rows that bench_accuracy.py printed for the same protocol and code (its logs)")
     args = ap.parse_args()
+    known = known_rows(args.known, args.windows, args.prefix, args.tokens)  # fail early on a wrong log
     torch.manual_seed(0)
     model, tok = load_model()
     cache_root = os.environ.get("KVQ_MODEL_CACHE", os.path.expanduser("~/.cache/kvq"))
@@ -172,7 +173,6 @@ def main():
     names = ["fp16"] + list(dict.fromkeys(n for f in findings for n in f[2]))
     print(f"SmolLM2-135M, {args.windows} windows x ({args.prefix} prefix + {args.tokens} decoded), torch "
           f"{torch.__version__}, {time.strftime('%Y-%m-%d')}", flush=True)
-    known = known_rows(args.known, args.windows, args.prefix, args.tokens)
     res = {}
     for n in names:
         if n in known:

@@ -50,10 +50,11 @@ def counter(group: str, key: str) -> int:
 
 
 def fix_triton_interpreter() -> None:
-    """Under TRITON_INTERPRET=1 (the CPU CI), two fixes to triton 3.6's interpreter, no effect on compiled GPU
+    """Under TRITON_INTERPRET=1 (the CPU CI), fixes to triton 3.6's interpreter, no effect on compiled GPU
     kernels: it turns a loop bound computed from a loaded value into `int(array of shape (1,))`, which
-    numpy >= 2 refuses (its tensor `__index__` now takes the single element); and it converts float32 to
-    bfloat16 by truncation where the GPU rounds to nearest even (now rounded as on the GPU)."""
+    numpy >= 2 refuses (its tensor `__index__` now takes the single element); it converts float32 to
+    bfloat16 by truncation where the GPU rounds to nearest even; and its `tl.fma` rounds twice. The last two
+    now round as on the GPU."""
     import os
 
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -64,15 +65,22 @@ def fix_triton_interpreter() -> None:
     except ImportError:
         return
     original = getattr(interp, "_patch_lang_tensor", None)
-    if original is None or getattr(original, "_kvq_fixed", False):
-        return
+    if original is not None and not getattr(original, "_kvq_fixed", False):
+        def patched(tensor, scope):
+            original(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
 
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+        patched._kvq_fixed = True
+        interp._patch_lang_tensor = patched
 
-    patched._kvq_fixed = True
-    interp._patch_lang_tensor = patched
+    builder = getattr(interp, "InterpreterBuilder", None)
+    if builder is not None and not getattr(builder.create_fma, "_kvq_fixed", False):
+        def create_fma(self, x, y, z):  # one rounding, as the GPU's fma (the interpreter rounds twice)
+            out = x.data.astype(np.float64) * y.data + z.data
+            return interp.TensorHandle(out.astype(z.data.dtype), z.dtype.scalar)
+
+        create_fma._kvq_fixed = True
+        builder.create_fma = create_fma
 
     convert = getattr(interp, "_convert_float", None)
     if convert is not None and not getattr(convert, "_kvq_fixed", False):

@@ -23,6 +23,7 @@ fill boundary Q(L) = S + floor(max(0, L - S - R) / G) * G:
     ring:              p0 not quantized at once (Q(p0 + 1) <= p0): ring[p0 % WR] = x, after the group's
                        ring slots were read (a CTA barrier between the read and the write)
     RoPE table (Keys stored before RoPE): cos/sin[b, p0] = the step's cos/sin row.
+    A position past the cache (p0 >= T) writes nothing (the reference raises or clamps; no memory is touched).
 
 Layout in registers: a group is [GP, WP, CP] (tokens, words, codes per word, each padded to a power of
 two); channel d = w * CPW + j, so packing is a reduction over the last dimension for every bit width
@@ -123,7 +124,11 @@ def _uniform_code(xn, N: tl.constexpr):
 
 @triton.jit
 def _level(code, N: tl.constexpr):
-    return -1.0 + code.to(tl.float32) * (2.0 / (N - 1))
+    """Level k of N evenly spaced in [-1, 1], as torch.linspace forms them (from -1 below the middle, from 1
+    above it: reference.uniform_levels), so the hybrid L1 errors are summed over the same values."""
+    STEP: tl.constexpr = 2.0 / (N - 1)
+    k = code.to(tl.float32)
+    return tl.where(code < N // 2, tl.fma(k, STEP, -1.0), tl.fma(k - (N - 1), STEP, 1.0))  # one rounding, as torch
 
 
 @triton.jit
@@ -138,7 +143,8 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
     xrow = X + b.to(tl.int64) * stride_xb + h * stride_xh
     if BITS == 16:
         dd = tl.arange(0, D)
-        tl.store(DATA + bh64 * T * D + p0.to(tl.int64) * D + dd, tl.load(xrow + dd).to(DATA.dtype.element_ty))
+        tl.store(DATA + bh64 * T * D + p0.to(tl.int64) * D + dd, tl.load(xrow + dd).to(DATA.dtype.element_ty),
+                 mask=(dd < D) & (p0 < T))
         return
     CPW: tl.constexpr = 32 // BITS
     W: tl.constexpr = (D + CPW - 1) // CPW
@@ -185,7 +191,7 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
 
     q_old = _fill_boundary(p0, S, R, G)
     q_new = _fill_boundary(p0 + 1, S, R, G)
-    flush = q_new > q_old
+    flush = (q_new > q_old) & (p0 < T)  # nothing is written for a position past the cache (p0 >= T)
     pos = q_old + gt  # [GP, 1, 1]
     tv = gt < G
     emask = tv & ev
@@ -227,7 +233,7 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
         cen, half = scen, shalf
         xn = tl.math.div_rn(xg - cen, half)
         if LUT:
-            code = xn.to(tl.int32) * 0
+            code = tl.zeros(xn.shape, tl.int32)
             for i in tl.static_range(NLEV - 1):
                 mid = (tl.load(LEV + i) + tl.load(LEV + i + 1)) / 2
                 code += (mid < xn).to(tl.int32)
@@ -256,7 +262,7 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
         cen = cen.to(dt).to(tl.float32)
         xn = tl.math.div_rn(xg - cen, half)
         if LUT:
-            code = xn.to(tl.int32) * 0
+            code = tl.zeros(xn.shape, tl.int32)
             for i in tl.static_range(NLEV - 1):
                 mid = (tl.load(LEV + i) + tl.load(LEV + i + 1)) / 2
                 code += (mid < xn).to(tl.int32)
@@ -265,7 +271,7 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
 
     if HAS_CODES:
         code = tl.where(emask, code, 0)
-        words = tl.reduce(code << (j3 * BITS), 2, _or)  # [GP, WP]
+        words = tl.reduce(code << tl.where(j3 < CPW, j3 * BITS, 0), 2, _or)  # [GP, WP] (no shift past 31 bits)
         wi = tl.arange(0, WP)[None, :]
         posw = pos.reshape([GP, 1]).to(tl.int64)
         tl.store(CODES + bh64 * T * W + posw * W + wi, words, mask=(tv.reshape([GP, 1]) & (wi < W)) & flush)
@@ -289,7 +295,7 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
         tl.store(SINK + bh64 * S * D + p0 * D + d1, xrow1, mask=(d1 < D) & (p0 < S))
     if WR > 0:
         tl.debug_barrier()  # every thread has read the group's ring slots before one is overwritten
-        tl.store(RING + bh64 * WR * D + (p0 % WR) * D + d1, xrow1, mask=(d1 < D) & (q_new <= p0))
+        tl.store(RING + bh64 * WR * D + (p0 % WR) * D + d1, xrow1, mask=(d1 < D) & (q_new <= p0) & (p0 < T))
 
 
 @triton.jit
@@ -314,7 +320,7 @@ def _append_kernel(
                      KLEV, KNORM, b, h, bh, p0, T, NGC_K, D, BITS_K, AXIS_K, GS_K, SYM_K, LUT_K, NLEV_K, NOUT_K,
                      NORM_K, S, R, G_K, GP_K, WR_K, CODES_K, ETA_K, RSCALE_K)
         if ROPE:
-            if h == 0:
+            if (h == 0) & (p0 < T):
                 d = tl.arange(0, D)
                 src = b.to(tl.int64) * stride_cb + d
                 dst = b.to(tl.int64) * T * D + p0.to(tl.int64) * D + d
