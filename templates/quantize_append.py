@@ -103,7 +103,7 @@ def _range(x, valid, grp, SYMMETRIC: tl.constexpr, AXIS: tl.constexpr, NGRP: tl.
     mx = tl.where(empty, 0.0, mx)
     mn = tl.where(empty, 0.0, mn)
     if SYMMETRIC:
-        return mx * 0.0, tl.maximum(tl.abs(mx), tl.abs(mn))
+        return tl.zeros(mx.shape, tl.float32), tl.maximum(tl.abs(mx), tl.abs(mn))
     return (mx + mn) / 2, (mx - mn) / 2
 
 
@@ -171,11 +171,11 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
         if NORM_ON:
             sc = tl.math.div_rn(xtok, nrm)
         if SYM == 1:
-            c_new = sc * 0.0
+            c_new = tl.zeros(sc.shape, tl.float32)
             h_new = tl.abs(sc)
         else:
             c_new = sc
-            h_new = sc * 0.0
+            h_new = tl.zeros(sc.shape, tl.float32)
         h_new = tl.maximum(h_new * (1 - 2 * ETA) * RSCALE, EPS)
         scen = tl.load(CEN + bh64 * D + dsafe, mask=ev, other=0.0)
         shalf = tl.load(HALF + bh64 * D + dsafe, mask=ev, other=1.0)
@@ -187,7 +187,7 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
         scen = scen.to(tl.float32)
         shalf = shalf.to(tl.float32)
         if SYM == 1:
-            scen = scen * 0.0
+            scen = tl.zeros(scen.shape, tl.float32)
 
     q_old = _fill_boundary(p0, S, R, G)
     q_new = _fill_boundary(p0 + 1, S, R, G)
