@@ -3,7 +3,7 @@ measured by decode-mode perplexity (bench_accuracy.decode_nll) on held-out Auste
 
     python bench/bench_findings.py [--windows 2] [--prefix 512] [--tokens 256] [--out findings.json]
                                    [--svg bench/accuracy_vs_bits.svg] [--only kvquant]
-                                   [--known bench_accuracy.log ...]
+                                   [--known bench_accuracy.log ...] [--rows findings.json.partial ...]
 
 Every config is a preset with one field changed (see FINDINGS); the calibrated KVQuant codebooks come from
 `kvq_compile.calibrate` on the calibration novels (never the evaluation ones), 4 sequences of 1024 tokens,
@@ -158,10 +158,21 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--svg", default=None)
     ap.add_argument("--only", default=None, help="run only findings whose text or source contains this")
+    ap.add_argument("--rows", nargs="+", default=[], metavar="JSON",
+                    help="reuse rows of earlier runs of this script: their --out file, or its .partial (which does "
+                         "not record the protocol: the caller vouches for it)")
     ap.add_argument("--known", nargs="+", default=[], metavar="LOG",
                     help="reuse rows that bench_accuracy.py printed for the same protocol and code (its logs)")
     args = ap.parse_args()
     known = known_rows(args.known, args.windows, args.prefix, args.tokens)  # fail early on a wrong log
+    for path in args.rows:  # rows of earlier (possibly interrupted, or parallel) runs of this script
+        with open(path) as f:
+            data = json.load(f)
+        if isinstance(data, dict):
+            if (data["windows"], data["prefix"], data["tokens"]) != (args.windows, args.prefix, args.tokens):
+                raise ValueError(f"{path}: rows of another protocol")
+            data = data["results"]
+        known.update({r["name"]: dict(r, reused_from=r.get("reused_from") or path) for r in data})
     torch.manual_seed(0)
     model, tok = load_model()
     cache_root = os.environ.get("KVQ_MODEL_CACHE", os.path.expanduser("~/.cache/kvq"))
@@ -176,7 +187,8 @@ def main():
     res = {}
     for n in names:
         if n in known:
-            res[n] = dict(name=n, ppl=known[n]["ppl"], bits=known[n]["bits"], reused_from=known[n]["reused_from"])
+            res[n] = dict(name=n, ppl=known[n]["ppl"], bits=known[n]["bits"],
+                          reused_from=known[n].get("reused_from"))
             print(f"  {n:40s} {res[n]['bits']:5.2f} bits  ppl {res[n]['ppl']:9.3f}  (reused)", flush=True)
             continue
         t = time.time()
