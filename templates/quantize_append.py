@@ -123,6 +123,20 @@ def _uniform_code(xn, N: tl.constexpr):
 
 
 @triton.jit
+def _nearest_code(xn, LEV, BITS: tl.constexpr, SYM: tl.constexpr, LUT: tl.constexpr, NLEV: tl.constexpr):
+    """Code of the level nearest to each normalized value: codebook (#midpoints below, as torch.bucketize) or
+    uniform levels (reference.level_count of them)."""
+    if LUT:
+        code = tl.zeros(xn.shape, tl.int32)
+        for i in tl.static_range(NLEV - 1):
+            mid = (tl.load(LEV + i) + tl.load(LEV + i + 1)) / 2
+            code += (mid < xn).to(tl.int32)
+    else:
+        code = _uniform_code(xn, (1 << BITS) - 1 if (SYM == 1 and BITS > 1) else (1 << BITS))
+    return code
+
+
+@triton.jit
 def _level(code, N: tl.constexpr):
     """Level k of N evenly spaced in [-1, 1], as torch.linspace forms them (from -1 below the middle, from 1
     above it: reference.uniform_levels), so the hybrid L1 errors are summed over the same values."""
@@ -229,17 +243,7 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
             score = tl.where(chosen, -1.0, score)
             valid = valid & ~chosen
 
-    if STATIC:
-        cen, half = scen, shalf
-        xn = tl.math.div_rn(xg - cen, half)
-        if LUT:
-            code = tl.zeros(xn.shape, tl.int32)
-            for i in tl.static_range(NLEV - 1):
-                mid = (tl.load(LEV + i) + tl.load(LEV + i + 1)) / 2
-                code += (mid < xn).to(tl.int32)
-        else:
-            code = _uniform_code(xn, (1 << BITS) - 1 if (SYM == 1 and BITS > 1) else (1 << BITS))
-    elif SYM == 2:
+    if SYM == 2 and not STATIC:
         NS: tl.constexpr = (1 << BITS) - 1
         NA: tl.constexpr = 1 << (BITS - 1)
         cs, hs = _range(xg, valid, grp, True, AXIS, NGRP)
@@ -257,17 +261,13 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
         cen = tl.where(m, cs, ca)
         half = tl.where(m, hs, ha)
     else:
-        cen, half = _range(xg, valid, grp, SYM == 1, AXIS, NGRP)
-        half = tl.maximum(half * (1 - 2 * ETA), EPS).to(dt).to(tl.float32)
-        cen = cen.to(dt).to(tl.float32)
-        xn = tl.math.div_rn(xg - cen, half)
-        if LUT:
-            code = tl.zeros(xn.shape, tl.int32)
-            for i in tl.static_range(NLEV - 1):
-                mid = (tl.load(LEV + i) + tl.load(LEV + i + 1)) / 2
-                code += (mid < xn).to(tl.int32)
+        if STATIC:
+            cen, half = scen, shalf
         else:
-            code = _uniform_code(xn, (1 << BITS) - 1 if (SYM == 1 and BITS > 1) else (1 << BITS))
+            cen, half = _range(xg, valid, grp, SYM == 1, AXIS, NGRP)
+            half = tl.maximum(half * (1 - 2 * ETA), EPS).to(dt).to(tl.float32)
+            cen = cen.to(dt).to(tl.float32)
+        code = _nearest_code(tl.math.div_rn(xg - cen, half), LEV, BITS, SYM, LUT, NLEV)
 
     if HAS_CODES:
         code = tl.where(emask, code, 0)
