@@ -163,6 +163,8 @@ def main():
                          "not record the protocol: the caller vouches for it)")
     ap.add_argument("--known", nargs="+", default=[], metavar="LOG",
                     help="reuse rows that bench_accuracy.py printed for the same protocol and code (its logs)")
+    ap.add_argument("--table-only", action="store_true",
+                    help="no model: the findings table of the reused rows; a finding with a missing row says so")
     args = ap.parse_args()
     known = known_rows(args.known, args.windows, args.prefix, args.tokens)  # fail early on a wrong log
     for path in args.rows:  # rows of earlier (possibly interrupted, or parallel) runs of this script
@@ -173,15 +175,18 @@ def main():
                 raise ValueError(f"{path}: rows of another protocol")
             data = data["results"]
         known.update({r["name"]: dict(r, reused_from=r.get("reused_from") or path) for r in data})
-    torch.manual_seed(0)
-    model, tok = load_model()
-    cache_root = os.environ.get("KVQ_MODEL_CACHE", os.path.expanduser("~/.cache/kvq"))
-    calib = ensure_calibration(model, tok, os.path.join(cache_root, "calibration-kvquant-3"))
-    nl, kvh, hd = model.config.num_hidden_layers, model.config.num_key_value_heads, 64
-    cfgs = configs(calib, nl)
-    ids = token_windows(tok, EVALUATION_NOVELS, args.prefix + args.tokens, args.windows)
     findings = [f for f in FINDINGS if not args.only or args.only in f[0] or args.only in f[1]]
     names = ["fp16"] + list(dict.fromkeys(n for f in findings for n in f[2]))
+    if args.table_only:
+        names = [n for n in names if n in known]
+    else:
+        torch.manual_seed(0)
+        model, tok = load_model()
+        cache_root = os.environ.get("KVQ_MODEL_CACHE", os.path.expanduser("~/.cache/kvq"))
+        calib = ensure_calibration(model, tok, os.path.join(cache_root, "calibration-kvquant-3"))
+        nl, kvh, hd = model.config.num_hidden_layers, model.config.num_key_value_heads, 64
+        cfgs = configs(calib, nl)
+        ids = token_windows(tok, EVALUATION_NOVELS, args.prefix + args.tokens, args.windows)
     print(f"SmolLM2-135M, {args.windows} windows x ({args.prefix} prefix + {args.tokens} decoded), torch "
           f"{torch.__version__}, {time.strftime('%Y-%m-%d')}", flush=True)
     res = {}
@@ -206,6 +211,11 @@ def main():
     print("\n| finding | source | configs (perplexity, equivalent bits) | holds? |\n|---|---|---|---|")
     verdicts = []
     for text, src, group in findings:
+        missing = [n for n in group if n not in res]
+        if missing:
+            verdicts.append(dict(finding=text, source=src, configs=group, holds="not run", missing=missing))
+            print(f"| {text} | {src} | not run at this protocol: {', '.join(missing)} | - |")
+            continue
         p = [res[n]["ppl"] for n in group]
         cells = "; ".join(f"{n}: {res[n]['ppl']:.2f} ({res[n]['bits']:.2f} b)" for n in group)
         if text.startswith("the sink window"):  # (innerq, innerq no sink, kivi sink, kivi)
