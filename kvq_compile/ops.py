@@ -69,6 +69,19 @@ def _append_impl(store, key, value, positions, cos, sin, layout: str, compiled: 
         st.append_decode(bufs, cfg, spec, geo, key, value, positions, cos, sin)
 
 
+def _prefill_choice() -> str:
+    """KVQ_PREFILL: 'sdpa' (default: SDPA over the dequantized prefix and the chunk) or 'triton' (the fused
+    prefill template; checked under the Triton interpreter and compiled for sm_90, not yet timed or checked on a
+    GPU: bench/RESULTS.md)."""
+    import os
+
+    choice = os.environ.get("KVQ_PREFILL", "sdpa")
+    if choice not in ("sdpa", "triton"):
+        raise ValueError(f"KVQ_PREFILL={choice!r}: use 'sdpa' (SDPA over the dequantized prefix) or 'triton' "
+                         "(the fused prefill template)")
+    return choice
+
+
 @functools.lru_cache(maxsize=512)
 def _triton_append(layout: str) -> bool:
     """Whether decode appends of this layout run the Triton template (logged once per layout when not)."""
@@ -210,8 +223,9 @@ def compiled_decode_append(layout: str, compile: bool | None = None):
 
 
 def _register_gpu_kernels() -> None:
-    """On CUDA, decode steps (one query token) run the Triton template; chunks keep the reference path.
-    Without Triton the ops still run, on their reference kernels, with a warning."""
+    """On CUDA, decode steps (one query token) run the decode template and chunks `attend_chunk` (SDPA; over a
+    stored prefix, with `KVQ_PREFILL=triton`, the fused prefill template instead). Without Triton the ops still
+    run, on their reference kernels, with a warning."""
     import os
     import warnings
 
@@ -219,6 +233,7 @@ def _register_gpu_kernels() -> None:
         return
     try:
         from .templates.decode_attention import decode_attention
+        from .templates.prefill_attention import prefill_attention
     except Exception as e:  # noqa: BLE001  (triton missing or broken)
         warnings.warn(f"kvq: Triton decode attention unavailable ({type(e).__name__}: {e}); "
                       "kvq ops run their reference kernels (slow, and not CUDA-graph safe)")
@@ -230,9 +245,12 @@ def _register_gpu_kernels() -> None:
 
     @attend.register_kernel("cuda")
     def _attend_cuda(query, store, key, value, positions, attn_mask, scale, is_causal, layout):
-        if query.shape[2] != 1:
-            return attend_chunk(query, store, key, value, positions, attn_mask, scale, is_causal, layout)
         cfg, geo, spec, names = _decode_layout(layout)
+        if query.shape[2] != 1:  # a chunk: SDPA (`attend_chunk`), or the fused template over a stored prefix
+            if _prefill_choice() == "triton" and st.positions_span(positions)[0] > 0:
+                return prefill_attention(query, _bufs(store, names), key, value, positions, attn_mask, scale,
+                                         is_causal, cfg, spec, geo)
+            return attend_chunk(query, store, key, value, positions, attn_mask, scale, is_causal, layout)
         return decode_attention(query, _bufs(store, names), key, value, positions, attn_mask, scale, is_causal,
                                 cfg, spec, geo)
 

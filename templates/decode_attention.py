@@ -180,11 +180,13 @@ def _dequant(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_pt
 
 @triton.jit
 def _load_side(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_ptr, norm_ptr,
-               data_ptr, sink_ptr, ring_ptr, chunk_ptr, stride_cb, stride_ch, b, h, bh, t, d, tvalid, p0, bnd,
-               T, D: tl.constexpr, S: tl.constexpr, WR: tl.constexpr, BITS: tl.constexpr,
+               data_ptr, sink_ptr, ring_ptr, chunk_ptr, stride_cb, stride_ch, stride_cn, nch, b, h, bh, t, d, tvalid,
+               p0, bnd, T, D: tl.constexpr, S: tl.constexpr, WR: tl.constexpr, BITS: tl.constexpr,
                AXIS: tl.constexpr, GS: tl.constexpr, NG, SYM: tl.constexpr, LUT: tl.constexpr,
                NOUT: tl.constexpr, NORM: tl.constexpr, ONLY_CODES: tl.constexpr, BT: tl.constexpr):
-    """float32 [BT, D] of one side (K or V) at positions t, from wherever the store keeps each position."""
+    """float32 [BT, D] of one side (K or V) at positions t, from wherever the store keeps each position:
+    t < p0 from the store (written length L, quantized below bnd = Q_side(L)), t in [p0, p0 + nch) from the
+    chunk (row t - p0, token stride stride_cn; decode: nch = 1)."""
     bh64 = bh.to(tl.int64)
     if BITS == 16:
         x = tl.load(data_ptr + bh64 * T * D + (t[:, None] * D + d[None, :]),
@@ -209,8 +211,8 @@ def _load_side(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_
             xr = tl.load(ring_ptr + bh64 * WR * D + ((t % WR)[:, None] * D + d[None, :]), mask=inr[:, None],
                          other=0.0)
             x = tl.where(inr[:, None], xr.to(tl.float32), x)
-    inc = tvalid & (t == p0)
-    xc = tl.load(chunk_ptr + b.to(tl.int64) * stride_cb + h * stride_ch + t[:, None] * 0 + d[None, :],
+    inc = tvalid & (t >= p0) & (t < p0 + nch)
+    xc = tl.load(chunk_ptr + b.to(tl.int64) * stride_cb + h * stride_ch + (t - p0)[:, None] * stride_cn + d[None, :],
                  mask=inc[:, None], other=0.0)
     return tl.where(inc[:, None], xc.to(tl.float32), x)
 
@@ -412,7 +414,7 @@ def _decode_kernel(
                              BITS_K, GS_K, SYM_K, LUT_K, KP, BLOCK_T, dt, IEEE, INTERP)
         else:
             k = _load_side(KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK,
-                           stride_kb, stride_kh, b, h, bh, t, d, tvalid, p0, bnd_k, T, D, S, WR_K, BITS_K, AXIS_K,
+                           stride_kb, stride_kh, 0, 1, b, h, bh, t, d, tvalid, p0, bnd_k, T, D, S, WR_K, BITS_K, AXIS_K,
                            GS_K, NG_K, SYM_K, LUT_K, NOUT_K, NORM_K, not WINDOW, BLOCK_T)
             if ROPE:
                 # the chunk's own key arrives already rotated (it is the attention's input, not the store's)
@@ -447,7 +449,7 @@ def _decode_kernel(
                               BITS_V, GS_V, SYM_V, LUT_V, VP, BLOCK_T, dt, IEEE, INTERP)
             else:
                 v = _load_side(VC, VCEN, VHALF, VMASK, VOVAL, VOIDX, VLEV, VLEV, VDATA, VSINK, VRING, VCHUNK,
-                               stride_vb, stride_vh, b, h, bh, t, d, tvalid, p0, bnd_v, T, D, S, WR_V, BITS_V,
+                               stride_vb, stride_vh, 0, 1, b, h, bh, t, d, tvalid, p0, bnd_v, T, D, S, WR_V, BITS_V,
                                AXIS_V, GS_V, NG_V, SYM_V, LUT_V, NOUT_V, False, not WINDOW, BLOCK_T)
                 pv = _dot(p, v, dt, IEEE, INTERP)
             acc = acc * alpha[:, None] + pv
@@ -514,6 +516,19 @@ def _side_args(bufs: dict, side: str, q, geo, cfg):
                   LUT=g("levels") is not None, NOUT=g("out_val").shape[-1] if g("out_val") is not None else 0,
                   NORM=g("norm") is not None, TPG=q.tokens_per_group, WR=g("ring").shape[2] if g("ring") is not None else 0)
     return ptrs, consts
+
+
+def side_constants(kc: dict, vc: dict) -> dict:
+    """The kernels' per-side constants (BITS_K .. WR_K, BITS_V .. WR_V) from the two `_side_args` results."""
+    names = ("BITS", "AXIS", "GS", "SYM", "LUT", "NOUT", "NORM", "TPG", "WR")
+    return {f"{n}_K": kc[n] for n in names} | {f"{n}_V": vc[n] for n in names if n != "NORM"}
+
+
+def side_pointers(p: dict, key: bool) -> tuple:
+    """The kernels' per-side buffer arguments, in their order (Keys also pass the InnerQ norm)."""
+    names = ("codes", "cen", "half", "hmask", "oval", "oidx", "lev") + (("norm",) if key else ()) + (
+        "data", "sink", "ring")
+    return tuple(p[n] for n in names)
 
 
 def _post_mode(c: dict, block_t: int, head_dim: int) -> int:
@@ -606,16 +621,10 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
 
     def launch(phase, temp):
         args = (query, query.stride(0), query.stride(1),
-                kp["codes"], kp["cen"], kp["half"], kp["hmask"], kp["oval"], kp["oidx"], kp["lev"], kp["norm"],
-                kp["data"], kp["sink"], kp["ring"], key, key.stride(0), key.stride(1),
-                vp["codes"], vp["cen"], vp["half"], vp["hmask"], vp["oval"], vp["oidx"], vp["lev"],
-                vp["data"], vp["sink"], vp["ring"], value, value.stride(0), value.stride(1),
+                *side_pointers(kp, True), key, key.stride(0), key.stride(1),
+                *side_pointers(vp, False), value, value.stride(0), value.stride(1),
                 cos, sin, positions, amask, smb, smh, temp, m_buf, l_buf, acc_buf, float(scale), T, kc["NG"], vc["NG"], nsplit)
-        consts = dict(H=H, REP=rep, REP_PAD=rep_pad, D=D, S=cfg.sink, R=cfg.recent,
-                      BITS_K=kc["BITS"], AXIS_K=kc["AXIS"], GS_K=kc["GS"], SYM_K=kc["SYM"],
-                      LUT_K=kc["LUT"], NOUT_K=kc["NOUT"], NORM_K=kc["NORM"], TPG_K=kc["TPG"], WR_K=kc["WR"],
-                      BITS_V=vc["BITS"], AXIS_V=vc["AXIS"], GS_V=vc["GS"], SYM_V=vc["SYM"],
-                      LUT_V=vc["LUT"], NOUT_V=vc["NOUT"], TPG_V=vc["TPG"], WR_V=vc["WR"],
+        consts = dict(H=H, REP=rep, REP_PAD=rep_pad, D=D, S=cfg.sink, R=cfg.recent, **side_constants(kc, vc),
                       ROPE=rope, MASK_KIND=mask_kind, IS_CAUSAL=is_causal, TAU_PHASE=phase,
                       KPOST=kpost, VPOST=vpost,
                       BLOCK_T=block_t, IEEE=ieee, INTERP=_INTERPRET)

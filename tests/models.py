@@ -117,3 +117,9 @@ class GptFastModel(nn.Module):
 def snr_db(ref, test):
     """Signal-to-quantization-noise ratio in dB (torchao's compute_error)."""
     return (20 * torch.log10(ref.norm() / (ref - test).norm())).item()
+
+
+def rope_tables(B, n, p, D, dtype, device):
+    """cos / sin [B, n, D] of positions p .. p + n - 1 (test frequencies, not a model's)."""
+    ang = torch.arange(p, p + n, device=device).float()[:, None] * torch.linspace(0.05, 1.0, D, device=device)
+    return ang.cos()[None].expand(B, n, D).to(dtype), ang.sin()[None].expand(B, n, D).to(dtype)

@@ -13,17 +13,12 @@ from kvq_compile import reference as ref
 from kvq_compile import store as st
 from kvq_compile.config import Axis, Levels, Symmetry
 from kvq_compile.presets import PRESETS
-from models import small_windows
+from models import rope_tables, small_windows
 
 triton = pytest.importorskip("triton")
 from kvq_compile.templates.quantize_append import append_decode  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _rope(B, n, p, D, dtype):
-    ang = torch.arange(p, p + n, device=DEVICE).float()[:, None] * torch.linspace(0.05, 1.0, D, device=DEVICE)
-    return ang.cos()[None].expand(B, n, D).to(dtype), ang.sin()[None].expand(B, n, D).to(dtype)
 
 
 def _codes_close(name, a, b, spec, D, exact=True):
@@ -51,14 +46,14 @@ def check(cfg, B=2, H=3, D=64, T=40, prefill=9, steps=14, dtype=torch.float32, l
     start = 0
     if not first_token_decode:
         k, v = rnd(B, H, prefill, D), rnd(B, H, prefill, D)
-        cos, sin = _rope(B, prefill, 0, D, dtype) if cfg.keys_before_rope else (None, None)
+        cos, sin = rope_tables(B, prefill, 0, D, dtype, DEVICE) if cfg.keys_before_rope else (None, None)
         for ms in (ms_ref, ms_tri):
             for i, lay in enumerate(ms.layers):
                 st.append(lay.buffers | lay.rope, cfg, lay.spec, geo, k + i, v - i, 0, cos, sin)
         start = prefill
     for p in range(start, start + steps):
         k, v = rnd(B, H, 1, D), rnd(B, H, 1, D)
-        cos, sin = _rope(1, 1, p, D, dtype) if cfg.keys_before_rope else (None, None)
+        cos, sin = rope_tables(1, 1, p, D, dtype, DEVICE) if cfg.keys_before_rope else (None, None)
         if strided:
             k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v))
             if cos is not None:

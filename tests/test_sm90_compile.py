@@ -16,6 +16,7 @@ SCRIPT = textwrap.dedent('''
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     import kvq_compile.templates.decode_attention as da
+    import kvq_compile.templates.prefill_attention as pa
     import kvq_compile.templates.quantize_append as qa
     from kvq_compile import KVQConfig, store as st
 
@@ -36,7 +37,8 @@ SCRIPT = textwrap.dedent('''
                 compiled.append((self.fn.__name__, len(k.asm["cubin"])))
             return run
 
-    for mod, name in ((da, "_decode_kernel"), (da, "_combine_kernel"), (qa, "_append_kernel")):
+    for mod, name in ((da, "_decode_kernel"), (da, "_combine_kernel"), (qa, "_append_kernel"),
+                      (pa, "_prefill_kernel")):
         setattr(mod, name, Capture(getattr(mod, name)))
     for preset in sys.argv[1:]:
         cfg = KVQConfig.preset(preset)
@@ -49,6 +51,9 @@ SCRIPT = textwrap.dedent('''
         q = torch.zeros(2, 8, 1, 128, dtype=torch.bfloat16)
         da.decode_attention(q, dict(zip(names, tensors)), kv, kv, torch.tensor([5]), None, 0.1, False, cfg,
                             lay.spec, geo)
+        q3, kv3 = torch.zeros(2, 8, 3, 128, dtype=torch.bfloat16), torch.zeros(2, 2, 3, 128, dtype=torch.bfloat16)
+        pa.prefill_attention(q3, dict(zip(names, tensors)), kv3, kv3, torch.arange(5, 8), None, 0.1, True, cfg,
+                             lay.spec, geo)
     print(compiled)
 ''')
 
@@ -60,5 +65,5 @@ def test_templates_compile_for_sm90(presets):
     assert r.returncode == 0, r.stderr[-3000:]
     compiled = eval(r.stdout.strip().splitlines()[-1])  # noqa: S307  (our own repr of a list of tuples)
     kinds = {name for name, _ in compiled}
-    assert kinds == {"_decode_kernel", "_combine_kernel", "_append_kernel"}, compiled
+    assert kinds == {"_decode_kernel", "_combine_kernel", "_append_kernel", "_prefill_kernel"}, compiled
     assert all(size > 1000 for _, size in compiled), compiled

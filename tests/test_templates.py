@@ -12,18 +12,13 @@ from kvq_compile import store as st
 from kvq_compile.config import Axis, Levels, Symmetry
 from kvq_compile.ops import attend_cpu_reference
 from kvq_compile.presets import PRESETS
-from models import small_windows
+from models import rope_tables, small_windows
 
 triton = pytest.importorskip("triton")
 from kvq_compile.templates.decode_attention import decode_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
-
-
-def _rope(B, n, p, D, dtype):
-    ang = torch.arange(p, p + n, device=DEVICE).float()[:, None] * torch.linspace(0.05, 1.0, D, device=DEVICE)
-    return ang.cos()[None].expand(B, n, D).to(dtype), ang.sin()[None].expand(B, n, D).to(dtype)
 
 
 def check(cfg, B=2, H=2, rep=3, D=64, T=48, prefill=21, steps=3, dtype=torch.float32, layers=1, layer=0,
@@ -36,7 +31,7 @@ def check(cfg, B=2, H=2, rep=3, D=64, T=48, prefill=21, steps=3, dtype=torch.flo
 
     def append(k, v, p0):
         n = k.shape[2]
-        cos, sin = _rope(B, n, p0, D, dtype) if cfg.keys_before_rope else (None, None)
+        cos, sin = rope_tables(B, n, p0, D, dtype, DEVICE) if cfg.keys_before_rope else (None, None)
         for i in range(layers):  # every layer of the store, so shared codes (XQuant) exist
             names, tensors = ms.layers[i].append_tensors()
             torch.ops.kvq.append(tensors, k + i, v - i, torch.arange(p0, p0 + n, device=DEVICE), cos, sin,
