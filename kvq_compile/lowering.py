@@ -108,6 +108,20 @@ def _input_generators(layout: str, n_store: int, has_mask: bool) -> dict:
     return gens
 
 
+def distinct_launches(configs, layout: str) -> tuple[LaunchConfig, ...]:
+    """The configurations that launch differently for this layout: the default tile (block_t 0) resolved to the
+    layout's (`decode_attention.layout_block_t`), later equal launches dropped (Inductor would time them twice)."""
+    from .ops import _decode_layout
+    from .templates.decode_attention import layout_block_t
+
+    cfg, _, spec, names = _decode_layout(layout)
+    tile = layout_block_t(cfg, spec, names)
+    seen = {}
+    for c in configs:
+        seen.setdefault(dataclasses.replace(c, block_t=c.block_t or tile), c)
+    return tuple(seen.values())
+
+
 def lower_attend(query, store, key, value, positions, attn_mask, scale, is_causal, layout):
     op = torch.ops.kvq.attend.default
     device = query.get_device()
@@ -123,7 +137,7 @@ def lower_attend(query, store, key, value, positions, attn_mask, scale, is_causa
     out_layout = compat.fixed_layout(device, query.get_dtype(), shape)
     kwargs = dict(kvq_layout=layout, scale=float(scale), is_causal=bool(is_causal), n_store=len(store),
                   has_mask=has_mask)
-    configs = MAX_AUTOTUNE_CONFIGS if compat.max_autotune() else CONFIGS
+    configs = distinct_launches(MAX_AUTOTUNE_CONFIGS if compat.max_autotune() else CONFIGS, layout)
     choices = [_choice().bind(inputs, out_layout, **kwargs, **dataclasses.asdict(c)) for c in configs]
     node = compat.autotune_select("kvq_attend", choices, inputs, out_layout,
                                   _input_generators(layout, len(store), has_mask))

@@ -551,6 +551,21 @@ def default_block_t(kc: dict, vc: dict, rope: bool) -> int:
     return 32 if heavy else 64
 
 
+def layout_block_t(cfg, spec, names) -> int:
+    """`default_block_t` of a layer from its spec and its store's buffer names (no tensors: what the lowering
+    sees)."""
+    from kvq_compile.config import Symmetry
+
+    def consts(side, q):
+        if not q.quantized:
+            return dict(BITS=16, LUT=False, SYM=1, NOUT=0)
+        return dict(BITS=q.bits, LUT=f"{side}.levels" in names, SYM=2 if q.symmetry is Symmetry.HYBRID else 0,
+                    NOUT=int(f"{side}.out_val" in names))
+
+    return default_block_t(consts("k", spec.key), consts("v", spec.value),
+                           cfg.keys_before_rope and spec.key.quantized)
+
+
 LAST_KERNELS: dict = {}  # the compiled kernels of the last launch (registers, spills: see bench/)
 
 

@@ -41,18 +41,22 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 @triton.jit
 def _logits(q, KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK,
             stride_kb, stride_kh, stride_kn, COS, SIN, AMASK, stride_mb, stride_mh, stride_mn,
-            b, h, bh, qh, i, rvalid, t, d, p0, L, bnd_k, scale, T, NG_K, NCH,
+            b, h, bh, qh, i, rvalid, t, tvalid, d, p0, bnd_k, scale, T, NG_K, NCH,
             D: tl.constexpr, S: tl.constexpr, BITS_K: tl.constexpr, AXIS_K: tl.constexpr, GS_K: tl.constexpr,
             SYM_K: tl.constexpr, LUT_K: tl.constexpr, NOUT_K: tl.constexpr, NORM_K: tl.constexpr,
             WR_K: tl.constexpr, ROPE: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
-            BLOCK_T: tl.constexpr, dt: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr):
-    """(s [ROWS, BLOCK_T] float32 with the additive bias, allowed [ROWS, BLOCK_T]) of one key tile."""
-    tvalid = t < L
+            ONLY_CODES: tl.constexpr, BLOCK_T: tl.constexpr, dt: tl.constexpr, IEEE: tl.constexpr,
+            INTERP: tl.constexpr):
+    """(s [ROWS, BLOCK_T] float32 with the additive bias, allowed [ROWS, BLOCK_T]) of one key tile; ONLY_CODES:
+    every t of the tile is in the quantized region (no window or chunk loads)."""
     k = _load_side(KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK,
                    stride_kb, stride_kh, stride_kn, NCH, b, h, bh, t, d, tvalid, p0, bnd_k, T, D, S, WR_K, BITS_K,
-                   AXIS_K, GS_K, NG_K, SYM_K, LUT_K, NOUT_K, NORM_K, False, BLOCK_T)
+                   AXIS_K, GS_K, NG_K, SYM_K, LUT_K, NOUT_K, NORM_K, ONLY_CODES, BLOCK_T)
     if ROPE:  # the chunk's keys arrive already rotated (they are the attention's input, not the store's)
-        k = tl.where((t >= p0)[:, None], k, _rope(k, t, d, COS, SIN, b, tvalid & (t < p0), T, D, BLOCK_T))
+        if ONLY_CODES:
+            k = _rope(k, t, d, COS, SIN, b, tvalid, T, D, BLOCK_T)
+        else:
+            k = tl.where((t >= p0)[:, None], k, _rope(k, t, d, COS, SIN, b, tvalid & (t < p0), T, D, BLOCK_T))
     s = _dot(q, tl.trans(k), dt, IEEE, INTERP) * scale
     allowed = rvalid[:, None] & tvalid[None, :]
     if MASK_KIND != 0:
@@ -66,6 +70,14 @@ def _logits(q, KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, 
     if IS_CAUSAL:
         allowed = allowed & (t[None, :] <= i[:, None])
     return s, allowed
+
+
+@triton.jit
+def _window_t(it, n_sink, sink_hi, win_lo, win_hi, BLOCK_T: tl.constexpr):
+    """(t, valid) of window tile `it`: tiles [0, n_sink) cover [0, sink_hi), the rest [win_lo, win_hi)."""
+    in_sink = it < n_sink
+    t = tl.where(in_sink, it * BLOCK_T, win_lo + (it - n_sink) * BLOCK_T) + tl.arange(0, BLOCK_T)
+    return t, t < tl.where(in_sink, sink_hi, win_hi)
 
 
 @triton.jit
@@ -109,23 +121,37 @@ def _prefill_kernel(
     q = tl.load(Q + b.to(tl.int64) * stride_qb + qh[:, None] * stride_qh + i[:, None] * stride_qn + d[None, :],
                 mask=rvalid[:, None], other=0.0)
     dt: tl.constexpr = Q.dtype.element_ty
+
+    # Segments of [0, t_end): the region where both sides are quantized [S_EFF, main_hi) (codes only, as
+    # decode's main launch), and the windows [0, sink_hi) + [win_lo, t_end) (sink, ring, chunk).
     t_end = L
     if IS_CAUSAL:  # no row of this block sees past its last token
         t_end = tl.minimum(L, tl.minimum(tl.program_id(1) * BLOCK_M + BLOCK_M, NCH))
-    n_iter = tl.cdiv(t_end, BLOCK_T)
+    S_EFF: tl.constexpr = 0 if (BITS_K == 16 and BITS_V == 16) else S
+    qend = tl.minimum(tl.minimum(bnd_k, bnd_v), p0)
+    main_hi = tl.minimum(qend, t_end)
+    n_main = tl.cdiv(tl.maximum(main_hi - S_EFF, 0), BLOCK_T)
+    sink_hi = tl.minimum(S_EFF, t_end)
+    win_lo = tl.maximum(S_EFF, qend)
+    n_sink = tl.cdiv(sink_hi, BLOCK_T)
+    n_win = n_sink + tl.cdiv(tl.maximum(t_end - win_lo, 0), BLOCK_T)
 
     temp = tl.full([ROWS], 1.0, tl.float32)
     if TAU:
         if p0 > 0:  # an empty prefix is exact attention on the chunk (reference: tau only over a store)
             hi = tl.full([ROWS], float("-inf"), tl.float32)
             lo = tl.full([ROWS], float("inf"), tl.float32)
-            for it in range(0, n_iter):
-                t = it * BLOCK_T + tl.arange(0, BLOCK_T)
-                s, allowed = _logits(q, KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK,
-                                     stride_kb, stride_kh, stride_kn, COS, SIN, AMASK, stride_mb, stride_mh,
-                                     stride_mn, b, h, bh, qh, i, rvalid, t, d, p0, L, bnd_k, scale, T, NG_K, NCH,
-                                     D, S, BITS_K, AXIS_K, GS_K, SYM_K, LUT_K, NOUT_K, NORM_K, WR_K, ROPE,
-                                     MASK_KIND, IS_CAUSAL, BLOCK_T, dt, IEEE, INTERP)
+            for it in range(0, n_main + n_win):
+                if it < n_main:
+                    t = S_EFF + it * BLOCK_T + tl.arange(0, BLOCK_T)
+                    tvalid = t < main_hi
+                else:
+                    t, tvalid = _window_t(it - n_main, n_sink, sink_hi, win_lo, t_end, BLOCK_T)
+                s, allowed = _logits(q, KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING,
+                                     KCHUNK, stride_kb, stride_kh, stride_kn, COS, SIN, AMASK, stride_mb, stride_mh,
+                                     stride_mn, b, h, bh, qh, i, rvalid, t, tvalid, d, p0, bnd_k, scale, T, NG_K,
+                                     NCH, D, S, BITS_K, AXIS_K, GS_K, SYM_K, LUT_K, NOUT_K, NORM_K, WR_K, ROPE,
+                                     MASK_KIND, IS_CAUSAL, False, BLOCK_T, dt, IEEE, INTERP)
                 hi = tl.maximum(hi, tl.max(tl.where(allowed, s, float("-inf")), 1))
                 lo = tl.minimum(lo, tl.min(tl.where(allowed, s, float("inf")), 1))
             width = hi - lo
@@ -135,30 +161,47 @@ def _prefill_kernel(
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D], tl.float32)
-    for it in range(0, n_iter):
-        t = it * BLOCK_T + tl.arange(0, BLOCK_T)
+    for it in range(0, n_main):  # codes only: no window or chunk loads, so fewer live tiles (no spills)
+        t = S_EFF + it * BLOCK_T + tl.arange(0, BLOCK_T)
+        tvalid = t < main_hi
         s, allowed = _logits(q, KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK,
                              stride_kb, stride_kh, stride_kn, COS, SIN, AMASK, stride_mb, stride_mh, stride_mn,
-                             b, h, bh, qh, i, rvalid, t, d, p0, L, bnd_k, scale, T, NG_K, NCH,
+                             b, h, bh, qh, i, rvalid, t, tvalid, d, p0, bnd_k, scale, T, NG_K, NCH,
                              D, S, BITS_K, AXIS_K, GS_K, SYM_K, LUT_K, NOUT_K, NORM_K, WR_K, ROPE,
-                             MASK_KIND, IS_CAUSAL, BLOCK_T, dt, IEEE, INTERP)
-        if TAU:
-            s = s * temp[:, None]
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_use[:, None])
-        alpha = tl.exp(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
+                             MASK_KIND, IS_CAUSAL, True, BLOCK_T, dt, IEEE, INTERP)
         v = _load_side(VC, VCEN, VHALF, VMASK, VOVAL, VOIDX, VLEV, VLEV, VDATA, VSINK, VRING, VCHUNK,
-                       stride_vb, stride_vh, stride_vn, NCH, b, h, bh, t, d, t < L, p0, bnd_v, T, D, S, WR_V,
+                       stride_vb, stride_vh, stride_vn, NCH, b, h, bh, t, d, tvalid, p0, bnd_v, T, D, S, WR_V,
+                       BITS_V, AXIS_V, GS_V, NG_V, SYM_V, LUT_V, NOUT_V, False, True, BLOCK_T)
+        m_i, l_i, acc = _online_softmax(s, allowed, v, temp, m_i, l_i, acc, TAU, dt, IEEE, INTERP)
+    for it in range(0, n_win):
+        t, tvalid = _window_t(it, n_sink, sink_hi, win_lo, t_end, BLOCK_T)
+        s, allowed = _logits(q, KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK,
+                             stride_kb, stride_kh, stride_kn, COS, SIN, AMASK, stride_mb, stride_mh, stride_mn,
+                             b, h, bh, qh, i, rvalid, t, tvalid, d, p0, bnd_k, scale, T, NG_K, NCH,
+                             D, S, BITS_K, AXIS_K, GS_K, SYM_K, LUT_K, NOUT_K, NORM_K, WR_K, ROPE,
+                             MASK_KIND, IS_CAUSAL, False, BLOCK_T, dt, IEEE, INTERP)
+        v = _load_side(VC, VCEN, VHALF, VMASK, VOVAL, VOIDX, VLEV, VLEV, VDATA, VSINK, VRING, VCHUNK,
+                       stride_vb, stride_vh, stride_vn, NCH, b, h, bh, t, d, tvalid, p0, bnd_v, T, D, S, WR_V,
                        BITS_V, AXIS_V, GS_V, NG_V, SYM_V, LUT_V, NOUT_V, False, False, BLOCK_T)
-        acc = acc * alpha[:, None] + _dot(p, v, dt, IEEE, INTERP)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax(s, allowed, v, temp, m_i, l_i, acc, TAU, dt, IEEE, INTERP)
 
     out = tl.where((l_i > 0)[:, None], acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
     tl.store(O + b.to(tl.int64) * stride_ob + qh[:, None] * stride_oh + i[:, None] * stride_on + d[None, :],
              out.to(O.dtype.element_ty), mask=rvalid[:, None])
+
+
+@triton.jit
+def _online_softmax(s, allowed, v, temp, m_i, l_i, acc, TAU: tl.constexpr, dt: tl.constexpr, IEEE: tl.constexpr,
+                    INTERP: tl.constexpr):
+    """One tile of the running softmax: (max, sum, acc) updated with scores s (masked by allowed) and values v."""
+    if TAU:
+        s = s * temp[:, None]
+    s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_use[:, None])
+    alpha = tl.exp(m_i - m_use)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + _dot(p, v, dt, IEEE, INTERP)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,14 +213,16 @@ def default_block_m(rep_p2: int, rows: int = 64) -> int:
 
 
 def prefill_attention(query, bufs: dict, key, value, positions, attn_mask, scale: float, is_causal: bool,
-                      cfg, spec, geo, block_m: int | None = None, block_t: int = 32, num_warps: int = 4,
+                      cfg, spec, geo, block_m: int | None = None, block_t: int = 16, num_warps: int = 8,
                       num_stages: int = 2, out=None):
     """kvq::attend for a chunk of n >= 1 query tokens per sequence over the store plus the chunk, on the device.
 
     query [B, Hq, n, D]; bufs: the layer's attend tensors by name (store.LayerStore.attend_tensors), written
     through the chunk's append; key/value [B, H, n, D]: the chunk, appended at positions [p0, p0 + n) (p0 is
     read on the device; the op's dispatcher sends p0 = 0 to SDPA); attn_mask [B|1, Hq|1, n|1, >= L] or None.
-    out: a [B, Hq, n, D] tensor of the query dtype with unit last stride to write into (else a new one)."""
+    out: a [B, Hq, n, D] tensor of the query dtype with unit last stride to write into (else a new one).
+    Default launch (64 query rows, 16-token tiles, 8 warps): the largest that compiles for sm_90 without spilling
+    registers for every preset at head_dim 128 (bench/RESULTS.md, session 6); not yet timed on a GPU."""
     import torch
 
     B, Hq, n, D = query.shape

@@ -147,3 +147,43 @@ def test_backend_and_kvqcache_install_the_cache_key_pass(monkeypatch):
         installed = config.post_grad_custom_post_pass
         assert installed.kvq and isinstance(installed.previous, Theirs) and installed.uuid().endswith("theirs-2")
     assert config.post_grad_custom_post_pass is None or not getattr(config.post_grad_custom_post_pass, "kvq", False)
+
+
+@pytest.mark.parametrize("name,dropped", [("kivi-2", lowering.LaunchConfig(64, 4, 2, 16)),
+                                          ("kvquant-4", lowering.LaunchConfig(32, 4, 2, 16)),
+                                          ("innerq-2", lowering.LaunchConfig(32, 4, 2, 16))])
+def test_launches_equal_to_the_default_tile_are_benchmarked_once(name, dropped):
+    """The default launch resolves its tile per layout (64 tokens, or 32 where a side dequantizes element by
+    element); the explicit configuration equal to it is not offered again, and the tile the lowering resolves
+    from buffer names is the one the launcher resolves from the tensors."""
+    from kvq_compile import KVQConfig
+    from kvq_compile import store as st
+    from kvq_compile.templates.decode_attention import _side_args, default_block_t, layout_block_t
+
+    cfg = KVQConfig.preset(name)
+    geo = st.Geometry(1, 2, 256, 64, "float16")
+    lay = st.ModelStore(cfg, 1, geo, "cpu").layers[0]
+    names, tensors = lay.attend_tensors()
+    kc, vc = (_side_args(dict(zip(names, tensors)), s, q, geo, cfg)[1] for s, q in (("k", lay.spec.key),
+                                                                                     ("v", lay.spec.value)))
+    assert layout_block_t(cfg, lay.spec, names) == default_block_t(kc, vc, cfg.keys_before_rope) == dropped.block_t
+    launches = lowering.distinct_launches(lowering.CONFIGS, lay.descriptor(names))
+    assert launches == tuple(c for c in lowering.CONFIGS if c != dropped)
+    assert lowering.distinct_launches(lowering.MAX_AUTOTUNE_CONFIGS, lay.descriptor(names))[0] == lowering.DEFAULT_CONFIG
+
+
+def test_layout_tile_matches_the_launcher_for_every_preset():
+    from kvq_compile import KVQConfig
+    from kvq_compile import store as st
+    from kvq_compile.presets import PRESETS
+    from kvq_compile.templates.decode_attention import _side_args, default_block_t, layout_block_t
+
+    geo = st.Geometry(1, 2, 256, 64, "float16")
+    for name in PRESETS:
+        cfg = KVQConfig.preset(name)
+        for lay in st.ModelStore(cfg, 4, geo, "cpu").layers:
+            names, tensors = lay.attend_tensors()
+            kc, vc = (_side_args(dict(zip(names, tensors)), s, q, geo, cfg)[1]
+                      for s, q in (("k", lay.spec.key), ("v", lay.spec.value)))
+            want = default_block_t(kc, vc, cfg.keys_before_rope and lay.spec.key.quantized)
+            assert layout_block_t(cfg, lay.spec, names) == want, (name, lay.spec)
