@@ -137,53 +137,38 @@ def _prefill_kernel(
     n_win = n_sink + tl.cdiv(tl.maximum(t_end - win_lo, 0), BLOCK_T)
 
     temp = tl.full([ROWS], 1.0, tl.float32)
-    if TAU:
-        if p0 > 0:  # an empty prefix is exact attention on the chunk (reference: tau only over a store)
-            hi = tl.full([ROWS], float("-inf"), tl.float32)
-            lo = tl.full([ROWS], float("inf"), tl.float32)
-            for it in range(0, n_main + n_win):
-                if it < n_main:
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)  # range pass: the row maximum; attention pass: running max
+    l_i = tl.full([ROWS], float("inf"), tl.float32)  # range pass: the row minimum; attention pass: running sum
+    acc = tl.zeros([ROWS, D], tl.float32)
+    # CalibQuant (over a stored prefix only, as the reference): pass 0 finds each row's range, pass 1 attends
+    for ps in tl.static_range(0 if TAU else 1, 2):
+        if ps == 1:
+            if TAU:
+                width = m_i - l_i
+                ok = (width > 0) & (width < float("inf")) & (p0 > 0)
+                temp = tl.where(ok, 1.0 - TAU_SUM / tl.where(ok, width, 1.0), 1.0)
+            m_i = tl.full([ROWS], float("-inf"), tl.float32)
+            l_i = tl.zeros([ROWS], tl.float32)
+        for seg in tl.static_range(2):  # 0: the quantized region, codes only (fewer live tiles); 1: the windows
+            for it in range(0, n_main if seg == 0 else n_win):
+                if seg == 0:
                     t = S_EFF + it * BLOCK_T + tl.arange(0, BLOCK_T)
                     tvalid = t < main_hi
                 else:
-                    t, tvalid = _window_t(it - n_main, n_sink, sink_hi, win_lo, t_end, BLOCK_T)
+                    t, tvalid = _window_t(it, n_sink, sink_hi, win_lo, t_end, BLOCK_T)
                 s, allowed = _logits(q, KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING,
                                      KCHUNK, stride_kb, stride_kh, stride_kn, COS, SIN, AMASK, stride_mb, stride_mh,
                                      stride_mn, b, h, bh, qh, i, rvalid, t, tvalid, d, p0, bnd_k, scale, T, NG_K,
                                      NCH, D, S, BITS_K, AXIS_K, GS_K, SYM_K, LUT_K, NOUT_K, NORM_K, WR_K, ROPE,
-                                     MASK_KIND, IS_CAUSAL, False, BLOCK_T, dt, IEEE, INTERP)
-                hi = tl.maximum(hi, tl.max(tl.where(allowed, s, float("-inf")), 1))
-                lo = tl.minimum(lo, tl.min(tl.where(allowed, s, float("inf")), 1))
-            width = hi - lo
-            ok = (width > 0) & (width < float("inf"))
-            temp = tl.where(ok, 1.0 - TAU_SUM / tl.where(ok, width, 1.0), 1.0)
-
-    m_i = tl.full([ROWS], float("-inf"), tl.float32)
-    l_i = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, D], tl.float32)
-    for it in range(0, n_main):  # codes only: no window or chunk loads, so fewer live tiles (no spills)
-        t = S_EFF + it * BLOCK_T + tl.arange(0, BLOCK_T)
-        tvalid = t < main_hi
-        s, allowed = _logits(q, KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK,
-                             stride_kb, stride_kh, stride_kn, COS, SIN, AMASK, stride_mb, stride_mh, stride_mn,
-                             b, h, bh, qh, i, rvalid, t, tvalid, d, p0, bnd_k, scale, T, NG_K, NCH,
-                             D, S, BITS_K, AXIS_K, GS_K, SYM_K, LUT_K, NOUT_K, NORM_K, WR_K, ROPE,
-                             MASK_KIND, IS_CAUSAL, True, BLOCK_T, dt, IEEE, INTERP)
-        v = _load_side(VC, VCEN, VHALF, VMASK, VOVAL, VOIDX, VLEV, VLEV, VDATA, VSINK, VRING, VCHUNK,
-                       stride_vb, stride_vh, stride_vn, NCH, b, h, bh, t, d, tvalid, p0, bnd_v, T, D, S, WR_V,
-                       BITS_V, AXIS_V, GS_V, NG_V, SYM_V, LUT_V, NOUT_V, False, True, BLOCK_T)
-        m_i, l_i, acc = _online_softmax(s, allowed, v, temp, m_i, l_i, acc, TAU, dt, IEEE, INTERP)
-    for it in range(0, n_win):
-        t, tvalid = _window_t(it, n_sink, sink_hi, win_lo, t_end, BLOCK_T)
-        s, allowed = _logits(q, KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK,
-                             stride_kb, stride_kh, stride_kn, COS, SIN, AMASK, stride_mb, stride_mh, stride_mn,
-                             b, h, bh, qh, i, rvalid, t, tvalid, d, p0, bnd_k, scale, T, NG_K, NCH,
-                             D, S, BITS_K, AXIS_K, GS_K, SYM_K, LUT_K, NOUT_K, NORM_K, WR_K, ROPE,
-                             MASK_KIND, IS_CAUSAL, False, BLOCK_T, dt, IEEE, INTERP)
-        v = _load_side(VC, VCEN, VHALF, VMASK, VOVAL, VOIDX, VLEV, VLEV, VDATA, VSINK, VRING, VCHUNK,
-                       stride_vb, stride_vh, stride_vn, NCH, b, h, bh, t, d, tvalid, p0, bnd_v, T, D, S, WR_V,
-                       BITS_V, AXIS_V, GS_V, NG_V, SYM_V, LUT_V, NOUT_V, False, False, BLOCK_T)
-        m_i, l_i, acc = _online_softmax(s, allowed, v, temp, m_i, l_i, acc, TAU, dt, IEEE, INTERP)
+                                     MASK_KIND, IS_CAUSAL, seg == 0, BLOCK_T, dt, IEEE, INTERP)
+                if ps == 0:
+                    m_i = tl.maximum(m_i, tl.max(tl.where(allowed, s, float("-inf")), 1))
+                    l_i = tl.minimum(l_i, tl.min(tl.where(allowed, s, float("inf")), 1))
+                else:
+                    v = _load_side(VC, VCEN, VHALF, VMASK, VOVAL, VOIDX, VLEV, VLEV, VDATA, VSINK, VRING, VCHUNK,
+                                   stride_vb, stride_vh, stride_vn, NCH, b, h, bh, t, d, tvalid, p0, bnd_v, T, D, S,
+                                   WR_V, BITS_V, AXIS_V, GS_V, NG_V, SYM_V, LUT_V, NOUT_V, False, seg == 0, BLOCK_T)
+                    m_i, l_i, acc = _online_softmax(s, allowed, v, temp, m_i, l_i, acc, TAU, dt, IEEE, INTERP)
 
     out = tl.where((l_i > 0)[:, None], acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
     tl.store(O + b.to(tl.int64) * stride_ob + qh[:, None] * stride_oh + i[:, None] * stride_on + d[None, :],
@@ -221,8 +206,9 @@ def prefill_attention(query, bufs: dict, key, value, positions, attn_mask, scale
     through the chunk's append; key/value [B, H, n, D]: the chunk, appended at positions [p0, p0 + n) (p0 is
     read on the device; the op's dispatcher sends p0 = 0 to SDPA); attn_mask [B|1, Hq|1, n|1, >= L] or None.
     out: a [B, Hq, n, D] tensor of the query dtype with unit last stride to write into (else a new one).
-    Default launch (64 query rows, 16-token tiles, 8 warps): the largest that compiles for sm_90 without spilling
-    registers for every preset at head_dim 128 (bench/RESULTS.md, session 6); not yet timed on a GPU."""
+    Default launch (64 query rows, 16-token tiles, 8 warps): compiled for sm_90 at head_dim 128 it spills no
+    registers for any preset but kvquant-2-1% under a mask (16 bytes); 32-token tiles or 4 warps spill for several
+    (`bench/sm90_registers.py`, bench/RESULTS.md session 6). Not yet timed on a GPU."""
     import torch
 
     B, Hq, n, D = query.shape
