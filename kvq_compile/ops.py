@@ -233,11 +233,15 @@ def _register_gpu_kernels() -> None:
         return
     try:
         from .templates.decode_attention import decode_attention
-        from .templates.prefill_attention import prefill_attention
     except Exception as e:  # noqa: BLE001  (triton missing or broken)
         warnings.warn(f"kvq: Triton decode attention unavailable ({type(e).__name__}: {e}); "
                       "kvq ops run their reference kernels (slow, and not CUDA-graph safe)")
         return
+    try:
+        from .templates.prefill_attention import prefill_attention
+    except Exception as e:  # noqa: BLE001  (only the opt-in prefill path is lost)
+        warnings.warn(f"kvq: Triton prefill attention unavailable ({type(e).__name__}: {e}); chunks run SDPA")
+        prefill_attention = None
 
     @append.register_kernel("cuda")
     def _append_cuda(store, key, value, positions, cos, sin, layout):
@@ -247,7 +251,7 @@ def _register_gpu_kernels() -> None:
     def _attend_cuda(query, store, key, value, positions, attn_mask, scale, is_causal, layout):
         cfg, geo, spec, names = _decode_layout(layout)
         if query.shape[2] != 1:  # a chunk: SDPA (`attend_chunk`), or the fused template over a stored prefix
-            if _prefill_choice() == "triton" and st.positions_span(positions)[0] > 0:
+            if prefill_attention and _prefill_choice() == "triton" and st.positions_span(positions)[0] > 0:
                 return prefill_attention(query, _bufs(store, names), key, value, positions, attn_mask, scale,
                                          is_causal, cfg, spec, geo)
             return attend_chunk(query, store, key, value, positions, attn_mask, scale, is_causal, layout)

@@ -17,7 +17,9 @@ length L = p0 + n):
 
 Work split: one program per (b * H + h, block of BLOCK_M chunk tokens); its rows are BLOCK_M tokens x REP_P2
 heads ([ROWS, D] x [D, BLOCK_T] dots), so each K/V tile is dequantized once for all of them. The store is
-not split along t: a chunk of n tokens already gives B * H * n / BLOCK_M programs. p0 is read on the device.
+not split along t: B * H * cdiv(n, BLOCK_M) programs, which fill an H100 (132 SMs) only for long chunks or
+large batches (a short chunk of a small batch, e.g. a speculative-decoding check, runs few long programs). p0
+is read on the device.
 
 Glossary (as decode_attention, plus): NCH chunk length n; REP_P2 query heads per KV head rounded up to a
 power of two; BLOCK_M chunk tokens per program; ROWS = BLOCK_M * REP_P2; TAU CalibQuant's calibration on
@@ -41,7 +43,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 @triton.jit
 def _logits(q, KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK,
             stride_kb, stride_kh, stride_kn, COS, SIN, AMASK, stride_mb, stride_mh, stride_mn,
-            b, h, bh, qh, i, rvalid, t, tvalid, d, p0, bnd_k, scale, T, NG_K, NCH,
+            b, h, bh, qh64, i, i64, rvalid, t, tvalid, d, p0, bnd_k, scale, T, NG_K, NCH,
             D: tl.constexpr, S: tl.constexpr, BITS_K: tl.constexpr, AXIS_K: tl.constexpr, GS_K: tl.constexpr,
             SYM_K: tl.constexpr, LUT_K: tl.constexpr, NOUT_K: tl.constexpr, NORM_K: tl.constexpr,
             WR_K: tl.constexpr, ROPE: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
@@ -60,7 +62,7 @@ def _logits(q, KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, 
     s = _dot(q, tl.trans(k), dt, IEEE, INTERP) * scale
     allowed = rvalid[:, None] & tvalid[None, :]
     if MASK_KIND != 0:
-        moff = b.to(tl.int64) * stride_mb + qh[:, None] * stride_mh + i[:, None] * stride_mn + t[None, :]
+        moff = b.to(tl.int64) * stride_mb + qh64[:, None] * stride_mh + i64[:, None] * stride_mn + t[None, :]
         mv = tl.load(AMASK + moff, mask=allowed, other=0)
         if MASK_KIND == 1:
             allowed = allowed & (mv != 0)
@@ -116,9 +118,10 @@ def _prefill_kernel(
     i = tl.program_id(1) * BLOCK_M + m // REP_P2
     r = m % REP_P2
     rvalid = (r < REP) & (i < NCH)
-    qh = h * REP + r
+    qh64 = (h * REP + r).to(tl.int64)  # 64-bit offsets: one batch row of a [B, Hq, n, T] mask can pass 2^31
+    i64 = i.to(tl.int64)
     d = tl.arange(0, D)
-    q = tl.load(Q + b.to(tl.int64) * stride_qb + qh[:, None] * stride_qh + i[:, None] * stride_qn + d[None, :],
+    q = tl.load(Q + b.to(tl.int64) * stride_qb + qh64[:, None] * stride_qh + i64[:, None] * stride_qn + d[None, :],
                 mask=rvalid[:, None], other=0.0)
     dt: tl.constexpr = Q.dtype.element_ty
 
@@ -158,7 +161,7 @@ def _prefill_kernel(
                     t, tvalid = _window_t(it, n_sink, sink_hi, win_lo, t_end, BLOCK_T)
                 s, allowed = _logits(q, KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING,
                                      KCHUNK, stride_kb, stride_kh, stride_kn, COS, SIN, AMASK, stride_mb, stride_mh,
-                                     stride_mn, b, h, bh, qh, i, rvalid, t, tvalid, d, p0, bnd_k, scale, T, NG_K,
+                                     stride_mn, b, h, bh, qh64, i, i64, rvalid, t, tvalid, d, p0, bnd_k, scale, T, NG_K,
                                      NCH, D, S, BITS_K, AXIS_K, GS_K, SYM_K, LUT_K, NOUT_K, NORM_K, WR_K, ROPE,
                                      MASK_KIND, IS_CAUSAL, seg == 0, BLOCK_T, dt, IEEE, INTERP)
                 if ps == 0:
@@ -171,7 +174,7 @@ def _prefill_kernel(
                     m_i, l_i, acc = _online_softmax(s, allowed, v, temp, m_i, l_i, acc, TAU, dt, IEEE, INTERP)
 
     out = tl.where((l_i > 0)[:, None], acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
-    tl.store(O + b.to(tl.int64) * stride_ob + qh[:, None] * stride_oh + i[:, None] * stride_on + d[None, :],
+    tl.store(O + b.to(tl.int64) * stride_ob + qh64[:, None] * stride_oh + i64[:, None] * stride_on + d[None, :],
              out.to(O.dtype.element_ty), mask=rvalid[:, None])
 
 
@@ -193,7 +196,7 @@ def _online_softmax(s, allowed, v, temp, m_i, l_i, acc, TAU: tl.constexpr, dt: t
 # Launcher
 # ---------------------------------------------------------------------------------------------
 def default_block_m(rep_p2: int, rows: int = 64) -> int:
-    """Chunk tokens per program: about `rows` query rows (tokens x padded GQA heads), at least 16 for tl.dot."""
+    """Chunk tokens per program: `rows` query rows (tokens x GQA heads padded to rep_p2), at least one token."""
     return max(1, rows // rep_p2)
 
 
@@ -204,10 +207,12 @@ def prefill_attention(query, bufs: dict, key, value, positions, attn_mask, scale
 
     query [B, Hq, n, D]; bufs: the layer's attend tensors by name (store.LayerStore.attend_tensors), written
     through the chunk's append; key/value [B, H, n, D]: the chunk, appended at positions [p0, p0 + n) (p0 is
-    read on the device; the op's dispatcher sends p0 = 0 to SDPA); attn_mask [B|1, Hq|1, n|1, >= L] or None.
+    read on the device; the op's dispatcher sends p0 = 0 to SDPA); attn_mask [B|1, Hq|1, n|1, >= L] or None
+    (its last dimension must cover the written length L = p0 + n: the kernel reads it up to L).
     out: a [B, Hq, n, D] tensor of the query dtype with unit last stride to write into (else a new one).
     Default launch (64 query rows, 16-token tiles, 8 warps): compiled for sm_90 at head_dim 128 it spills no
-    registers for any preset but kvquant-2-1% under a mask (16 bytes); 32-token tiles or 4 warps spill for several
+    registers for any preset but kvquant-4 under a bool mask (8 bytes; additive masks not checked); 32-token
+    tiles or 4 warps spill for several
     (`bench/sm90_registers.py`, bench/RESULTS.md session 6). Not yet timed on a GPU."""
     import torch
 
@@ -223,6 +228,8 @@ def prefill_attention(query, bufs: dict, key, value, positions, attn_mask, scale
     block_m = block_m or default_block_m(rep_p2)
     if block_m * rep_p2 < 16 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two with block_m * {rep_p2} >= 16, got {block_m}")
+    if block_t < 16 or block_t & (block_t - 1):
+        raise ValueError(f"block_t must be a power of two >= 16 (the p @ V dot), got {block_t}")
     T = geo.max_len
     query, key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))
     kp, kc = _side_args(bufs, "k", spec.key, geo, cfg)

@@ -52,10 +52,10 @@ def check(cfg, B=2, H=2, rep=3, D=64, T=48, prefix=(21,), n=5, dtype=torch.float
         am = torch.ones(B, 1, n, T, dtype=torch.bool, device=DEVICE).tril(p0)
         am[1:, :, :, :3] = False
         am[0, :, 0] = False
-    elif mask == "additive":  # per-head float bias, -inf on a few positions
+    elif mask == "additive":  # per-head float bias, chunk-causal, -inf on a few positions
         am = rnd(B, H * rep, n, T).float().to(dtype) * 0.5
         am[:, :, :, 5:7] = float("-inf")
-        am[..., p0 + 1:] = float("-inf")  # the chunk's later tokens for every row (a mask broadcast over rows)
+        am.masked_fill_(~torch.ones(n, T, dtype=torch.bool, device=DEVICE).tril(p0), float("-inf"))
     elif mask == "rows":  # one mask row for every query token ([B, 1, 1, T])
         am = torch.ones(B, 1, 1, T, dtype=torch.bool, device=DEVICE)
         am[:, :, :, 2:4] = False
@@ -139,6 +139,8 @@ def test_bad_inputs_are_refused():
         prefill_attention(torch.zeros(1, 5, 3, 32), bufs, kv, kv, pos, None, 1.0, False, cfg, lay.spec, geo)
     with pytest.raises(ValueError, match="block_m"):
         prefill_attention(q, bufs, kv, kv, pos, None, 1.0, False, cfg, lay.spec, geo, block_m=2)
+    with pytest.raises(ValueError, match="block_t"):
+        prefill_attention(q, bufs, kv, kv, pos, None, 1.0, False, cfg, lay.spec, geo, block_t=24)
     with pytest.raises(ValueError, match=r"\[B, H, n, D\]"):
         prefill_attention(q, bufs, kv[:, :, :2], kv, pos, None, 1.0, False, cfg, lay.spec, geo)
 

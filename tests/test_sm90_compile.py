@@ -52,8 +52,10 @@ SCRIPT = textwrap.dedent('''
         da.decode_attention(q, dict(zip(names, tensors)), kv, kv, torch.tensor([5]), None, 0.1, False, cfg,
                             lay.spec, geo)
         q3, kv3 = torch.zeros(2, 8, 3, 128, dtype=torch.bfloat16), torch.zeros(2, 2, 3, 128, dtype=torch.bfloat16)
-        pa.prefill_attention(q3, dict(zip(names, tensors)), kv3, kv3, torch.arange(5, 8), None, 0.1, True, cfg,
-                             lay.spec, geo)
+        masks = (None, torch.ones(2, 1, 3, 256, dtype=torch.bool), torch.zeros(2, 8, 3, 256, dtype=torch.bfloat16))
+        for mask, causal in zip(masks, (True, False, False)):
+            pa.prefill_attention(q3, dict(zip(names, tensors)), kv3, kv3, torch.arange(5, 8), mask, 0.1, causal,
+                                 cfg, lay.spec, geo)
     print(compiled)
 ''')
 
