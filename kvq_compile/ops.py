@@ -149,7 +149,8 @@ def attend_cpu_reference(query, store, key, value, positions, attn_mask, scale, 
 def attend_chunk(query, store, key, value, positions, attn_mask, scale, is_causal, layout):
     """A chunk of several query tokens (prefill, or a later chunk of a chunked prefill / next turn) through
     torch's SDPA (GQA without repeat_kv; the reference's [n, L] float32 score matrix of a 32 x 4096 prefill would
-    need 68 GB; which SDPA kernel runs, and whether it forms scores, is torch's choice for the mask and GQA). An empty store: exact attention over the chunk itself. Otherwise the stored prefix [0, p0)
+    need 68 GB; which SDPA kernel runs, and whether it forms scores, is torch's choice for the mask and GQA).
+    An empty store: exact attention over the chunk itself. Otherwise the stored prefix [0, p0)
     is dequantized (`store.read`) into the query dtype and concatenated with the exact chunk, under the mask
     `attention_allowed` builds (the reference's semantics). A fully masked row gives 0, as in the reference.
     CalibQuant's calibrated softmax needs each row's score range, so those configs take the reference path."""
