@@ -175,3 +175,24 @@ def test_prefill_choice_is_checked(monkeypatch):
     monkeypatch.setenv("KVQ_PREFILL", "fused")
     with pytest.raises(ValueError, match="KVQ_PREFILL='fused'"):
         _prefill_choice()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["kivi-2", "kvquant-4-1%", "calibquant-1"])
+def test_chunked_prefill_generate_template_equals_sdpa(name, monkeypatch):
+    """HF generate with prefill_chunk_size through KVQCache: the template (KVQ_PREFILL=triton) and SDPA over the
+    dequantized prefix give the same logits (float32 model: IEEE dots in the template)."""
+    from kvq_compile.hf import KVQCache
+    from models import hf_model, prompts
+
+    model = hf_model("llama", kv_heads=2, gqa=4, head_dim=128, layers=2).cuda()
+    ids, mask = (t.cuda() for t in prompts(3, 45, pad=(0, 5, 2)))
+    logits = {}
+    for choice in ("sdpa", "triton"):
+        monkeypatch.setenv("KVQ_PREFILL", choice)
+        cache = KVQCache(model, small_windows(name), batch_size=3, max_cache_len=64)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=4, past_key_values=cache, prefill_chunk_size=16,
+                             do_sample=False, output_logits=True, return_dict_in_generate=True)
+        logits[choice] = torch.stack(out.logits)
+    torch.testing.assert_close(logits["triton"], logits["sdpa"], atol=1e-3, rtol=1e-3)
