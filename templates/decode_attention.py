@@ -51,6 +51,25 @@ def _fill_boundary(L, S: tl.constexpr, R: tl.constexpr, TPG: tl.constexpr):
 
 
 @triton.jit
+def _quantized_end(L, S: tl.constexpr, R: tl.constexpr, TPG: tl.constexpr, BITS: tl.constexpr):
+    """Q_side(L): positions below it (and from S on) are codes; L itself for an unquantized (16-bit) side."""
+    if BITS == 16:
+        return L
+    return _fill_boundary(L, S, R, TPG)
+
+
+@triton.jit
+def _softmax_step(s, m_i, l_i):
+    """One tile of the running softmax over scores s (-inf where not allowed): (p, alpha, new max, new sum); the
+    caller rescales its accumulator by alpha and adds p @ v. A row with nothing allowed yet keeps p = 0."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_use[:, None])
+    alpha = tl.exp(m_i - m_use)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _step(BITS: tl.constexpr, SYM: tl.constexpr):
     """Spacing a of uniform levels -1 + a * code (reference.level_count): 2 / (2^B - 1); symmetric codes of
     2+ bits have 2^B - 1 levels (zero among them), a = 2 / (2^B - 2)."""
@@ -357,14 +376,8 @@ def _decode_kernel(
     h = bh % H
     p0 = tl.load(POS).to(tl.int32)
     L = p0 + 1
-    if BITS_K == 16:
-        bnd_k = L
-    else:
-        bnd_k = _fill_boundary(L, S, R, TPG_K)
-    if BITS_V == 16:
-        bnd_v = L
-    else:
-        bnd_v = _fill_boundary(L, S, R, TPG_V)
+    bnd_k = _quantized_end(L, S, R, TPG_K, BITS_K)
+    bnd_v = _quantized_end(L, S, R, TPG_V, BITS_V)
     S_EFF: tl.constexpr = 0 if (BITS_K == 16 and BITS_V == 16) else S
     qend = tl.minimum(tl.minimum(bnd_k, bnd_v), p0)
     qlen = tl.maximum(qend - S_EFF, 0)
@@ -439,11 +452,7 @@ def _decode_kernel(
             if TAU_PHASE == 2:
                 s = s * temp[:, None]
             s = tl.where(allowed, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_use[:, None])
-            alpha = tl.exp(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(p, 1)
+            p, alpha, m_new, l_i = _softmax_step(s, m_i, l_i)
             if VP != 0:
                 pv = _post_pv(p, VC, VCEN, VHALF, VLEV, bh, t, start + it * BLOCK_T, tvalid, d, T, NG_V, D, S,
                               BITS_V, GS_V, SYM_V, LUT_V, VP, BLOCK_T, dt, IEEE, INTERP)

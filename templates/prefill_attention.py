@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 
 from kvq_compile import compat
-from kvq_compile.templates.decode_attention import (_dot, _fill_boundary, _load_side, _rope, _side_args,
-                                                     side_constants, side_pointers)
+from kvq_compile.templates.decode_attention import (_dot, _load_side, _quantized_end, _rope, _side_args,
+                                                     _softmax_step, side_constants, side_pointers)
 
 compat.fix_triton_interpreter()
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -104,14 +104,8 @@ def _prefill_kernel(
     h = bh % H
     p0 = tl.load(POS).to(tl.int32)
     L = p0 + NCH
-    if BITS_K == 16:
-        bnd_k = L
-    else:
-        bnd_k = _fill_boundary(L, S, R, TPG_K)
-    if BITS_V == 16:
-        bnd_v = L
-    else:
-        bnd_v = _fill_boundary(L, S, R, TPG_V)
+    bnd_k = _quantized_end(L, S, R, TPG_K, BITS_K)
+    bnd_v = _quantized_end(L, S, R, TPG_V, BITS_V)
 
     ROWS: tl.constexpr = BLOCK_M * REP_P2
     m = tl.arange(0, ROWS)
@@ -184,12 +178,8 @@ def _online_softmax(s, allowed, v, temp, m_i, l_i, acc, TAU: tl.constexpr, dt: t
     """One tile of the running softmax: (max, sum, acc) updated with scores s (masked by allowed) and values v."""
     if TAU:
         s = s * temp[:, None]
-    s = tl.where(allowed, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp(s - m_use[:, None])
-    alpha = tl.exp(m_i - m_use)
-    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + _dot(p, v, dt, IEEE, INTERP)
+    p, alpha, m_new, l_new = _softmax_step(tl.where(allowed, s, float("-inf")), m_i, l_i)
+    return m_new, l_new, acc * alpha[:, None] + _dot(p, v, dt, IEEE, INTERP)
 
 
 # ---------------------------------------------------------------------------------------------
