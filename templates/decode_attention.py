@@ -70,6 +70,20 @@ def _softmax_step(s, m_i, l_i):
 
 
 @triton.jit
+def _apply_mask(s, allowed, AMASK, moff, MASK_KIND: tl.constexpr):
+    """(s, allowed) under the attention mask at offsets moff: MASK_KIND 1 bool (False masks), 2 additive (added to
+    s; -inf masks), 0 none."""
+    if MASK_KIND != 0:
+        mv = tl.load(AMASK + moff, mask=allowed, other=0)
+        if MASK_KIND == 1:
+            allowed = allowed & (mv != 0)
+        else:
+            s = s + mv.to(tl.float32)
+            allowed = allowed & (mv.to(tl.float32) > float("-inf"))
+    return s, allowed
+
+
+@triton.jit
 def _step(BITS: tl.constexpr, SYM: tl.constexpr):
     """Spacing a of uniform levels -1 + a * code (reference.level_count): 2 / (2^B - 1); symmetric codes of
     2+ bits have 2^B - 1 levels (zero among them), a = 2 / (2^B - 2)."""
@@ -435,14 +449,8 @@ def _decode_kernel(
             s = _dot(q, tl.trans(k), dt, IEEE, INTERP)
         s = s * scale
         allowed = rvalid[:, None] & tvalid[None, :]
-        if MASK_KIND != 0:
-            moff = b.to(tl.int64) * stride_mb + qh[:, None] * stride_mh + t[None, :]
-            mv = tl.load(AMASK + moff, mask=allowed, other=0)
-            if MASK_KIND == 1:
-                allowed = allowed & (mv != 0)
-            else:
-                s = s + mv.to(tl.float32)
-                allowed = allowed & (mv.to(tl.float32) > float("-inf"))
+        moff = b.to(tl.int64) * stride_mb + qh[:, None] * stride_mh + t[None, :]
+        s, allowed = _apply_mask(s, allowed, AMASK, moff, MASK_KIND)
         if IS_CAUSAL:
             allowed = allowed & (t[None, :] <= 0)
         if TAU_PHASE == 1:

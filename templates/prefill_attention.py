@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 
 from kvq_compile import compat
-from kvq_compile.templates.decode_attention import (_dot, _load_side, _quantized_end, _rope, _side_args,
-                                                     _softmax_step, side_constants, side_pointers)
+from kvq_compile.templates.decode_attention import (_apply_mask, _dot, _load_side, _quantized_end, _rope,
+                                                     _side_args, _softmax_step, side_constants, side_pointers)
 
 compat.fix_triton_interpreter()
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -61,14 +61,8 @@ def _logits(q, KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, 
             k = tl.where((t >= p0)[:, None], k, _rope(k, t, d, COS, SIN, b, tvalid & (t < p0), T, D, BLOCK_T))
     s = _dot(q, tl.trans(k), dt, IEEE, INTERP) * scale
     allowed = rvalid[:, None] & tvalid[None, :]
-    if MASK_KIND != 0:
-        moff = b.to(tl.int64) * stride_mb + qh64[:, None] * stride_mh + i64[:, None] * stride_mn + t[None, :]
-        mv = tl.load(AMASK + moff, mask=allowed, other=0)
-        if MASK_KIND == 1:
-            allowed = allowed & (mv != 0)
-        else:
-            s = s + mv.to(tl.float32)
-            allowed = allowed & (mv.to(tl.float32) > float("-inf"))
+    moff = b.to(tl.int64) * stride_mb + qh64[:, None] * stride_mh + i64[:, None] * stride_mn + t[None, :]
+    s, allowed = _apply_mask(s, allowed, AMASK, moff, MASK_KIND)
     if IS_CAUSAL:
         allowed = allowed & (t[None, :] <= i[:, None])
     return s, allowed

@@ -123,3 +123,15 @@ def rope_tables(B, n, p, D, dtype, device):
     """cos / sin [B, n, D] of positions p .. p + n - 1 (test frequencies, not a model's)."""
     ang = torch.arange(p, p + n, device=device).float()[:, None] * torch.linspace(0.05, 1.0, D, device=device)
     return ang.cos()[None].expand(B, n, D).to(dtype), ang.sin()[None].expand(B, n, D).to(dtype)
+
+
+def append_every_layer(ms, cfg, k, v, p0):
+    """kvq::append of the chunk k, v [B, H, n, D] at positions p0.. into every layer of the store `ms` (layer j
+    gets k + j, v - j), so that shared codes (XQuant) exist; RoPE tables when keys are stored before RoPE."""
+    B, _, n, D = k.shape
+    cos, sin = rope_tables(B, n, p0, D, k.dtype, k.device) if cfg.keys_before_rope else (None, None)
+    for j, lay in enumerate(ms.layers):
+        names, tensors = lay.append_tensors()
+        torch.ops.kvq.append(tensors, k + j, v - j, torch.arange(p0, p0 + n, device=k.device), cos, sin,
+                             lay.descriptor(names))
+

@@ -9,7 +9,7 @@ from kvq_compile import store as st
 from kvq_compile.config import Axis, Symmetry
 from kvq_compile.ops import attend_cpu_reference, attend_reference
 from kvq_compile.presets import PRESETS
-from models import rope_tables, small_windows
+from models import append_every_layer, small_windows
 
 triton = pytest.importorskip("triton")
 from kvq_compile.templates.prefill_attention import prefill_attention  # noqa: E402
@@ -28,20 +28,12 @@ def check(cfg, B=2, H=2, rep=3, D=64, T=48, prefix=(21,), n=5, dtype=torch.float
     geo = st.Geometry(B, H, T, D, st.dtype_name(dtype))
     ms = st.ModelStore(cfg, layers, geo, DEVICE)
 
-    def append(k, v, p0):
-        m = k.shape[2]
-        cos, sin = rope_tables(B, m, p0, D, dtype, DEVICE) if cfg.keys_before_rope else (None, None)
-        for j in range(layers):  # every layer of the store, so shared codes (XQuant) exist
-            names, tensors = ms.layers[j].append_tensors()
-            torch.ops.kvq.append(tensors, k + j, v - j, torch.arange(p0, p0 + m, device=DEVICE), cos, sin,
-                                 ms.layers[j].descriptor(names))
-
     p0 = 0
     for m in prefix:
-        append(rnd(B, H, m, D) * 2, rnd(B, H, m, D), p0)
+        append_every_layer(ms, cfg, rnd(B, H, m, D) * 2, rnd(B, H, m, D), p0)
         p0 += m
     k, v = rnd(B, H, n, D), rnd(B, H, n, D)
-    append(k, v, p0)
+    append_every_layer(ms, cfg, k, v, p0)
     k, v = k + layer, v - layer
     lay = ms.layers[layer]
     names, tensors = lay.attend_tensors()

@@ -12,7 +12,7 @@ from kvq_compile import store as st
 from kvq_compile.config import Axis, Levels, Symmetry
 from kvq_compile.ops import attend_cpu_reference
 from kvq_compile.presets import PRESETS
-from models import rope_tables, small_windows
+from models import append_every_layer, small_windows
 
 triton = pytest.importorskip("triton")
 from kvq_compile.templates.decode_attention import decode_attention  # noqa: E402
@@ -29,21 +29,13 @@ def check(cfg, B=2, H=2, rep=3, D=64, T=48, prefill=21, steps=3, dtype=torch.flo
     geo = st.Geometry(B, H, T, D, st.dtype_name(dtype))
     ms = st.ModelStore(cfg, layers, geo, DEVICE)
 
-    def append(k, v, p0):
-        n = k.shape[2]
-        cos, sin = rope_tables(B, n, p0, D, dtype, DEVICE) if cfg.keys_before_rope else (None, None)
-        for i in range(layers):  # every layer of the store, so shared codes (XQuant) exist
-            names, tensors = ms.layers[i].append_tensors()
-            torch.ops.kvq.append(tensors, k + i, v - i, torch.arange(p0, p0 + n, device=DEVICE), cos, sin,
-                                 ms.layers[i].descriptor(names))
-
-    append(rnd(B, H, prefill, D), rnd(B, H, prefill, D), 0)
+    append_every_layer(ms, cfg, rnd(B, H, prefill, D), rnd(B, H, prefill, D), 0)
     lay = ms.layers[layer]
     names, tensors = lay.attend_tensors()
     worst = 0.0
     for p in range(prefill, prefill + steps):
         k, v = rnd(B, H, 1, D), rnd(B, H, 1, D)
-        append(k, v, p)
+        append_every_layer(ms, cfg, k, v, p)
         k, v = k + layer, v - layer
         q = rnd(B, H * rep, 1, D)
         am = None
