@@ -250,12 +250,13 @@ def _register_gpu_kernels() -> None:
 
     @attend.register_kernel("cuda")
     def _attend_cuda(query, store, key, value, positions, attn_mask, scale, is_causal, layout):
-        cfg, geo, spec, names = _decode_layout(layout)
-        if query.shape[2] != 1:  # a chunk: SDPA (`attend_chunk`), or the fused template over a stored prefix
-            if prefill_attention and _prefill_choice() == "triton" and st.positions_span(positions)[0] > 0:
-                return prefill_attention(query, _bufs(store, names), key, value, positions, attn_mask, scale,
-                                         is_causal, cfg, spec, geo)
+        chunk = query.shape[2] != 1  # a chunk: SDPA (`attend_chunk`), or the fused template over a stored prefix
+        if chunk and not (prefill_attention and _prefill_choice() == "triton" and st.positions_span(positions)[0]):
             return attend_chunk(query, store, key, value, positions, attn_mask, scale, is_causal, layout)
+        cfg, geo, spec, names = _decode_layout(layout)
+        if chunk:
+            return prefill_attention(query, _bufs(store, names), key, value, positions, attn_mask, scale, is_causal,
+                                     cfg, spec, geo)
         return decode_attention(query, _bufs(store, names), key, value, positions, attn_mask, scale, is_causal,
                                 cfg, spec, geo)
 
