@@ -25,6 +25,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 from kvq_compile import KVQConfig  # noqa: E402
+from kvq_compile.config import Symmetry  # noqa: E402
+from kvq_compile import reference as ref  # noqa: E402
 from kvq_compile import store as st  # noqa: E402
 from kvq_compile.ops import attend_cpu_reference  # noqa: E402  (the reference, whatever device)
 from kvq_compile.templates.decode_attention import decode_attention  # noqa: E402
@@ -42,17 +44,23 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() * 2 / (ms * 1e-3)
 
 
-def random_store(cfg: KVQConfig, layer_index: int, layers: int, B: int, T: int, dtype) -> st.ModelStore:
+def random_store(cfg: KVQConfig, layer_index: int, layers: int, B: int, T: int, dtype,
+                 device="cuda") -> st.ModelStore:
     geo = st.Geometry(B, H, T, D, st.dtype_name(dtype))
-    ms = st.ModelStore(cfg, layers, geo, "cuda")
+    ms = st.ModelStore(cfg, layers, geo, device)
     for lay in ms.layers[: layer_index + 1]:
         for name, t in lay.buffers.items():
             if name.endswith("levels"):
                 continue
             if t.dtype == torch.int32:
                 t.random_(-2 ** 31, 2 ** 31 - 1)
+                if name.endswith("codes"):  # codes a quantizer never stores (int8's 255: 255 levels; a hybrid
+                    q = lay.spec.key if name.startswith("k.") else lay.spec.value  # group's symmetric 2^B - 1)
+                    count = ref.level_count(q.bits, True) if q.symmetry is Symmetry.HYBRID else ref.levels_for(q).numel()
+                    if count < 2 ** q.bits:
+                        t.copy_(ref.pack_bits(ref.unpack_bits(t, q.bits, D).clamp_max(count - 1), q.bits))
             elif t.dtype == torch.bool:
-                t.copy_(torch.rand(t.shape, device="cuda") < 0.5)
+                t.copy_(torch.rand(t.shape, device=device) < 0.5)
             elif t.dtype in (torch.uint8, torch.int16):
                 t.random_(0, D)
             elif name.endswith("half"):
@@ -145,6 +153,8 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also try block_t x num_warps x num_splits per shape")
     ap.add_argument("--shapes", default=None, help="e.g. 32x16384,8x8192")
     ap.add_argument("--splits", default=None, help="sweep only these split counts (with --sweep), e.g. 2,4,8,16")
+    ap.add_argument("--variants", default=None,
+                    help="time these launches of each preset, e.g. 'default;block_t=32;block_t=64,group_post=0'")
     args = ap.parse_args()
     dtype = torch.bfloat16
     torch.manual_seed(0)
@@ -184,6 +194,9 @@ def main():
                             for ns in sorted({auto, 2 * auto, 4 * auto})]
                 if args.splits:
                     variants = [dict()] + [dict(block_t=64, num_warps=4, num_splits=int(n)) for n in args.splits.split(",")]
+            if args.variants:
+                variants = [dict((kv.split("=")[0], int(kv.split("=")[1])) for kv in v.split(",") if kv != "default")
+                            for v in args.variants.split(";")]
             best = None
             for var in variants:
                 fn = lambda: decode_attention(q, bufs, kc, vc, pos, None, D ** -0.5, False, cfg, lay.spec,  # noqa: E731
@@ -193,7 +206,7 @@ def main():
                 except Exception as e:  # a variant that does not fit (shared memory) is skipped
                     print(f"  {name} {var}: {type(e).__name__}: {str(e)[:100]}")
                     continue
-                if args.splits:
+                if args.splits or args.variants:
                     print(f"  {name} B={B} ctx={ctx} {var or 'default'}: {t * 1e3:.1f} us", flush=True)
                 if best is None or t < best[0]:
                     best = (t, var)

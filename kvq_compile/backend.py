@@ -121,9 +121,10 @@ class KVQBackend:
             rotary.append((gmod, args, ints[0]))
         runner = _StepRunner(store, [(index[m.k_cache], index[m.v_cache]) for m in matches],
                              (pos_slice, pos_args), rotary, self.release_fp16_cache)
-        rewrite(gm, matches, store, compat.register_store_buffer)
-        for i, m in enumerate(matches):
-            report.rewritten.append(f"layer {i}: {m.k_cache.name}/{m.v_cache.name} -> kvq::append + kvq::attend "
+        emitted = rewrite(gm, matches, store, compat.register_store_buffer)
+        for i, (m, ops) in enumerate(zip(matches, emitted)):
+            ops = " + ".join(f"kvq::{op._opname}" for op in ops)
+            report.rewritten.append(f"layer {i}: {m.k_cache.name}/{m.v_cache.name} -> {ops} "
                                     f"({store.specs[i].key.bits}-bit K, {store.specs[i].value.bits}-bit V)")
         return runner
 

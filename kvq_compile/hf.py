@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from . import ops
 from . import reference as ref
 from . import store as st
 from .config import KVQConfig
@@ -94,9 +95,10 @@ class KVQLayer(CacheLayerMixin):
                 raise ValueError("KVQCache with keys_before_rope needs the model to pass position_ids to attention")
             cos, sin = self.rotary(value, position_ids)
             stored_key = ref.rope_unrotate(key.float(), cos.float(), sin.float()).to(key.dtype)
-        torch.ops.kvq.append(self.append_tensors, stored_key, value, positions, cos, sin, self.append_layout)
-        return torch.ops.kvq.attend(query, self.attend_tensors, key, value, positions, attention_mask, scale,
-                                    is_causal, self.attend_layout)
+        append, attend = ops.chunk_ops(query.shape[2])
+        append(self.append_tensors, stored_key, value, positions, cos, sin, self.append_layout)
+        return attend(query, self.attend_tensors, key, value, positions, attention_mask, scale, is_causal,
+                      self.attend_layout)
 
 
 class KVQCache(Cache):

@@ -14,6 +14,8 @@ of these same ops.
         the chunk attends to the stored prefix [0, p0) and exactly (in the cache dtype) to itself;
         the mask and is_causal mean what they mean to scaled_dot_product_attention over the static
         buffer, restricted to the written length p0 + n. GQA maps query head h to KV head h // (Hq // H).
+    kvq::append_chunk, kvq::attend_chunk: the same for chunks of n > 1 tokens, tagged cudagraph_unsafe
+        (`chunk_ops`): a chunk reads its start position on the host.
 """
 from __future__ import annotations
 
@@ -48,6 +50,27 @@ def append(store: list[torch.Tensor], key: torch.Tensor, value: torch.Tensor, po
     _append_impl(store, key, value, positions, cos, sin, layout, compiled=False)
 
 
+# A chunk of several tokens reads its start position on the host (the store's windows and groups move by it), which
+# CUDA graphs cannot capture. The rewrite and KVQCache therefore emit these twins of the ops for chunks: the same
+# kernels, tagged cudagraph_unsafe, so that Inductor runs a chunk's graph (chunked prefill, a next turn) without
+# CUDA graphs instead of failing the capture. Decode steps keep kvq::append / kvq::attend (device-side positions).
+_CHUNK_TAGS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
+
+
+@torch.library.custom_op("kvq::append_chunk", mutates_args=("store",), tags=_CHUNK_TAGS)
+def append_chunk(store: list[torch.Tensor], key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
+                 cos: torch.Tensor | None, sin: torch.Tensor | None, layout: str) -> None:
+    _append_impl(store, key, value, positions, cos, sin, layout, compiled=False)
+
+
+def chunk_ops(n) -> tuple:
+    """(append, attend) OpOverloads for n query tokens per sequence: the decode ops for a static n == 1, their
+    cudagraph-unsafe twins for chunks (and for a symbolic n)."""
+    if isinstance(n, int) and n == 1:
+        return torch.ops.kvq.append.default, torch.ops.kvq.attend.default
+    return torch.ops.kvq.append_chunk.default, torch.ops.kvq.attend_chunk.default
+
+
 def _append_impl(store, key, value, positions, cos, sin, layout: str, compiled: bool) -> None:
     """A chunk goes through the reference append (reads its start position on the host); one token per
     sequence through the sync-free decode append (positions stay on the device: CUDA-graph safe). On CUDA
@@ -69,17 +92,32 @@ def _append_impl(store, key, value, positions, cos, sin, layout: str, compiled: 
         st.append_decode(bufs, cfg, spec, geo, key, value, positions, cos, sin)
 
 
-def _prefill_choice() -> str:
-    """KVQ_PREFILL: 'sdpa' (default: SDPA over the dequantized prefix and the chunk) or 'triton' (the fused
-    prefill template; checked under the Triton interpreter and compiled for sm_90, not yet timed or checked on a
-    GPU: bench/RESULTS.md)."""
+PREFILL_TEMPLATE_MAX_CHUNK = 128  # query tokens per sequence up to which `auto` picks the prefill template
+
+
+def _prefill_choice(n: int, layout: str) -> str:
+    """How a CUDA chunk of n query tokens over a stored prefix attends. KVQ_PREFILL:
+    'auto' (default): the fused prefill template for CalibQuant (its SDPA path is the float32 reference) and for
+    chunks of at most PREFILL_TEMPLATE_MAX_CHUNK tokens whose codes need no per-element dequantization
+    (no codebook, hybrid groups, outliers, RoPE after dequantization); SDPA over the dequantized prefix
+    otherwise. On an H100 (bench/RESULTS.md, session 7) the template was 1.5-2.0x faster than the SDPA path at
+    128-token chunks, 0.4-0.6x at 512 (every program re-reads and unpacks the whole prefix for its 64 query
+    rows), and 0.7x for kvquant-4 at 128; it never holds a dequantized prefix (4-32 MiB extra vs 0.6-1.2 GiB).
+    'sdpa' or 'triton' force one path."""
     import os
 
-    choice = os.environ.get("KVQ_PREFILL", "sdpa")
-    if choice not in ("sdpa", "triton"):
-        raise ValueError(f"KVQ_PREFILL={choice!r}: use 'sdpa' (SDPA over the dequantized prefix) or 'triton' "
-                         "(the fused prefill template)")
-    return choice
+    choice = os.environ.get("KVQ_PREFILL", "auto")
+    if choice not in ("auto", "sdpa", "triton"):
+        raise ValueError(f"KVQ_PREFILL={choice!r}: use 'auto' (default), 'sdpa' (SDPA over the dequantized prefix) "
+                         "or 'triton' (the fused prefill template)")
+    if choice != "auto":
+        return choice
+    from .templates.decode_attention import layout_per_element
+
+    cfg, _, spec, names = _decode_layout(layout)
+    if cfg.softmax_tau is not None:
+        return "triton"
+    return "triton" if n <= PREFILL_TEMPLATE_MAX_CHUNK and not layout_per_element(cfg, spec, names) else "sdpa"
 
 
 @functools.lru_cache(maxsize=512)
@@ -191,9 +229,19 @@ def attend(query: torch.Tensor, store: list[torch.Tensor], key: torch.Tensor, va
     return attend_cpu_reference(query, store, key, value, positions, attn_mask, scale, is_causal, layout)
 
 
+@torch.library.custom_op("kvq::attend_chunk", mutates_args=(), tags=_CHUNK_TAGS)
+def attend_chunk_op(query: torch.Tensor, store: list[torch.Tensor], key: torch.Tensor, value: torch.Tensor,
+                    positions: torch.Tensor, attn_mask: torch.Tensor | None, scale: float, is_causal: bool,
+                    layout: str) -> torch.Tensor:
+    return attend(query, store, key, value, positions, attn_mask, scale, is_causal, layout)
+
+
 @attend.register_fake
 def _attend_fake(query, store, key, value, positions, attn_mask, scale, is_causal, layout):
     return query.new_empty(*query.shape[:-1], value.shape[-1])
+
+
+attend_chunk_op.register_fake(_attend_fake)
 
 
 _COMPILED_APPENDS: dict = {}  # (quantizers, geometry, buffer names) -> function; lru_cache maps layouts to it
@@ -224,9 +272,9 @@ def compiled_decode_append(layout: str, compile: bool | None = None):
 
 
 def _register_gpu_kernels() -> None:
-    """On CUDA, decode steps (one query token) run the decode template and chunks `attend_chunk` (SDPA; over a
-    stored prefix, with `KVQ_PREFILL=triton`, the fused prefill template instead). Without Triton the ops still
-    run, on their reference kernels, with a warning."""
+    """On CUDA, decode steps (one query token) run the decode template, chunks over a stored prefix the fused
+    prefill template or SDPA over the dequantized prefix (`_prefill_choice`), first chunks SDPA (`attend_chunk`).
+    Without Triton the ops still run, on their reference kernels, with a warning."""
     import os
     import warnings
 
@@ -248,10 +296,12 @@ def _register_gpu_kernels() -> None:
     def _append_cuda(store, key, value, positions, cos, sin, layout):
         _append_impl(store, key, value, positions, cos, sin, layout, compiled=True)
 
+    @attend_chunk_op.register_kernel("cuda")
     @attend.register_kernel("cuda")
     def _attend_cuda(query, store, key, value, positions, attn_mask, scale, is_causal, layout):
         chunk = query.shape[2] != 1  # a chunk: SDPA (`attend_chunk`), or the fused template over a stored prefix
-        if chunk and not (prefill_attention and _prefill_choice() == "triton" and st.positions_span(positions)[0]):
+        if chunk and not (prefill_attention and st.positions_span(positions)[0]
+                          and _prefill_choice(query.shape[2], layout) == "triton"):
             return attend_chunk(query, store, key, value, positions, attn_mask, scale, is_causal, layout)
         cfg, geo, spec, names = _decode_layout(layout)
         if chunk:

@@ -296,12 +296,16 @@ def _metadata_only(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in (torch.ops.aten.sym_size.int, torch.ops.aten.sym_stride.int)
 
 
-def rewrite(gm: fx.GraphModule, matches: list[AttentionMatch], model_store, register_buffer) -> None:
-    """Replace each match's appends with kvq::append and its attention with kvq::attend.
+def rewrite(gm: fx.GraphModule, matches: list[AttentionMatch], model_store, register_buffer) -> list[tuple]:
+    """Replace each match's appends with kvq::append and its attention with kvq::attend (their `chunk_ops` twins for
+    chunks of several tokens). Returns the (append, attend) ops of each match.
 
     register_buffer(gm, name, tensor) -> name: makes a store tensor a get_attr of gm (compat hook)."""
+    from kvq_compile.ops import chunk_ops
+
     graph = gm.graph
     attr_names: dict[int, str] = {}
+    emitted = []
 
     def getattrs(names, tensors, before, layer):
         nodes = []
@@ -318,15 +322,17 @@ def rewrite(gm: fx.GraphModule, matches: list[AttentionMatch], model_store, regi
         names, tensors = layer.append_tensors()
         store_nodes = getattrs(names, tensors, m.v_append, i)
         key_in, cos, sin = (m.rotary.pre_key, m.rotary.cos, m.rotary.sin) if m.rotary else (m.k_new, None, None)
+        append_op, attend_op = chunk_ops(_val(m.query).shape[2])  # decode ops, or the chunk twins
+        emitted.append((append_op, attend_op))
         with graph.inserting_before(m.v_append):
-            graph.call_function(torch.ops.kvq.append.default,
+            graph.call_function(append_op,
                                 (store_nodes, key_in, m.v_new, m.positions, cos, sin, layer.descriptor(names)))
         graph.erase_node(m.v_append)
         graph.erase_node(m.k_append)
         names, tensors = layer.attend_tensors()
         store_nodes = getattrs(names, tensors, m.sdpa, i)
         with graph.inserting_before(m.sdpa):
-            out = graph.call_function(torch.ops.kvq.attend.default,
+            out = graph.call_function(attend_op,
                                       (m.query, store_nodes, m.k_new, m.v_new, m.positions, m.attn_mask,
                                        m.scale, m.is_causal, layer.descriptor(names)))
         out.meta.update(m.sdpa.meta)
@@ -337,3 +343,4 @@ def rewrite(gm: fx.GraphModule, matches: list[AttentionMatch], model_store, regi
                 graph.erase_node(n)
     graph.lint()
     gm.recompile()
+    return emitted

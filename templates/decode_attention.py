@@ -368,6 +368,33 @@ def _post_pv(p, VC, VCEN, VHALF, VLEV, bh, t, t0, tvalid, d, T, NG, D: tl.conste
 
 
 @triton.jit
+def _post_pv_groups(p, VC, VCEN, VHALF, VLEV, bh, t, tvalid, T, D: tl.constexpr, BITS: tl.constexpr,
+                    GS: tl.constexpr, SYM: tl.constexpr, LUT: tl.constexpr, BT: tl.constexpr, REP_PAD: tl.constexpr,
+                    dt: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr):
+    """POST 3, p . v_hat for per-token groups of GS < D channels (KIVI's Values: NGRP = D / GS statistics per
+    token), one batched dot over the groups without forming v_hat (uniform levels l = a*code - 1):
+        pv[:, g] = (p * h_g * a) . code[:, g] + sum_t p_t (c_t,g - h_t,g)
+    With a codebook, l = LUT[code]: (p * h_g) . l[:, g] + sum_t p_t c_t,g."""
+    NGRP: tl.constexpr = D // GS
+    x = _code_values(VC, VLEV, bh, t, tvalid, T, D, BITS, SYM, LUT, BT)
+    x3 = tl.permute(tl.reshape(x, [BT, NGRP, GS]), (1, 0, 2))  # [NGRP, BT, GS]
+    off = bh.to(tl.int64) * T * NGRP
+    gi = t[None, :] * NGRP + tl.arange(0, NGRP)[:, None]  # [NGRP, BT]
+    h = tl.load(VHALF + off + gi, mask=tvalid[None, :], other=0.0).to(tl.float32)
+    if SYM == 1:
+        c = h * 0.0
+    else:
+        c = tl.load(VCEN + off + gi, mask=tvalid[None, :], other=0.0).to(tl.float32)
+    if LUT:
+        w, z = h, c
+    else:
+        w, z = h * _step(BITS, SYM), c - h
+    pv3 = _dot(p[None, :, :] * w[:, None, :], x3, dt, IEEE, INTERP)  # [NGRP, REP_PAD, GS]
+    pv3 += tl.sum(p[None, :, :] * z[:, None, :], 2)[:, :, None]
+    return tl.reshape(tl.permute(pv3, (1, 0, 2)), [REP_PAD, D])
+
+
+@triton.jit
 def _decode_kernel(
         Q, stride_qb, stride_qh,
         KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK, stride_kb, stride_kh,
@@ -461,7 +488,10 @@ def _decode_kernel(
                 s = s * temp[:, None]
             s = tl.where(allowed, s, float("-inf"))
             p, alpha, m_new, l_i = _softmax_step(s, m_i, l_i)
-            if VP != 0:
+            if VP == 3:
+                pv = _post_pv_groups(p, VC, VCEN, VHALF, VLEV, bh, t, tvalid, T, D, BITS_V, GS_V, SYM_V, LUT_V,
+                                     BLOCK_T, REP_PAD, dt, IEEE, INTERP)
+            elif VP != 0:
                 pv = _post_pv(p, VC, VCEN, VHALF, VLEV, bh, t, start + it * BLOCK_T, tvalid, d, T, NG_V, D, S,
                               BITS_V, GS_V, SYM_V, LUT_V, VP, BLOCK_T, dt, IEEE, INTERP)
             else:
@@ -548,15 +578,18 @@ def side_pointers(p: dict, key: bool) -> tuple:
     return tuple(p[n] for n in names)
 
 
-def _post_mode(c: dict, block_t: int, head_dim: int) -> int:
-    """1: per-channel statistics constant over each tile; 2: one statistic per token; 0: dequantize per element
-    (hybrid groups, outliers, several groups per token, or channel groups a tile straddles)."""
+def _post_mode(c: dict, block_t: int, head_dim: int, groups: bool = True) -> int:
+    """1: per-channel statistics constant over each tile; 2: one statistic per token; 3 (Values only, `groups`):
+    several groups per token, one batched dot over them; 0: dequantize per element (hybrid groups, outliers,
+    channel groups a tile straddles)."""
     if c["BITS"] == 16 or c["SYM"] == 2 or c["NOUT"]:
         return 0
     if c["AXIS"] == 1 and (c["GS"] == 0 or c["GS"] % block_t == 0):
         return 1
     if c["AXIS"] == 0 and c["GS"] == head_dim:
         return 2
+    if groups and c["AXIS"] == 0 and c["GS"] >= 16 and head_dim % c["GS"] == 0:
+        return 3
     return 0
 
 
@@ -564,13 +597,23 @@ def default_block_t(kc: dict, vc: dict, rope: bool) -> int:
     """Tokens per tile when the caller names none: 32 where a side dequantizes element by element through a
     codebook, hybrid levels or outliers, or keys are rotated after dequantization (64-token tiles need more than
     255 registers there and spill: kvquant-4 and innerq-2 on an H100, bench/RESULTS.md), else 64."""
-    heavy = rope or any(c["BITS"] != 16 and (c["LUT"] or c["SYM"] == 2 or c["NOUT"]) for c in (kc, vc))
-    return 32 if heavy else 64
+    return 32 if _per_element(kc, vc, rope) else 64
+
+
+def _per_element(kc: dict, vc: dict, rope: bool) -> bool:
+    """Whether a side dequantizes element by element (codebook, hybrid levels, outliers, RoPE after
+    dequantization) rather than through unpacked codes alone."""
+    return rope or any(c["BITS"] != 16 and (c["LUT"] or c["SYM"] == 2 or c["NOUT"]) for c in (kc, vc))
 
 
 def layout_block_t(cfg, spec, names) -> int:
     """`default_block_t` of a layer from its spec and its store's buffer names (no tensors: what the lowering
     sees)."""
+    return 32 if layout_per_element(cfg, spec, names) else 64
+
+
+def layout_per_element(cfg, spec, names) -> bool:
+    """`_per_element` of a layer from its spec and its store's buffer names."""
     from kvq_compile.config import Symmetry
 
     def consts(side, q):
@@ -579,8 +622,7 @@ def layout_block_t(cfg, spec, names) -> int:
         return dict(BITS=q.bits, LUT=f"{side}.levels" in names, SYM=2 if q.symmetry is Symmetry.HYBRID else 0,
                     NOUT=int(f"{side}.out_val" in names))
 
-    return default_block_t(consts("k", spec.key), consts("v", spec.value),
-                           cfg.keys_before_rope and spec.key.quantized)
+    return _per_element(consts("k", spec.key), consts("v", spec.value), cfg.keys_before_rope and spec.key.quantized)
 
 
 LAST_KERNELS: dict = {}  # the compiled kernels of the last launch (registers, spills: see bench/)
@@ -599,7 +641,7 @@ def _num_splits(bh: int, max_len: int, block_t: int, device, programs_per_sm: in
 def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale: float, is_causal: bool,
                      cfg, spec, geo, block_t: int | None = None, num_splits: int | None = None,
                      num_warps: int = 4, num_stages: int = 2, post_scaling: bool = True,
-                     programs_per_sm: int = 16, out=None):
+                     programs_per_sm: int = 16, out=None, group_post: bool = True):
     """kvq::attend for one query token per sequence (decode), entirely on the device.
 
     query [B, Hq, 1, D]; bufs: the layer's attend tensors by name (store.LayerStore.attend_tensors);
@@ -626,8 +668,8 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
     vp, vc = _side_args(bufs, "v", spec.value, geo, cfg)
     rope = cfg.keys_before_rope and spec.key.quantized
     block_t = block_t or default_block_t(kc, vc, rope)
-    kpost = _post_mode(kc, block_t, D) if (post_scaling and not rope) else 0
-    vpost = _post_mode(vc, block_t, D) if post_scaling else 0
+    kpost = _post_mode(kc, block_t, D, groups=False) if (post_scaling and not rope) else 0
+    vpost = _post_mode(vc, block_t, D, group_post) if post_scaling else 0
     cos = bufs["rope.cos"] if rope else query
     sin = bufs["rope.sin"] if rope else query
     if attn_mask is None:

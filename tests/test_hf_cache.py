@@ -129,3 +129,45 @@ def test_chunked_prefill(name):
             torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
     if name != "fp16":
         assert (eager.logits[0] - ref.logits[0]).abs().max() > 1e-2
+
+
+def test_chunks_run_the_cudagraph_unsafe_twins():
+    """A chunk reads its start position on the host, which a CUDA graph cannot capture: compiled chunks (chunked
+    prefill, through KVQCache and through kvq_backend) call kvq::append_chunk / kvq::attend_chunk, tagged
+    cudagraph_unsafe so that Inductor skips CUDA graphs for their graphs; decode steps keep kvq::append / attend."""
+    from kvq_compile import explain
+
+    assert all(torch.Tag.cudagraph_unsafe in op.default.tags
+               for op in (torch.ops.kvq.append_chunk, torch.ops.kvq.attend_chunk))
+    assert not any(torch.Tag.cudagraph_unsafe in op.default.tags for op in (torch.ops.kvq.append, torch.ops.kvq.attend))
+    model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=2)
+    ids, mask = prompts(2, 21, pad=(0, 3))
+    graphs = []
+
+    def record(gm, example_inputs, **options):  # HF passes its CompileConfig's mode / options
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    cc = CompileConfig(backend=record, fullgraph=True)
+    cc._compile_all_devices = True
+    cache = KVQCache(model, small_windows("kivi-2"), batch_size=2, max_cache_len=32)
+    model.generate(ids, attention_mask=mask, max_new_tokens=3, past_key_values=cache, prefill_chunk_size=8,
+                   compile_config=cc, **GEN)
+    kinds = set()
+    for gm in graphs:
+        ops = {n.target for n in gm.graph.nodes if str(n.target).startswith("kvq.")}
+        n = next(n for n in gm.graph.nodes if n.target is torch.ops.kvq.attend_chunk.default
+                 or n.target is torch.ops.kvq.attend.default).args[0].meta["example_value"].shape[2]
+        decode = isinstance(n, int) and n == 1  # later chunks may trace with a symbolic length
+        want = {torch.ops.kvq.append.default, torch.ops.kvq.attend.default} if decode else {
+            torch.ops.kvq.append_chunk.default, torch.ops.kvq.attend_chunk.default}
+        assert ops == want, (n, ops)
+        kinds.add(decode)
+    assert kinds == {True, False}
+    torch._dynamo.reset()
+    backend = kvq_backend(small_windows("kivi-2"))
+    model.generate(ids, attention_mask=mask, max_new_tokens=3, cache_implementation="static", prefill_chunk_size=8,
+                   compile_config=compile_config(backend), **GEN)
+    report = explain(backend)
+    assert "kvq::append_chunk + kvq::attend_chunk" in report and "kvq::append + kvq::attend " in report, report

@@ -160,13 +160,25 @@ def test_cuda_op_runs_the_template_for_chunks_over_a_prefix(monkeypatch):
     assert torch.equal(out, prefill_attention(q, dict(zip(names, tensors)), *args, cfg, lay.spec, geo))
 
 
-def test_prefill_choice_is_checked(monkeypatch):
+@pytest.mark.parametrize("name,n,choice", [("kivi-2", 16, "triton"), ("kivi-2", 128, "triton"), ("kivi-2", 129, "sdpa"),
+                                           ("int8", 64, "triton"), ("kvquant-4-1%", 16, "sdpa"),
+                                           ("innerq-2", 16, "sdpa"), ("calibquant-1", 512, "triton")])
+def test_prefill_choice(name, n, choice, monkeypatch):
+    """KVQ_PREFILL=auto (the default) takes the template for short chunks of layouts without per-element
+    dequantization and always for CalibQuant (whose SDPA path is the float32 reference); sdpa / triton force."""
     from kvq_compile.ops import _prefill_choice
 
-    assert _prefill_choice() in ("sdpa", "triton")
+    cfg = KVQConfig.preset(name)
+    lay = st.ModelStore(cfg, 1, st.Geometry(1, 2, 1024, 64, "float16"), "cpu").layers[0]
+    layout = lay.descriptor(lay.attend_tensors()[0])
+    monkeypatch.delenv("KVQ_PREFILL", raising=False)
+    assert _prefill_choice(n, layout) == choice
+    for forced in ("sdpa", "triton"):
+        monkeypatch.setenv("KVQ_PREFILL", forced)
+        assert _prefill_choice(n, layout) == forced
     monkeypatch.setenv("KVQ_PREFILL", "fused")
     with pytest.raises(ValueError, match="KVQ_PREFILL='fused'"):
-        _prefill_choice()
+        _prefill_choice(n, layout)
 
 
 @pytest.mark.gpu
