@@ -154,7 +154,7 @@ def main():
     ap.add_argument("--shapes", default=None, help="e.g. 32x16384,8x8192")
     ap.add_argument("--splits", default=None, help="sweep only these split counts (with --sweep), e.g. 2,4,8,16")
     ap.add_argument("--variants", default=None,
-                    help="time these launches of each preset, e.g. 'default;block_t=32;block_t=64,group_post=0'")
+                    help="time these launches of each preset, e.g. 'default;block_t=32;block_t=128,num_warps=8'")
     args = ap.parse_args()
     dtype = torch.bfloat16
     torch.manual_seed(0)

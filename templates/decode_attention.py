@@ -42,6 +42,8 @@ from kvq_compile import compat
 
 compat.fix_triton_interpreter()
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_MAGIC = tl.constexpr(os.environ.get("KVQ_EXP_MAGIC", "1") == "1")
+_ROWS = tl.constexpr(os.environ.get("KVQ_EXP_ROWS", "1") == "1")
 
 
 @triton.jit
@@ -95,6 +97,15 @@ def _step(BITS: tl.constexpr, SYM: tl.constexpr):
 
 
 @triton.jit
+def _code_float(code):
+    """float32 of int32 codes in [0, 2^23) without an int->float conversion instruction: the code's bits under the
+    exponent of 2^23 (0x4B000000) form 2^23 + code exactly; subtracting 2^23 is exact."""
+    if _MAGIC:
+        return (code | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    return code.to(tl.float32)
+
+
+@triton.jit
 def _levels(code, sym, BITS: tl.constexpr, SYM: tl.constexpr, LUT: tl.constexpr, lev_ptr):
     """Level in [-1, 1] of each code: LUT, hybrid (sym ? 2^B - 1 symmetric : 2^(B-1) uniform), or uniform."""
     N: tl.constexpr = 1 << BITS
@@ -102,14 +113,14 @@ def _levels(code, sym, BITS: tl.constexpr, SYM: tl.constexpr, LUT: tl.constexpr,
         lev = tl.load(lev_ptr + code)
     elif SYM == 2:
         HN: tl.constexpr = N // 2
-        lev_s = -1.0 + code.to(tl.float32) * (2.0 / (N - 2))
+        lev_s = -1.0 + _code_float(code) * (2.0 / (N - 2))
         if HN > 1:
-            lev_a = -1.0 + tl.minimum(code, HN - 1).to(tl.float32) * (2.0 / (HN - 1))
+            lev_a = -1.0 + _code_float(tl.minimum(code, HN - 1)) * (2.0 / (HN - 1))
         else:
             lev_a = lev_s * 0.0 - 1.0
         lev = tl.where(sym, lev_s, lev_a)
     else:
-        lev = -1.0 + code.to(tl.float32) * _step(BITS, SYM)
+        lev = -1.0 + _code_float(code) * _step(BITS, SYM)
     return lev
 
 
@@ -150,11 +161,12 @@ def _unpack(cbase, t, tmask, D: tl.constexpr, BITS: tl.constexpr, BT: tl.constex
 
 
 @triton.jit
-def _dequant(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_ptr, norm_ptr, bh, t, d, tmask,
+def _dequant(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_ptr, norm_ptr, bh, t, t0, d, tmask,
              T, D: tl.constexpr, S: tl.constexpr, BITS: tl.constexpr, AXIS: tl.constexpr,
              GS: tl.constexpr, NG, SYM: tl.constexpr, LUT: tl.constexpr, NOUT: tl.constexpr,
-             NORM: tl.constexpr, BT: tl.constexpr):
-    """float32 [BT, D] values of positions t (quantized region), channels d = arange(D).
+             NORM: tl.constexpr, ALIGNED: tl.constexpr, BT: tl.constexpr):
+    """float32 [BT, D] values of positions t (quantized region), channels d = arange(D). ALIGNED: t = t0 +
+    arange(BT) with t0 - S a multiple of BT (the callers' codes-only tiles).
 
     Codes come in as whole words ([BT, W] contiguous loads) and are unpacked with a broadcast shift into
     [BT, W, CPW] -> [BT, D] when 32 // BITS is a power of two (1, 2, 4, 8 bits); 3-bit words (10 codes)
@@ -192,15 +204,26 @@ def _dequant(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_pt
             gb = bh64 * NG * D
             gi = ((t - S) // GS)[:, None] * D + d[None, :]
             gm = m2
-        half = tl.load(half_ptr + gb + gi, mask=gm, other=0.0).to(tl.float32)
-        if SYM == 2:
-            sym = tl.load(hmask_ptr + gb + gi, mask=gm, other=0) != 0
-            lev = _levels(code, sym, BITS, SYM, LUT, lev_ptr)
-        else:
-            lev = _levels(code, None, BITS, SYM, LUT, lev_ptr)
-        x = lev * half
-        if SYM != 1:
-            x += tl.load(cen_ptr + gb + gi, mask=gm, other=0.0).to(tl.float32)
+        if _ROWS and ALIGNED and GS > 0 and BT % GS == 0 and SYM != 2:
+            # an aligned tile covers NR whole groups: load their NR statistics rows, broadcast over GS tokens each
+            NR: tl.constexpr = BT // GS
+            rows = (t0 - S) // GS + tl.arange(0, NR)
+            ro = bh64 * NG * D + rows[:, None] * D + d[None, :]
+            h3 = tl.load(half_ptr + ro, mask=(rows < NG)[:, None], other=0.0).to(tl.float32)[:, None, :]
+            x3 = _levels(tl.reshape(code, [NR, GS, D]), None, BITS, SYM, LUT, lev_ptr) * h3
+            if SYM != 1:
+                x3 += tl.load(cen_ptr + ro, mask=(rows < NG)[:, None], other=0.0).to(tl.float32)[:, None, :]
+            x = tl.reshape(x3, [BT, D])
+        else:  # statistics loaded per element
+            half = tl.load(half_ptr + gb + gi, mask=gm, other=0.0).to(tl.float32)
+            if SYM == 2:
+                sym = tl.load(hmask_ptr + gb + gi, mask=gm, other=0) != 0
+                lev = _levels(code, sym, BITS, SYM, LUT, lev_ptr)
+            else:
+                lev = _levels(code, None, BITS, SYM, LUT, lev_ptr)
+            x = lev * half
+            if SYM != 1:
+                x += tl.load(cen_ptr + gb + gi, mask=gm, other=0.0).to(tl.float32)
     for j in tl.static_range(NOUT):
         oi = t * NOUT + j
         idx = tl.load(oidx_ptr + bh64 * T * NOUT + oi, mask=tmask, other=0).to(tl.int32)
@@ -213,13 +236,14 @@ def _dequant(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_pt
 
 @triton.jit
 def _load_side(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_ptr, norm_ptr,
-               data_ptr, sink_ptr, ring_ptr, chunk_ptr, stride_cb, stride_ch, stride_cn, nch, b, h, bh, t, d, tvalid,
-               p0, bnd, T, D: tl.constexpr, S: tl.constexpr, WR: tl.constexpr, BITS: tl.constexpr,
+               data_ptr, sink_ptr, ring_ptr, chunk_ptr, stride_cb, stride_ch, stride_cn, nch, b, h, bh, t, t0, d,
+               tvalid, p0, bnd, T, D: tl.constexpr, S: tl.constexpr, WR: tl.constexpr, BITS: tl.constexpr,
                AXIS: tl.constexpr, GS: tl.constexpr, NG, SYM: tl.constexpr, LUT: tl.constexpr,
                NOUT: tl.constexpr, NORM: tl.constexpr, ONLY_CODES: tl.constexpr, BT: tl.constexpr):
     """float32 [BT, D] of one side (K or V) at positions t, from wherever the store keeps each position:
     t < p0 from the store (written length L, quantized below bnd = Q_side(L)), t in [p0, p0 + nch) from the
-    chunk (row t - p0, token stride stride_cn; decode: nch = 1)."""
+    chunk (row t - p0, token stride stride_cn; decode: nch = 1). ONLY_CODES: every t is in the quantized region
+    and t = t0 + arange(BT) with t0 - S a multiple of BT (the codes-only tiles of both templates)."""
     bh64 = bh.to(tl.int64)
     if BITS == 16:
         x = tl.load(data_ptr + bh64 * T * D + (t[:, None] * D + d[None, :]),
@@ -227,13 +251,13 @@ def _load_side(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_
         if ONLY_CODES:
             return x
     elif ONLY_CODES:
-        x = _dequant(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_ptr, norm_ptr, bh, t, d,
-                     tvalid, T, D, S, BITS, AXIS, GS, NG, SYM, LUT, NOUT, NORM, BT)
+        x = _dequant(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_ptr, norm_ptr, bh, t, t0, d,
+                     tvalid, T, D, S, BITS, AXIS, GS, NG, SYM, LUT, NOUT, NORM, True, BT)
         return x
     else:
         inq = tvalid & (t >= S) & (t < bnd) & (t < p0)
-        x = _dequant(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_ptr, norm_ptr, bh, t, d,
-                     inq, T, D, S, BITS, AXIS, GS, NG, SYM, LUT, NOUT, NORM, BT)
+        x = _dequant(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_ptr, norm_ptr, bh, t, t0, d,
+                     inq, T, D, S, BITS, AXIS, GS, NG, SYM, LUT, NOUT, NORM, False, BT)
         x = tl.where(inq[:, None], x, 0.0)
         if S > 0:
             ins = tvalid & (t < S) & (t < p0)
@@ -300,7 +324,7 @@ def _code_values(C, LEV, bh, t, tvalid, T, D: tl.constexpr, BITS: tl.constexpr, 
     code = _unpack(C + bh.to(tl.int64) * T * W, t, tvalid, D, BITS, BT, SYM != 2)
     if LUT:
         return tl.load(LEV + code)
-    return code.to(tl.float32)
+    return _code_float(code)
 
 
 @triton.jit
@@ -365,33 +389,6 @@ def _post_pv(p, VC, VCEN, VHALF, VLEV, bh, t, t0, tvalid, d, T, NG, D: tl.conste
         else:
             pv = _dot(p * (h * A)[None, :], x, dt, IEEE, INTERP) + tl.sum(p * (c - h)[None, :], 1)[:, None]
     return pv
-
-
-@triton.jit
-def _post_pv_groups(p, VC, VCEN, VHALF, VLEV, bh, t, tvalid, T, D: tl.constexpr, BITS: tl.constexpr,
-                    GS: tl.constexpr, SYM: tl.constexpr, LUT: tl.constexpr, BT: tl.constexpr, REP_PAD: tl.constexpr,
-                    dt: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr):
-    """POST 3, p . v_hat for per-token groups of GS < D channels (KIVI's Values: NGRP = D / GS statistics per
-    token), one batched dot over the groups without forming v_hat (uniform levels l = a*code - 1):
-        pv[:, g] = (p * h_g * a) . code[:, g] + sum_t p_t (c_t,g - h_t,g)
-    With a codebook, l = LUT[code]: (p * h_g) . l[:, g] + sum_t p_t c_t,g."""
-    NGRP: tl.constexpr = D // GS
-    x = _code_values(VC, VLEV, bh, t, tvalid, T, D, BITS, SYM, LUT, BT)
-    x3 = tl.permute(tl.reshape(x, [BT, NGRP, GS]), (1, 0, 2))  # [NGRP, BT, GS]
-    off = bh.to(tl.int64) * T * NGRP
-    gi = t[None, :] * NGRP + tl.arange(0, NGRP)[:, None]  # [NGRP, BT]
-    h = tl.load(VHALF + off + gi, mask=tvalid[None, :], other=0.0).to(tl.float32)
-    if SYM == 1:
-        c = h * 0.0
-    else:
-        c = tl.load(VCEN + off + gi, mask=tvalid[None, :], other=0.0).to(tl.float32)
-    if LUT:
-        w, z = h, c
-    else:
-        w, z = h * _step(BITS, SYM), c - h
-    pv3 = _dot(p[None, :, :] * w[:, None, :], x3, dt, IEEE, INTERP)  # [NGRP, REP_PAD, GS]
-    pv3 += tl.sum(p[None, :, :] * z[:, None, :], 2)[:, :, None]
-    return tl.reshape(tl.permute(pv3, (1, 0, 2)), [REP_PAD, D])
 
 
 @triton.jit
@@ -460,15 +457,17 @@ def _decode_kernel(
             in_sink = it < n_sink
             t = tl.where(in_sink, t_sink, t_win)
             tvalid = tl.where(in_sink, t_sink < tl.minimum(S_EFF, p0), t_win <= p0)
+            t0 = 0  # window tiles are not codes-only tiles
         else:
-            t = start + it * BLOCK_T + tl.arange(0, BLOCK_T)
+            t0 = start + it * BLOCK_T
+            t = t0 + tl.arange(0, BLOCK_T)
             tvalid = t < stop
         if KP != 0:
-            s = _post_logits(qn, KC, KCEN, KHALF, KLEV, bh, t, start + it * BLOCK_T, tvalid, d, T, NG_K, D, S,
+            s = _post_logits(qn, KC, KCEN, KHALF, KLEV, bh, t, t0, tvalid, d, T, NG_K, D, S,
                              BITS_K, GS_K, SYM_K, LUT_K, KP, BLOCK_T, dt, IEEE, INTERP)
         else:
             k = _load_side(KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK,
-                           stride_kb, stride_kh, 0, 1, b, h, bh, t, d, tvalid, p0, bnd_k, T, D, S, WR_K, BITS_K, AXIS_K,
+                           stride_kb, stride_kh, 0, 1, b, h, bh, t, t0, d, tvalid, p0, bnd_k, T, D, S, WR_K, BITS_K, AXIS_K,
                            GS_K, NG_K, SYM_K, LUT_K, NOUT_K, NORM_K, not WINDOW, BLOCK_T)
             if ROPE:
                 # the chunk's own key arrives already rotated (it is the attention's input, not the store's)
@@ -488,15 +487,12 @@ def _decode_kernel(
                 s = s * temp[:, None]
             s = tl.where(allowed, s, float("-inf"))
             p, alpha, m_new, l_i = _softmax_step(s, m_i, l_i)
-            if VP == 3:
-                pv = _post_pv_groups(p, VC, VCEN, VHALF, VLEV, bh, t, tvalid, T, D, BITS_V, GS_V, SYM_V, LUT_V,
-                                     BLOCK_T, REP_PAD, dt, IEEE, INTERP)
-            elif VP != 0:
-                pv = _post_pv(p, VC, VCEN, VHALF, VLEV, bh, t, start + it * BLOCK_T, tvalid, d, T, NG_V, D, S,
+            if VP != 0:
+                pv = _post_pv(p, VC, VCEN, VHALF, VLEV, bh, t, t0, tvalid, d, T, NG_V, D, S,
                               BITS_V, GS_V, SYM_V, LUT_V, VP, BLOCK_T, dt, IEEE, INTERP)
             else:
                 v = _load_side(VC, VCEN, VHALF, VMASK, VOVAL, VOIDX, VLEV, VLEV, VDATA, VSINK, VRING, VCHUNK,
-                               stride_vb, stride_vh, 0, 1, b, h, bh, t, d, tvalid, p0, bnd_v, T, D, S, WR_V, BITS_V,
+                               stride_vb, stride_vh, 0, 1, b, h, bh, t, t0, d, tvalid, p0, bnd_v, T, D, S, WR_V, BITS_V,
                                AXIS_V, GS_V, NG_V, SYM_V, LUT_V, NOUT_V, False, not WINDOW, BLOCK_T)
                 pv = _dot(p, v, dt, IEEE, INTERP)
             acc = acc * alpha[:, None] + pv
@@ -578,18 +574,17 @@ def side_pointers(p: dict, key: bool) -> tuple:
     return tuple(p[n] for n in names)
 
 
-def _post_mode(c: dict, block_t: int, head_dim: int, groups: bool = True) -> int:
-    """1: per-channel statistics constant over each tile; 2: one statistic per token; 3 (Values only, `groups`):
-    several groups per token, one batched dot over them; 0: dequantize per element (hybrid groups, outliers,
-    channel groups a tile straddles)."""
+def _post_mode(c: dict, block_t: int, head_dim: int) -> int:
+    """1: per-channel statistics constant over each tile; 2: one statistic per token; 0: dequantize per element
+    (hybrid groups, outliers, several groups per token, or channel groups a tile straddles). A batched dot over
+    several Value groups per token was 1.4-1.7x slower than per-element dequantization for kivi-2 / kivi-4 on an
+    H100 (bench/RESULTS.md, session 7), so those dequantize per element."""
     if c["BITS"] == 16 or c["SYM"] == 2 or c["NOUT"]:
         return 0
     if c["AXIS"] == 1 and (c["GS"] == 0 or c["GS"] % block_t == 0):
         return 1
     if c["AXIS"] == 0 and c["GS"] == head_dim:
         return 2
-    if groups and c["AXIS"] == 0 and c["GS"] >= 16 and head_dim % c["GS"] == 0:
-        return 3
     return 0
 
 
@@ -641,7 +636,7 @@ def _num_splits(bh: int, max_len: int, block_t: int, device, programs_per_sm: in
 def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale: float, is_causal: bool,
                      cfg, spec, geo, block_t: int | None = None, num_splits: int | None = None,
                      num_warps: int = 4, num_stages: int = 2, post_scaling: bool = True,
-                     programs_per_sm: int = 16, out=None, group_post: bool = True):
+                     programs_per_sm: int = 16, out=None):
     """kvq::attend for one query token per sequence (decode), entirely on the device.
 
     query [B, Hq, 1, D]; bufs: the layer's attend tensors by name (store.LayerStore.attend_tensors);
@@ -668,8 +663,8 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
     vp, vc = _side_args(bufs, "v", spec.value, geo, cfg)
     rope = cfg.keys_before_rope and spec.key.quantized
     block_t = block_t or default_block_t(kc, vc, rope)
-    kpost = _post_mode(kc, block_t, D, groups=False) if (post_scaling and not rope) else 0
-    vpost = _post_mode(vc, block_t, D, group_post) if post_scaling else 0
+    kpost = _post_mode(kc, block_t, D) if (post_scaling and not rope) else 0
+    vpost = _post_mode(vc, block_t, D) if post_scaling else 0
     cos = bufs["rope.cos"] if rope else query
     sin = bufs["rope.sin"] if rope else query
     if attn_mask is None:

@@ -43,7 +43,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 @triton.jit
 def _logits(q, KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK,
             stride_kb, stride_kh, stride_kn, COS, SIN, AMASK, stride_mb, stride_mh, stride_mn,
-            b, h, bh, qh64, i, i64, rvalid, t, tvalid, d, p0, bnd_k, scale, T, NG_K, NCH,
+            b, h, bh, qh64, i, i64, rvalid, t, t0, tvalid, d, p0, bnd_k, scale, T, NG_K, NCH,
             D: tl.constexpr, S: tl.constexpr, BITS_K: tl.constexpr, AXIS_K: tl.constexpr, GS_K: tl.constexpr,
             SYM_K: tl.constexpr, LUT_K: tl.constexpr, NOUT_K: tl.constexpr, NORM_K: tl.constexpr,
             WR_K: tl.constexpr, ROPE: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
@@ -52,7 +52,7 @@ def _logits(q, KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, 
     """(s [ROWS, BLOCK_T] float32 with the additive bias, allowed [ROWS, BLOCK_T]) of one key tile; ONLY_CODES:
     every t of the tile is in the quantized region (no window or chunk loads)."""
     k = _load_side(KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK,
-                   stride_kb, stride_kh, stride_kn, NCH, b, h, bh, t, d, tvalid, p0, bnd_k, T, D, S, WR_K, BITS_K,
+                   stride_kb, stride_kh, stride_kn, NCH, b, h, bh, t, t0, d, tvalid, p0, bnd_k, T, D, S, WR_K, BITS_K,
                    AXIS_K, GS_K, NG_K, SYM_K, LUT_K, NOUT_K, NORM_K, ONLY_CODES, BLOCK_T)
     if ROPE:  # the chunk's keys arrive already rotated (they are the attention's input, not the store's)
         if ONLY_CODES:
@@ -142,14 +142,16 @@ def _prefill_kernel(
             l_i = tl.zeros([ROWS], tl.float32)
         for seg in tl.static_range(2):  # 0: the quantized region, codes only (fewer live tiles); 1: the windows
             for it in range(0, n_main if seg == 0 else n_win):
+                t0 = S_EFF + it * BLOCK_T  # the codes-only tile's start (unused by window tiles)
                 if seg == 0:
-                    t = S_EFF + it * BLOCK_T + tl.arange(0, BLOCK_T)
+                    t = t0 + tl.arange(0, BLOCK_T)
                     tvalid = t < main_hi
                 else:
                     t, tvalid = _window_t(it, n_sink, sink_hi, win_lo, t_end, BLOCK_T)
                 s, allowed = _logits(q, KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING,
                                      KCHUNK, stride_kb, stride_kh, stride_kn, COS, SIN, AMASK, stride_mb, stride_mh,
-                                     stride_mn, b, h, bh, qh64, i, i64, rvalid, t, tvalid, d, p0, bnd_k, scale, T, NG_K,
+                                     stride_mn, b, h, bh, qh64, i, i64, rvalid, t, t0, tvalid, d, p0, bnd_k, scale, T,
+                                     NG_K,
                                      NCH, D, S, BITS_K, AXIS_K, GS_K, SYM_K, LUT_K, NOUT_K, NORM_K, WR_K, ROPE,
                                      MASK_KIND, IS_CAUSAL, seg == 0, BLOCK_T, dt, IEEE, INTERP)
                 if ps == 0:
@@ -157,7 +159,7 @@ def _prefill_kernel(
                     l_i = tl.minimum(l_i, tl.min(tl.where(allowed, s, float("inf")), 1))
                 else:
                     v = _load_side(VC, VCEN, VHALF, VMASK, VOVAL, VOIDX, VLEV, VLEV, VDATA, VSINK, VRING, VCHUNK,
-                                   stride_vb, stride_vh, stride_vn, NCH, b, h, bh, t, d, tvalid, p0, bnd_v, T, D, S,
+                                   stride_vb, stride_vh, stride_vn, NCH, b, h, bh, t, t0, d, tvalid, p0, bnd_v, T, D, S,
                                    WR_V, BITS_V, AXIS_V, GS_V, NG_V, SYM_V, LUT_V, NOUT_V, False, seg == 0, BLOCK_T)
                     m_i, l_i, acc = _online_softmax(s, allowed, v, temp, m_i, l_i, acc, TAU, dt, IEEE, INTERP)
 

@@ -153,17 +153,3 @@ def test_default_tile_is_short_where_dequantization_is_per_element(name, tile):
     bufs = dict(zip(*lay.attend_tensors()))
     kc, vc = (_side_args(bufs, s, q, geo, cfg)[1] for s, q in (("k", lay.spec.key), ("v", lay.spec.value)))
     assert default_block_t(kc, vc, cfg.keys_before_rope and lay.spec.key.quantized) == tile
-
-
-@pytest.mark.interpreter
-@pytest.mark.parametrize("levels,sym,value_group,dtype", [(Levels.NORMAL_FLOAT, Symmetry.ASYMMETRIC, 16, torch.float16),
-                                                          (Levels.UNIFORM, Symmetry.SYMMETRIC, 32, torch.bfloat16),
-                                                          (Levels.UNIFORM, Symmetry.ASYMMETRIC, 16, torch.float32)])
-def test_value_groups_batched_post_scaling(levels, sym, value_group, dtype):
-    """Per-token Value groups of fewer channels than head_dim (KIVI's Values) take the batched post-scaled dot
-    (POST 3), with a codebook too; the same store through per-element dequantization gives the same result."""
-    from kvq_compile.templates.decode_attention import _post_mode
-
-    cfg = _custom(2, Axis.CHANNEL, 8, value_group, sym, recent=8, sink=1, levels=levels)
-    assert _post_mode(dict(BITS=2, SYM=int(sym is Symmetry.SYMMETRIC), NOUT=0, AXIS=0, GS=value_group), 16, 64) == 3
-    check(cfg, prefill=29, steps=2, T=56, dtype=dtype, num_splits=3, seed=value_group)
