@@ -42,8 +42,6 @@ from kvq_compile import compat
 
 compat.fix_triton_interpreter()
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_MAGIC = tl.constexpr(os.environ.get("KVQ_EXP_MAGIC", "1") == "1")
-_ROWS = tl.constexpr(os.environ.get("KVQ_EXP_ROWS", "1") == "1")
 
 
 @triton.jit
@@ -97,15 +95,6 @@ def _step(BITS: tl.constexpr, SYM: tl.constexpr):
 
 
 @triton.jit
-def _code_float(code):
-    """float32 of int32 codes in [0, 2^23) without an int->float conversion instruction: the code's bits under the
-    exponent of 2^23 (0x4B000000) form 2^23 + code exactly; subtracting 2^23 is exact."""
-    if _MAGIC:
-        return (code | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    return code.to(tl.float32)
-
-
-@triton.jit
 def _levels(code, sym, BITS: tl.constexpr, SYM: tl.constexpr, LUT: tl.constexpr, lev_ptr):
     """Level in [-1, 1] of each code: LUT, hybrid (sym ? 2^B - 1 symmetric : 2^(B-1) uniform), or uniform."""
     N: tl.constexpr = 1 << BITS
@@ -113,14 +102,14 @@ def _levels(code, sym, BITS: tl.constexpr, SYM: tl.constexpr, LUT: tl.constexpr,
         lev = tl.load(lev_ptr + code)
     elif SYM == 2:
         HN: tl.constexpr = N // 2
-        lev_s = -1.0 + _code_float(code) * (2.0 / (N - 2))
+        lev_s = -1.0 + code.to(tl.float32) * (2.0 / (N - 2))
         if HN > 1:
-            lev_a = -1.0 + _code_float(tl.minimum(code, HN - 1)) * (2.0 / (HN - 1))
+            lev_a = -1.0 + tl.minimum(code, HN - 1).to(tl.float32) * (2.0 / (HN - 1))
         else:
             lev_a = lev_s * 0.0 - 1.0
         lev = tl.where(sym, lev_s, lev_a)
     else:
-        lev = -1.0 + _code_float(code) * _step(BITS, SYM)
+        lev = -1.0 + code.to(tl.float32) * _step(BITS, SYM)
     return lev
 
 
@@ -204,8 +193,9 @@ def _dequant(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_pt
             gb = bh64 * NG * D
             gi = ((t - S) // GS)[:, None] * D + d[None, :]
             gm = m2
-        if _ROWS and ALIGNED and GS > 0 and BT % GS == 0 and SYM != 2:
+        if ALIGNED and GS > 0 and BT % GS == 0 and SYM != 2:
             # an aligned tile covers NR whole groups: load their NR statistics rows, broadcast over GS tokens each
+            # (kivi-2 decode 1.3x faster on an H100 than statistics loaded per element: bench/RESULTS.md, session 7)
             NR: tl.constexpr = BT // GS
             rows = (t0 - S) // GS + tl.arange(0, NR)
             ro = bh64 * NG * D + rows[:, None] * D + d[None, :]
@@ -324,7 +314,7 @@ def _code_values(C, LEV, bh, t, tvalid, T, D: tl.constexpr, BITS: tl.constexpr, 
     code = _unpack(C + bh.to(tl.int64) * T * W, t, tvalid, D, BITS, BT, SYM != 2)
     if LUT:
         return tl.load(LEV + code)
-    return _code_float(code)
+    return code.to(tl.float32)
 
 
 @triton.jit
