@@ -50,11 +50,15 @@ class LaunchConfig:
 
 DEVICES = {"cuda"}  # the CPU test suite adds "cpu": the template then runs under TRITON_INTERPRET=1
 DEFAULT_CONFIG = LaunchConfig(0, 4, 2, 16)  # what the opaque CUDA kernel uses
-CONFIGS = (DEFAULT_CONFIG, LaunchConfig(32, 4, 2, 16), LaunchConfig(64, 4, 2, 16), LaunchConfig(128, 4, 2, 16),
-           LaunchConfig(64, 4, 3, 32))
-MAX_AUTOTUNE_CONFIGS = CONFIGS + tuple(
+# Without max_autotune one choice: Inductor times an extern choice with its Python launch (three Triton launches,
+# 0.4-0.6 ms per call against 0.1-0.3 ms of GPU time on an H100, bench/RESULTS.md sessions 5 and 7), so its pick
+# among launch configurations was noise, and picked 32-token tiles that are 2x slower for KIVI layouts.
+CONFIGS = (DEFAULT_CONFIG,)
+_TUNED = (DEFAULT_CONFIG, LaunchConfig(32, 4, 2, 16), LaunchConfig(64, 4, 2, 16), LaunchConfig(128, 4, 2, 16),
+          LaunchConfig(64, 4, 3, 32))
+MAX_AUTOTUNE_CONFIGS = _TUNED + tuple(
     LaunchConfig(t, w, s, p) for t in (32, 64, 128) for w in (4, 8) for s in (2, 3) for p in (8, 32)
-    if LaunchConfig(t, w, s, p) not in CONFIGS)
+    if LaunchConfig(t, w, s, p) not in _TUNED)
 
 
 def launch(*tensors, out, kvq_layout: str, scale: float, is_causal: bool, n_store: int, has_mask: bool,

@@ -10,8 +10,8 @@
 On CUDA, `kvq_compile.lowering` lowers `kvq::attend` of decode steps to an autotuned call of this template
 (launch configurations as `ExternKernelChoice`s); `kvq_compile.ops` also registers it as the op's CUDA kernel
 (what runs when the op stays opaque). The decode append runs `quantize_append.py` (`KVQ_APPEND=inductor`: the
-sync-free `store.append_decode` compiled by Inductor). Chunks run torch's SDPA (over the chunk, or over the
-dequantized prefix and the chunk); `KVQ_PREFILL=triton` runs `prefill_attention.py` for chunks over a stored
-prefix (not yet checked on a GPU).
+sync-free `store.append_decode` compiled by Inductor). A first chunk runs torch's SDPA; a chunk over a stored
+prefix runs `prefill_attention.py` or SDPA over the dequantized prefix, as `kvq_compile.ops._prefill_choice`
+decides (KVQ_PREFILL).
 The CPU test suite runs the template under TRITON_INTERPRET=1.
 """

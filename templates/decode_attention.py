@@ -114,6 +114,22 @@ def _levels(code, sym, BITS: tl.constexpr, SYM: tl.constexpr, LUT: tl.constexpr,
 
 
 @triton.jit
+def _affine(code, half, center, BITS: tl.constexpr, SYM: tl.constexpr, LUT: tl.constexpr, lev_ptr):
+    """lev(code) * half + center (center unused when symmetric) for uniform or codebook levels, the statistics
+    broadcastable against code. Uniform levels l = a*code - 1 take one multiply-add per element,
+    code * (a * half) + (center - half), with both factors formed on the statistics' own smaller shape."""
+    if LUT:
+        x = tl.load(lev_ptr + code) * half
+        if SYM != 1:
+            x += center
+    elif SYM == 1:
+        x = code.to(tl.float32) * (half * _step(BITS, SYM)) - half
+    else:
+        x = code.to(tl.float32) * (half * _step(BITS, SYM)) + (center - half)
+    return x
+
+
+@triton.jit
 def _split_join(x, NB: tl.constexpr):
     """[..] -> [.., 2]: the low and the high NB bits of each 2*NB-bit field (a new in-thread minor dim)."""
     m: tl.constexpr = (1 << NB) - 1
@@ -175,14 +191,15 @@ def _dequant(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_pt
         gi = t[:, None] * NGRP + tl.arange(0, NGRP)[None, :]
         half = tl.load(half_ptr + gb + gi, mask=m2, other=0.0).to(tl.float32)
         code3 = tl.reshape(code, [BT, NGRP, GS])
+        if SYM != 1:
+            cen = tl.load(cen_ptr + gb + gi, mask=m2, other=0.0).to(tl.float32)
+        else:
+            cen = half
         if SYM == 2:
             sym = tl.load(hmask_ptr + gb + gi, mask=m2, other=0) != 0
-            lev = _levels(code3, sym[:, :, None], BITS, SYM, LUT, lev_ptr)
+            x3 = _levels(code3, sym[:, :, None], BITS, SYM, LUT, lev_ptr) * half[:, :, None] + cen[:, :, None]
         else:
-            lev = _levels(code3, None, BITS, SYM, LUT, lev_ptr)
-        x3 = lev * half[:, :, None]
-        if SYM != 1:
-            x3 += tl.load(cen_ptr + gb + gi, mask=m2, other=0.0).to(tl.float32)[:, :, None]
+            x3 = _affine(code3, half[:, :, None], cen[:, :, None], BITS, SYM, LUT, lev_ptr)
         x = tl.reshape(x3, [BT, D])
     else:
         if GS == 0:  # static per-channel ranges: one row
@@ -200,10 +217,11 @@ def _dequant(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_pt
             rows = (t0 - S) // GS + tl.arange(0, NR)
             ro = bh64 * NG * D + rows[:, None] * D + d[None, :]
             h3 = tl.load(half_ptr + ro, mask=(rows < NG)[:, None], other=0.0).to(tl.float32)[:, None, :]
-            x3 = _levels(tl.reshape(code, [NR, GS, D]), None, BITS, SYM, LUT, lev_ptr) * h3
             if SYM != 1:
-                x3 += tl.load(cen_ptr + ro, mask=(rows < NG)[:, None], other=0.0).to(tl.float32)[:, None, :]
-            x = tl.reshape(x3, [BT, D])
+                c3 = tl.load(cen_ptr + ro, mask=(rows < NG)[:, None], other=0.0).to(tl.float32)[:, None, :]
+            else:
+                c3 = h3
+            x = tl.reshape(_affine(tl.reshape(code, [NR, GS, D]), h3, c3, BITS, SYM, LUT, lev_ptr), [BT, D])
         else:  # statistics loaded per element
             half = tl.load(half_ptr + gb + gi, mask=gm, other=0.0).to(tl.float32)
             if SYM == 2:
