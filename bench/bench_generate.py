@@ -59,15 +59,15 @@ def timed_generate(model, ids, new, **kw):
     return dts[len(dts) // 2], len(dts)
 
 
-def profile_step(model, preset):
-    """Top CUDA kernels and CPU ops of a few kvq decode steps (B=8, P=2048), after warm-up."""
+def profile_step(model, preset, B: int = 8, P: int = 2048):
+    """Top CUDA kernels and CPU ops of a few kvq decode steps at (B, P), after warm-up."""
     from torch.profiler import ProfilerActivity, profile
     from transformers import CompileConfig
 
     from kvq_compile import kvq_backend
 
     torch._dynamo.reset()
-    ids = torch.randint(100, 120000, (8, 2048), device="cuda")
+    ids = torch.randint(100, 120000, (B, P), device="cuda")
     kw = dict(cache_implementation="static", compile_config=CompileConfig(backend=kvq_backend(preset), fullgraph=True))
     timed_generate(model, ids, 8, **kw)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -93,6 +93,7 @@ def main():
     ap.add_argument("--kvqcache", default="", help="presets also run through KVQCache (no fp16 cache at all)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", default=None, help="preset whose decode step is profiled (top kernels)")
+    ap.add_argument("--profile-shape", default="8x2048", help="(batch)x(prompt) of the profiled steps")
     args = ap.parse_args()
     x = torch.empty(2 ** 29, dtype=torch.bfloat16, device="cuda")
     y = torch.empty_like(x)
@@ -157,7 +158,7 @@ def main():
             print(f"{kind:12s} {str(preset):12s} B={B:2d} P={P:6d}  {tps:9.1f} tok/s  {row['ms_step']:7.2f} ms/step  "
                   f"peak {row['peak_gib']:6.1f} GiB  roofline {roof:9.1f} tok/s ({100 * tps / roof:5.1f}%)", flush=True)
     if args.profile:
-        profile_step(model, args.profile)
+        profile_step(model, args.profile, *map(int, args.profile_shape.split("x")))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bw=bw,
