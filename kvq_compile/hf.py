@@ -10,7 +10,8 @@ Which path saves what:
   the store and re-points the fp16 tensors at a zero-stride storage. The peak therefore includes the fp16
   cache once, during prefill; the steady state holds only the store.
 - `KVQCache` never allocates fp16 K/V: prefill and every decode step append to the store through
-  `kvq::append` and attend through `kvq::attend` (the same ops the backend's rewrite emits), so the whole
+  `kvq::append` and attend through `kvq::attend` (chunks through their cudagraph-unsafe twins, `ops.chunk_ops`;
+  the same ops the backend's rewrite emits), so the whole
   `generate` peaks at the store's size plus one chunk's activations. It binds itself to the model's attention
   modules and switches the model to the "kvq" attention implementation (registered with transformers'
   AttentionInterface); a module not served by a KVQCache in the current forward falls back to SDPA.
