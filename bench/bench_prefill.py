@@ -4,9 +4,10 @@
 
 For each preset at (batch, stored prefix p0, chunk n), Llama-3-8B attention shapes (32 query heads, 8 KV heads,
 head_dim 128), bf16, a chunk-causal boolean mask [B, 1, n, L] as HuggingFace passes it:
-  fused   `templates/prefill_attention.py` (what the CUDA op runs for such a chunk with KVQ_PREFILL=triton)
-  sdpa    `ops.attend_chunk` (the default): `store.read` dequantizes the prefix, torch's SDPA over it and the
-          chunk; CalibQuant's calibrated softmax takes the float32 reference there
+  fused   `templates/prefill_attention.py` (what the CUDA op runs for such a chunk when `ops._prefill_choice`
+          picks it, or with KVQ_PREFILL=triton)
+  sdpa    `ops.attend_chunk`: `store.read` dequantizes the prefix, torch's SDPA over it and the chunk;
+          CalibQuant's calibrated softmax takes the float32 reference there
   fp16    torch's SDPA over bf16 K/V of the same length (no cache quantization at all)
 Median time by triton.testing.do_bench (host launch included: these are millisecond calls), the extra peak
 memory of one call over what the store and inputs already hold, and max |fused - sdpa|.

@@ -133,7 +133,7 @@ class KVQCache(Cache):
         layers = [KVQLayer(layer, max_cache_len, device, rotary) for layer in self.model_store.layers]
         super().__init__(layers=layers)
         _bind(model, self)
-        if device.type == "cuda":  # compiled steps (CompileConfig) autotune kvq::attend through Inductor
+        if device.type == "cuda":  # compiled steps (CompileConfig) lower kvq::attend through Inductor
             from . import lowering
 
             lowering.register()

@@ -5,8 +5,9 @@
          CUDA, one query token, shapes static:
              autotune_select_algorithm("kvq_attend", one ExternKernelCaller per LaunchConfig of
              templates/decode_attention.py, all of the extern kernel `kvq_attend` with the configuration as
-             keywords); Inductor benchmarks them once per layer layout and shape
-             (on the full cache length, see `_input_generators`) and emits a call of the fastest.
+             keywords): the default launch alone (CONFIGS), or under max_autotune MAX_AUTOTUNE_CONFIGS, which
+             Inductor benchmarks once per layer layout and shape (on the full cache length, see
+             `_input_generators`) and emits a call of the fastest.
          anything else (CPU, prefill chunks, symbolic shapes): the op as an opaque kernel (the reference
              path, or the CUDA kernel ops.py registers), exactly what Inductor does without a lowering.
 
@@ -50,15 +51,15 @@ class LaunchConfig:
 
 DEVICES = {"cuda"}  # the CPU test suite adds "cpu": the template then runs under TRITON_INTERPRET=1
 DEFAULT_CONFIG = LaunchConfig(0, 4, 2, 16)  # what the opaque CUDA kernel uses
-# Without max_autotune one choice: Inductor times an extern choice with its Python launch (three Triton launches,
-# 0.4-0.6 ms per call against 0.1-0.3 ms of GPU time on an H100, bench/RESULTS.md sessions 5 and 7), so its pick
-# among launch configurations was noise, and picked 32-token tiles that are 2x slower for KIVI layouts.
+# Without max_autotune one choice: Inductor times an extern choice with its Python launch (three Triton launches:
+# 0.42-0.58 ms per call against 0.19 ms of GPU time for kivi-2 at (32, 4096) on an H100, bench/RESULTS.md sessions 5
+# and 7), so its pick among launch configurations was noise, and took 32-token tiles, 1.5x slower for KIVI layouts.
 CONFIGS = (DEFAULT_CONFIG,)
-_TUNED = (DEFAULT_CONFIG, LaunchConfig(32, 4, 2, 16), LaunchConfig(64, 4, 2, 16), LaunchConfig(128, 4, 2, 16),
-          LaunchConfig(64, 4, 3, 32))
-MAX_AUTOTUNE_CONFIGS = _TUNED + tuple(
+TUNED_CONFIGS = (DEFAULT_CONFIG, LaunchConfig(32, 4, 2, 16), LaunchConfig(64, 4, 2, 16), LaunchConfig(128, 4, 2, 16),
+                 LaunchConfig(64, 4, 3, 32))  # the first of the max_autotune list
+MAX_AUTOTUNE_CONFIGS = TUNED_CONFIGS + tuple(
     LaunchConfig(t, w, s, p) for t in (32, 64, 128) for w in (4, 8) for s in (2, 3) for p in (8, 32)
-    if LaunchConfig(t, w, s, p) not in _TUNED)
+    if LaunchConfig(t, w, s, p) not in TUNED_CONFIGS)
 
 
 def launch(*tensors, out, kvq_layout: str, scale: float, is_causal: bool, n_store: int, has_mask: bool,

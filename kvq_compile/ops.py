@@ -52,9 +52,10 @@ def append(store: list[torch.Tensor], key: torch.Tensor, value: torch.Tensor, po
 
 # A chunk of several tokens reads its start position on the host (the store's windows and groups move by it), which
 # CUDA graphs cannot capture. The rewrite and KVQCache therefore emit these twins of the ops for chunks: the same
-# kernels, tagged cudagraph_unsafe, so that Inductor runs a chunk's graph (chunked prefill, a next turn) without
-# CUDA graphs instead of failing the capture. Decode steps keep kvq::append / kvq::attend (device-side positions).
-_CHUNK_TAGS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
+# kernels, tagged cudagraph_unsafe, so that Inductor keeps them out of CUDA graphs (it skips or partitions a chunk's
+# graph: chunked prefill, a next turn) instead of failing the capture. Decode steps keep kvq::append / kvq::attend
+# (device-side positions).
+_CHUNK_TAGS = (torch.Tag.cudagraph_unsafe,)  # torch >= 2.11 (pyproject) has it
 
 
 @torch.library.custom_op("kvq::append_chunk", mutates_args=("store",), tags=_CHUNK_TAGS)
@@ -273,7 +274,8 @@ def compiled_decode_append(layout: str, compile: bool | None = None):
 
 def _register_gpu_kernels() -> None:
     """On CUDA, decode steps (one query token) run the decode template, chunks over a stored prefix the fused
-    prefill template or SDPA over the dequantized prefix (`_prefill_choice`), first chunks SDPA (`attend_chunk`).
+    prefill template or SDPA over the dequantized prefix (`_prefill_choice`), first chunks SDPA (the function
+    `attend_chunk`, not the op kvq::attend_chunk).
     Without Triton the ops still run, on their reference kernels, with a warning."""
     import os
     import warnings

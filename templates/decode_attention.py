@@ -250,8 +250,9 @@ def _load_side(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_
                NOUT: tl.constexpr, NORM: tl.constexpr, ONLY_CODES: tl.constexpr, BT: tl.constexpr):
     """float32 [BT, D] of one side (K or V) at positions t, from wherever the store keeps each position:
     t < p0 from the store (written length L, quantized below bnd = Q_side(L)), t in [p0, p0 + nch) from the
-    chunk (row t - p0, token stride stride_cn; decode: nch = 1). ONLY_CODES: every t is in the quantized region
-    and t = t0 + arange(BT) with t0 - S a multiple of BT (the codes-only tiles of both templates)."""
+    chunk (row t - p0, token stride stride_cn; decode: nch = 1). ONLY_CODES: t = t0 + arange(BT) with t0 - S a
+    multiple of BT (the codes-only tiles of both templates), every valid t in the quantized region; the values of
+    masked positions (not tvalid) are finite garbage that the caller masks (scores to -inf, p to 0)."""
     bh64 = bh.to(tl.int64)
     if BITS == 16:
         x = tl.load(data_ptr + bh64 * T * D + (t[:, None] * D + d[None, :]),
@@ -649,7 +650,7 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
 
     query [B, Hq, 1, D]; bufs: the layer's attend tensors by name (store.LayerStore.attend_tensors);
     key/value [B, H, 1, D]: the chunk just appended at positions[0]; attn_mask [B|1, Hq|1, 1, >= L] or None.
-    Launch configuration (what `kvq_compile.lowering` autotunes): block_t tokens per tile (None: the
+    Launch configuration (what `kvq_compile.lowering` tunes under max_autotune): block_t tokens per tile (None: the
     layout's `default_block_t`), num_warps and
     num_stages of the main launch, programs_per_sm for the split count (or num_splits outright).
     out: a contiguous [B, Hq, 1, D] tensor to write into (else a new one)."""

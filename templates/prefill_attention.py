@@ -199,7 +199,9 @@ def prefill_attention(query, bufs: dict, key, value, positions, attn_mask, scale
     Default launch (64 query rows, 16-token tiles, 8 warps): compiled for sm_90 at head_dim 128 it spills no
     registers for any preset but kvquant-4 under a bool mask (8 bytes; additive masks not checked); 32-token
     tiles or 4 warps spill for several
-    (`bench/sm90_registers.py`, bench/RESULTS.md session 6). Not yet timed on a GPU."""
+    (`bench/sm90_registers.py`, bench/RESULTS.md session 6). Timed on an H100 in session 7 (bench/RESULTS.md):
+    faster than SDPA over the dequantized prefix for short chunks and CalibQuant, slower for long chunks
+    (`ops._prefill_choice` picks)."""
     import torch
 
     B, Hq, n, D = query.shape

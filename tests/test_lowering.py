@@ -167,8 +167,9 @@ def test_launches_equal_to_the_default_tile_are_benchmarked_once(name, dropped):
     kc, vc = (_side_args(dict(zip(names, tensors)), s, q, geo, cfg)[1] for s, q in (("k", lay.spec.key),
                                                                                      ("v", lay.spec.value)))
     assert layout_block_t(cfg, lay.spec, names) == default_block_t(kc, vc, cfg.keys_before_rope) == dropped.block_t
-    launches = lowering.distinct_launches(lowering.CONFIGS, lay.descriptor(names))
-    assert launches == tuple(c for c in lowering.CONFIGS if c != dropped)
+    launches = lowering.distinct_launches(lowering.TUNED_CONFIGS, lay.descriptor(names))
+    assert dropped in lowering.TUNED_CONFIGS and launches == tuple(c for c in lowering.TUNED_CONFIGS if c != dropped)
+    assert lowering.distinct_launches(lowering.CONFIGS, lay.descriptor(names)) == (lowering.DEFAULT_CONFIG,)
     wide = lowering.distinct_launches(lowering.MAX_AUTOTUNE_CONFIGS, lay.descriptor(names))
     assert wide[0] == lowering.DEFAULT_CONFIG and dropped not in wide
 
