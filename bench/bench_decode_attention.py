@@ -54,8 +54,9 @@ def random_store(cfg: KVQConfig, layer_index: int, layers: int, B: int, T: int, 
                 continue
             if t.dtype == torch.int32:
                 t.random_(-2 ** 31, 2 ** 31 - 1)
-                if name.endswith("codes"):  # codes a quantizer never stores (int8's 255: 255 levels; a hybrid
-                    q = lay.spec.key if name.startswith("k.") else lay.spec.value  # group's symmetric 2^B - 1)
+                if name.endswith("codes"):  # only codes a quantizer stores: int8 has 255 levels (code 255
+                    # unused); hybrid groups' symmetric choice 2^B - 1
+                    q = lay.spec.key if name.startswith("k.") else lay.spec.value
                     count = ref.level_count(q.bits, True) if q.symmetry is Symmetry.HYBRID else ref.levels_for(q).numel()
                     if count < 2 ** q.bits:
                         t.copy_(ref.pack_bits(ref.unpack_bits(t, q.bits, D).clamp_max(count - 1), q.bits))

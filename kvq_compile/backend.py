@@ -123,7 +123,7 @@ class KVQBackend:
                              (pos_slice, pos_args), rotary, self.release_fp16_cache)
         emitted = rewrite(gm, matches, store, compat.register_store_buffer)
         for i, (m, ops) in enumerate(zip(matches, emitted)):
-            ops = " + ".join(f"kvq::{op._opname}" for op in ops)
+            ops = " + ".join(op.name() for op in ops)
             report.rewritten.append(f"layer {i}: {m.k_cache.name}/{m.v_cache.name} -> {ops} "
                                     f"({store.specs[i].key.bits}-bit K, {store.specs[i].value.bits}-bit V)")
         return runner
