@@ -60,7 +60,7 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.parametrize("presets", [("kivi-2", "innerq-2"), ("kvquant-4-1%", "calibquant-1", "xquant-1.38")])
+@pytest.mark.parametrize("presets", [("kivi-2", "innerq-2", "int8"), ("kvquant-4-1%", "calibquant-1", "xquant-1.38", "kivi-4")])
 def test_templates_compile_for_sm90(presets):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", SCRIPT, *presets], env=env, capture_output=True, text=True, timeout=900)

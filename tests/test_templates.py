@@ -153,3 +153,58 @@ def test_default_tile_is_short_where_dequantization_is_per_element(name, tile):
     bufs = dict(zip(*lay.attend_tensors()))
     kc, vc = (_side_args(bufs, s, q, geo, cfg)[1] for s, q in (("k", lay.spec.key), ("v", lay.spec.value)))
     assert default_block_t(kc, vc, cfg.keys_before_rope and lay.spec.key.quantized) == tile
+
+
+def _kivi_like(bits, sink=1, recent=32):
+    """KIVI's layout at its real group size: keys per channel in 32-token groups, values per token in 32-channel
+    groups."""
+    return KVQConfig(key=QuantizerSpec(bits=bits, axis=Axis.CHANNEL, group_size=32, symmetry=Symmetry.ASYMMETRIC),
+                     value=QuantizerSpec(bits=bits, axis=Axis.TOKEN, group_size=32, symmetry=Symmetry.ASYMMETRIC),
+                     sink=sink, recent=recent)
+
+
+def _per_token(bits):
+    q = QuantizerSpec(bits=bits, axis=Axis.TOKEN, group_size=None, symmetry=Symmetry.SYMMETRIC)
+    return KVQConfig(key=q, value=q, sink=2, recent=3)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("make,D,rep,dtype,block_t,mask,sliced", [
+    (lambda: _kivi_like(2), 128, 4, torch.float16, 64, "bool", (True, True)),  # two key groups per tile
+    (lambda: _kivi_like(4), 128, 4, torch.bfloat16, 32, None, (True, True)),  # one key group per tile
+    (lambda: small_windows("kivi-2"), 64, 3, torch.float16, 16, "additive", (True, True)),  # 4 key groups per tile
+    (lambda: small_windows("calibquant-2"), 64, 3, torch.bfloat16, 16, "bool", (True, True)),  # static ranges
+    (lambda: _per_token(4), 64, 1, torch.float16, 16, None, (True, True)),  # one statistic per token
+    (lambda: small_windows("int8"), 128, 4, torch.bfloat16, 32, "additive", (True, True)),
+    (lambda: small_windows("xquant-1.38"), 64, 3, torch.float16, 16, "bool", (True, False)),  # 1-bit values
+    (lambda: _kivi_like(2), 32, 2, torch.float16, 32, None, (False, False)),  # 8 bytes per token: too few
+], ids=["kivi2-two-groups", "kivi4-one-group", "kivi2-four-groups", "calibquant2-static", "per-token-4bit",
+        "int8", "xquant", "head-dim-32"])
+def test_byte_slices(make, D, rep, dtype, block_t, mask, sliced):
+    """The byte-slice path (codes-only tiles of 2/4/8-bit uniform layouts) against the reference, with each
+    statistics layout it applies: key groups per tile (several, one, static), per-token statistics on both sides,
+    value channel groups and per-channel value rows. The launch must take the path the case names."""
+    from kvq_compile.templates.decode_attention import LAST_KERNELS
+
+    T = 160 if block_t >= 32 else 96
+    check(make(), B=2, H=2, rep=rep, D=D, T=T, prefill=T - 27, steps=2, dtype=dtype, mask=mask, block_t=block_t,
+          num_splits=2, seed=D + rep)
+    c = LAST_KERNELS["consts"]
+    assert (c["SLICE_K"], c["SLICE_V"]) == sliced
+
+
+@pytest.mark.parametrize("name,sliced", [("kivi-2", (True, True)), ("kivi-4", (True, True)), ("int8", (True, True)),
+                                         ("xquant-1.38", (True, False)), ("calibquant-1", (False, False)),
+                                         ("kvquant-4", (False, False)), ("innerq-2", (False, False))])
+def test_which_presets_take_byte_slices(name, sliced):
+    """Slices need 2/4/8-bit uniform codes without outliers: KIVI, int8 and XQuant's 2-bit keys take them;
+    1-bit codes, codebooks (KVQuant) and hybrid groups (InnerQ) keep the per-element path."""
+    from kvq_compile.templates.decode_attention import _side_args, _slice_mode, default_block_t
+
+    cfg = KVQConfig.preset(name)
+    geo = st.Geometry(1, 8, 256, 128, "bfloat16")
+    lay = st.ModelStore(cfg, 1, geo, "cpu").layers[0]
+    bufs = dict(zip(*lay.attend_tensors()))
+    kc, vc = (_side_args(bufs, s, q, geo, cfg)[1] for s, q in (("k", lay.spec.key), ("v", lay.spec.value)))
+    bt = default_block_t(kc, vc, cfg.keys_before_rope and lay.spec.key.quantized)
+    assert (_slice_mode(kc, bt, 128, True), _slice_mode(vc, bt, 128, False)) == sliced
