@@ -400,285 +400,6 @@ def _post_pv(p, VC, VCEN, VHALF, VLEV, bh, t, t0, tvalid, d, T, NG, D: tl.conste
     return pv
 
 
-# ---------------------------------------------------------------------------------------------
-# Byte slices (session 8): codes-only tiles of 2-, 4- and 8-bit uniform layouts
-# ---------------------------------------------------------------------------------------------
-# A token's D codes are NBY = D * BITS / 8 bytes; byte b holds channels CPB * b + j (j < CPB = 8 // BITS) at bits
-# BITS * j (the int32 words of the store, read as little-endian bytes). Slice j of a [BT, NBY] byte tile is the
-# [BT, NBY] tile of channels {CPB * b + j}: one dot per slice, with the query's channels (K) or the accumulator's
-# columns (V) in the same order. Every op on the byte tile is elementwise, so on the GPU Triton converts the bytes
-# (not the unpacked codes) into the dot-operand layout and unpacks there: 2-bit codes unpack about 2x faster than
-# through a join tree (bench/probe_slices.py, bench/RESULTS.md session 8).
-
-
-@triton.jit
-def _asm_slices2(x):
-    """Exact fp16 codes (c0, c1, c2, c3) of the four 2-bit fields of each byte of x (uint8): per 4 bytes, 2 prmt
-    spread them to 16-bit halves, then per slice one lop3 masks field j in place into the mantissa of 1024.0
-    (giving 1024 + c * 4^j, exact) and one f16x2 fma scales back exactly: c = m * 4^-j - 1024 * 4^-j."""
-    return tl.inline_asm_elementwise(
-        asm="""{ .reg .b32 a, b, t, s, o;
-        prmt.b32 a, $8, 0, 0x4140;
-        prmt.b32 b, $8, 0, 0x4342;
-        mov.b32 s, 0x3C003C00; mov.b32 o, 0xE400E400;
-        lop3.b32 t, a, 0x00030003, 0x64006400, 0xea; fma.rn.f16x2 $0, t, s, o;
-        lop3.b32 t, b, 0x00030003, 0x64006400, 0xea; fma.rn.f16x2 $1, t, s, o;
-        mov.b32 s, 0x34003400; mov.b32 o, 0xDC00DC00;
-        lop3.b32 t, a, 0x000C000C, 0x64006400, 0xea; fma.rn.f16x2 $2, t, s, o;
-        lop3.b32 t, b, 0x000C000C, 0x64006400, 0xea; fma.rn.f16x2 $3, t, s, o;
-        mov.b32 s, 0x2C002C00; mov.b32 o, 0xD400D400;
-        lop3.b32 t, a, 0x00300030, 0x64006400, 0xea; fma.rn.f16x2 $4, t, s, o;
-        lop3.b32 t, b, 0x00300030, 0x64006400, 0xea; fma.rn.f16x2 $5, t, s, o;
-        mov.b32 s, 0x24002400; mov.b32 o, 0xCC00CC00;
-        lop3.b32 t, a, 0x00C000C0, 0x64006400, 0xea; fma.rn.f16x2 $6, t, s, o;
-        lop3.b32 t, b, 0x00C000C0, 0x64006400, 0xea; fma.rn.f16x2 $7, t, s, o;
-        }""",
-        constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[x], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-        is_pure=True, pack=4)
-
-
-@triton.jit
-def _asm_slices4(x):
-    """Exact fp16 codes (c0, c1) of the two 4-bit fields of each byte (as `_asm_slices2`: c1 = m / 16 - 64)."""
-    return tl.inline_asm_elementwise(
-        asm="""{ .reg .b32 a, b, t, s, o;
-        prmt.b32 a, $4, 0, 0x4140;
-        prmt.b32 b, $4, 0, 0x4342;
-        mov.b32 s, 0x3C003C00; mov.b32 o, 0xE400E400;
-        lop3.b32 t, a, 0x000F000F, 0x64006400, 0xea; fma.rn.f16x2 $0, t, s, o;
-        lop3.b32 t, b, 0x000F000F, 0x64006400, 0xea; fma.rn.f16x2 $1, t, s, o;
-        mov.b32 s, 0x2C002C00; mov.b32 o, 0xD400D400;
-        lop3.b32 t, a, 0x00F000F0, 0x64006400, 0xea; fma.rn.f16x2 $2, t, s, o;
-        lop3.b32 t, b, 0x00F000F0, 0x64006400, 0xea; fma.rn.f16x2 $3, t, s, o;
-        }""",
-        constraints="=r,=r,=r,=r,r", args=[x], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
-
-
-@triton.jit
-def _asm_slices8(x):
-    """Exact fp16 value of each byte: (byte | 0x6400) as fp16 = 1024 + byte, minus 1024."""
-    return tl.inline_asm_elementwise(
-        asm="""{ .reg .b32 a, b, o;
-        prmt.b32 a, $2, 0, 0x4140;
-        prmt.b32 b, $2, 0, 0x4342;
-        mov.b32 o, 0x64006400;
-        lop3.b32 a, a, 0x00FF00FF, 0x64006400, 0xea; sub.f16x2 $0, a, o;
-        lop3.b32 b, b, 0x00FF00FF, 0x64006400, 0xea; sub.f16x2 $1, b, o;
-        }""",
-        constraints="=r,=r,r", args=[x], dtype=tl.float16, is_pure=True, pack=4)
-
-
-@triton.jit
-def _slice_codes(codes_ptr, bh, t, tmask, T, D: tl.constexpr, BITS: tl.constexpr, INTERP: tl.constexpr):
-    """(c0, c1, c2, c3): exact fp16 codes [BT, D * BITS / 8] of slices 0..3 at positions t (slices past
-    8 // BITS repeat c0 and are unused). Masked positions read code 0. The interpreter cannot run PTX: there the
-    same codes come from shifts and masks."""
-    NBY: tl.constexpr = D * BITS // 8
-    x = tl.load(codes_ptr.to(tl.pointer_type(tl.uint8)) + bh.to(tl.int64) * T * NBY
-                + (t[:, None] * NBY + tl.arange(0, NBY)[None, :]), mask=tmask[:, None], other=0)
-    if INTERP:
-        M: tl.constexpr = (1 << BITS) - 1
-        xi = x.to(tl.int32)
-        c0 = (xi & M).to(tl.float16)
-        c1 = c0
-        c2 = c0
-        c3 = c0
-        if BITS <= 4:
-            c1 = ((xi >> BITS) & M).to(tl.float16)
-        if BITS == 2:
-            c2 = ((xi >> 4) & M).to(tl.float16)
-            c3 = ((xi >> 6) & M).to(tl.float16)
-    elif BITS == 2:
-        c0, c1, c2, c3 = _asm_slices2(x)
-    elif BITS == 4:
-        c0, c1 = _asm_slices4(x)
-        c2 = c0
-        c3 = c0
-    else:
-        c0 = _asm_slices8(x)
-        c1 = c0
-        c2 = c0
-        c3 = c0
-    return c0, c1, c2, c3
-
-
-@triton.jit
-def _slice_row(ptr, off, kb, j: tl.constexpr, CPB: tl.constexpr):
-    """Slice j ([NBY], float32) of a per-channel statistics row starting at ptr + off."""
-    return tl.load(ptr + off + kb * CPB + j).to(tl.float32)
-
-
-@triton.jit
-def _fold_one(qj, CEN, HALF, off, kb, j: tl.constexpr, CPB: tl.constexpr, SYM: tl.constexpr, A):
-    """Post-scaling of slice j against one per-channel statistics row: (w = qj * a * half_j [REP_PAD, NBY],
-    bias = qj . (center_j - half_j) [REP_PAD]) so that qj . k_hat_j = w . code_j + bias."""
-    h = _slice_row(HALF, off, kb, j, CPB)
-    w = qj * (h * A)[None, :]
-    if SYM == 1:
-        bias = -tl.sum(qj * h[None, :], 1)
-    else:
-        bias = tl.sum(qj * (_slice_row(CEN, off, kb, j, CPB) - h)[None, :], 1)
-    return w, bias
-
-
-@triton.jit
-def _fold_row(q0, q1, q2, q3, CEN, HALF, off, kb, CPB: tl.constexpr, SYM: tl.constexpr, A):
-    """`_fold_one` of every slice: (w0, w1, w2, w3 in fp16, bias) of one per-channel statistics row."""
-    w0, bias = _fold_one(q0, CEN, HALF, off, kb, 0, CPB, SYM, A)
-    w1 = w0
-    w2 = w0
-    w3 = w0
-    if CPB > 1:
-        w1, b1 = _fold_one(q1, CEN, HALF, off, kb, 1, CPB, SYM, A)
-        bias += b1
-    if CPB > 2:
-        w2, b2 = _fold_one(q2, CEN, HALF, off, kb, 2, CPB, SYM, A)
-        w3, b3 = _fold_one(q3, CEN, HALF, off, kb, 3, CPB, SYM, A)
-        bias += b2 + b3
-    return w0.to(tl.float16), w1.to(tl.float16), w2.to(tl.float16), w3.to(tl.float16), bias
-
-
-@triton.jit
-def _slice_dots(w0, w1, w2, w3, c0, c1, c2, c3, CPB: tl.constexpr, INTERP: tl.constexpr):
-    """sum_j w_j @ c_j^T (fp16 operands, float32 result)."""
-    s = _dot(w0, tl.trans(c0), tl.float16, False, INTERP)
-    if CPB > 1:
-        s += _dot(w1, tl.trans(c1), tl.float16, False, INTERP)
-    if CPB > 2:
-        s += _dot(w2, tl.trans(c2), tl.float16, False, INTERP)
-        s += _dot(w3, tl.trans(c3), tl.float16, False, INTERP)
-    return s
-
-
-@triton.jit
-def _slice_logits(q0, q1, q2, q3, qsc, KC, KCEN, KHALF, bh, t, t0, tvalid, T, NG, D: tl.constexpr,
-                  S: tl.constexpr, BITS: tl.constexpr, AXIS: tl.constexpr, GS: tl.constexpr, SYM: tl.constexpr,
-                  BT: tl.constexpr, INTERP: tl.constexpr):
-    """q . k_hat over a codes-only tile from byte slices, without forming k_hat (q_j: the query's slice-j channels
-    divided by the row scale qsc, so that the fp16 operands stay in range; the result is scaled back):
-    CHANNEL axis, per tile the statistics row(s) it covers: sum_j (q_j * a * half_j) . code_j + q . (center - half)
-        (tiles over several token groups compute each group's row on the whole tile and keep its tokens)
-    TOKEN axis, one statistic per token: a * half_t * (q . code_t) + (center_t - half_t) * sum q."""
-    CPB: tl.constexpr = 8 // BITS
-    NBY: tl.constexpr = D // CPB
-    A = _step(BITS, SYM)
-    c0, c1, c2, c3 = _slice_codes(KC, bh, t, tvalid, T, D, BITS, INTERP)
-    kb = tl.arange(0, NBY)
-    bh64 = bh.to(tl.int64)
-    if AXIS == 0:
-        s = _slice_dots(q0.to(tl.float16), q1.to(tl.float16), q2.to(tl.float16), q3.to(tl.float16),
-                        c0, c1, c2, c3, CPB, INTERP)
-        qs = tl.sum(q0, 1)
-        if CPB > 1:
-            qs += tl.sum(q1, 1)
-        if CPB > 2:
-            qs += tl.sum(q2, 1) + tl.sum(q3, 1)
-        cen, half = _token_stats(KCEN, KHALF, bh, t, tvalid, T, SYM)
-        s = s * (half * A)[None, :] + qs[:, None] * (cen - half)[None, :]
-    elif GS == 0 or GS % BT == 0:
-        if GS == 0:
-            off = bh64 * D
-        else:
-            off = bh64 * NG * D + ((t0 - S) // GS) * D
-        w0, w1, w2, w3, bias = _fold_row(q0, q1, q2, q3, KCEN, KHALF, off, kb, CPB, SYM, A)
-        s = _slice_dots(w0, w1, w2, w3, c0, c1, c2, c3, CPB, INTERP) + bias[:, None]
-    else:  # NR = BT // GS token groups per tile
-        grp = (t - t0) // GS
-        s = tl.zeros([q0.shape[0], BT], tl.float32)
-        for g in tl.static_range(BT // GS):
-            row = (t0 - S) // GS + g
-            off = bh64 * NG * D + tl.minimum(row, NG - 1) * D
-            w0, w1, w2, w3, bias = _fold_row(q0, q1, q2, q3, KCEN, KHALF, off, kb, CPB, SYM, A)
-            sg = _slice_dots(w0, w1, w2, w3, c0, c1, c2, c3, CPB, INTERP) + bias[:, None]
-            s = tl.where((grp == g)[None, :], sg, s)
-    return s * qsc[:, None]
-
-
-@triton.jit
-def _slice_pv(p, a0, a1, a2, a3, alpha, VC, VCEN, VHALF, bh, t, t0, tvalid, T, NG, D: tl.constexpr,
-              S: tl.constexpr, BITS: tl.constexpr, AXIS: tl.constexpr, GS: tl.constexpr, SYM: tl.constexpr,
-              BT: tl.constexpr, INTERP: tl.constexpr):
-    """The slice accumulators a_j [REP_PAD, NBY] (columns CPB * b + j) rescaled by alpha plus p . v_hat_j over a
-    codes-only tile:
-    TOKEN axis, one statistic per token: (p * a * half_t) . code_j + sum_t p_t (center_t - half_t)
-    TOKEN axis, groups of GS channels: p . (code_j * a * half[t, g] + center[t, g] - half[t, g]) (per element)
-    CHANNEL axis, one row per tile: (p . code_j) * a * half_j + (sum p) * (center_j - half_j)."""
-    CPB: tl.constexpr = 8 // BITS
-    NBY: tl.constexpr = D // CPB
-    A = _step(BITS, SYM)
-    c0, c1, c2, c3 = _slice_codes(VC, bh, t, tvalid, T, D, BITS, INTERP)
-    kb = tl.arange(0, NBY)
-    bh64 = bh.to(tl.int64)
-    a0 = a0 * alpha[:, None]
-    a1 = a1 * alpha[:, None]
-    a2 = a2 * alpha[:, None]
-    a3 = a3 * alpha[:, None]
-    if AXIS == 0 and GS == D:
-        cen, half = _token_stats(VCEN, VHALF, bh, t, tvalid, T, SYM)
-        pw = p * (half * A)[None, :]
-        pb = tl.sum(p * (cen - half)[None, :], 1)[:, None]
-        a0 += _dot(pw, c0, tl.float16, False, INTERP) + pb
-        if CPB > 1:
-            a1 += _dot(pw, c1, tl.float16, False, INTERP) + pb
-        if CPB > 2:
-            a2 += _dot(pw, c2, tl.float16, False, INTERP) + pb
-            a3 += _dot(pw, c3, tl.float16, False, INTERP) + pb
-    elif AXIS == 0:
-        NGRP: tl.constexpr = D // GS
-        so = bh64 * T * NGRP + t[:, None] * NGRP + tl.arange(0, NGRP)[None, :]
-        half = tl.load(VHALF + so, mask=tvalid[:, None], other=0.0).to(tl.float32)
-        if SYM == 1:
-            zero = -half
-        else:
-            zero = tl.load(VCEN + so, mask=tvalid[:, None], other=0.0).to(tl.float32) - half
-        # column b of every slice is channel CPB * b + j, in group b // (GS // CPB)
-        hs = tl.reshape(tl.broadcast_to((half * A).to(tl.float16)[:, :, None], [BT, NGRP, NBY // NGRP]), [BT, NBY])
-        zs = tl.reshape(tl.broadcast_to(zero.to(tl.float16)[:, :, None], [BT, NGRP, NBY // NGRP]), [BT, NBY])
-        a0 += _dot(p, c0 * hs + zs, tl.float16, False, INTERP)
-        if CPB > 1:
-            a1 += _dot(p, c1 * hs + zs, tl.float16, False, INTERP)
-        if CPB > 2:
-            a2 += _dot(p, c2 * hs + zs, tl.float16, False, INTERP)
-            a3 += _dot(p, c3 * hs + zs, tl.float16, False, INTERP)
-    else:
-        if GS == 0:
-            off = bh64 * D
-        else:
-            off = bh64 * NG * D + ((t0 - S) // GS) * D
-        ps = tl.sum(p, 1)[:, None]
-        a0 += _slice_post(_dot(p, c0, tl.float16, False, INTERP), ps, VCEN, VHALF, off, kb, 0, CPB, SYM, A)
-        if CPB > 1:
-            a1 += _slice_post(_dot(p, c1, tl.float16, False, INTERP), ps, VCEN, VHALF, off, kb, 1, CPB, SYM, A)
-        if CPB > 2:
-            a2 += _slice_post(_dot(p, c2, tl.float16, False, INTERP), ps, VCEN, VHALF, off, kb, 2, CPB, SYM, A)
-            a3 += _slice_post(_dot(p, c3, tl.float16, False, INTERP), ps, VCEN, VHALF, off, kb, 3, CPB, SYM, A)
-    return a0, a1, a2, a3
-
-
-@triton.jit
-def _slice_post(pc, ps, CEN, HALF, off, kb, j: tl.constexpr, CPB: tl.constexpr, SYM: tl.constexpr, A):
-    """(p . code_j) * a * half_j + (sum p) * (center_j - half_j) for a per-channel statistics row."""
-    h = _slice_row(HALF, off, kb, j, CPB)
-    if SYM == 1:
-        z = -h
-    else:
-        z = _slice_row(CEN, off, kb, j, CPB) - h
-    return pc * (h * A)[None, :] + ps * z[None, :]
-
-
-@triton.jit
-def _store_slices(OUT_ACC, o, a0, a1, a2, a3, D: tl.constexpr, BITS: tl.constexpr):
-    """Write the slice accumulators to their channels CPB * b + j of the [.., D] partial-result rows o."""
-    CPB: tl.constexpr = 8 // BITS
-    cb = tl.arange(0, D // CPB) * CPB
-    tl.store(OUT_ACC + o[:, None] * D + cb[None, :], a0)
-    if CPB > 1:
-        tl.store(OUT_ACC + o[:, None] * D + (cb + 1)[None, :], a1)
-    if CPB > 2:
-        tl.store(OUT_ACC + o[:, None] * D + (cb + 2)[None, :], a2)
-        tl.store(OUT_ACC + o[:, None] * D + (cb + 3)[None, :], a3)
-
-
 @triton.jit
 def _decode_kernel(
         Q, stride_qb, stride_qh,
@@ -694,8 +415,8 @@ def _decode_kernel(
         BITS_V: tl.constexpr, AXIS_V: tl.constexpr, GS_V: tl.constexpr,
         SYM_V: tl.constexpr, LUT_V: tl.constexpr, NOUT_V: tl.constexpr, TPG_V: tl.constexpr, WR_V: tl.constexpr,
         ROPE: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, TAU_PHASE: tl.constexpr,
-        KPOST: tl.constexpr, VPOST: tl.constexpr, SLICE_K: tl.constexpr, SLICE_V: tl.constexpr,
-        BLOCK_T: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr, WINDOW: tl.constexpr):
+        KPOST: tl.constexpr, VPOST: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr,
+        WINDOW: tl.constexpr):
     bh = tl.program_id(0)
     split = NSPLIT if WINDOW else tl.program_id(1)
     b = bh // H
@@ -723,29 +444,6 @@ def _decode_kernel(
         qn = q.to(tl.float32)
         if NORM_K:
             qn = qn * tl.load(KNORM + bh.to(tl.int64) * D + d)[None, :]
-    SK: tl.constexpr = SLICE_K and not WINDOW
-    SV: tl.constexpr = SLICE_V and not WINDOW
-    if SK:  # the query's channels in slice order (CPB * b + j), divided by each row's largest magnitude
-        CPB_K: tl.constexpr = 8 // BITS_K
-        qrow = Q + b.to(tl.int64) * stride_qb + qh[:, None] * stride_qh
-        kbq = tl.arange(0, D // CPB_K)[None, :] * CPB_K
-        qsc = tl.max(tl.abs(q.to(tl.float32)), 1)
-        qsc = tl.where(qsc > 0, qsc, 1.0)
-        q0 = tl.load(qrow + kbq, mask=rvalid[:, None], other=0.0).to(tl.float32) / qsc[:, None]
-        q1 = q0
-        q2 = q0
-        q3 = q0
-        if CPB_K > 1:
-            q1 = tl.load(qrow + kbq + 1, mask=rvalid[:, None], other=0.0).to(tl.float32) / qsc[:, None]
-        if CPB_K > 2:
-            q2 = tl.load(qrow + kbq + 2, mask=rvalid[:, None], other=0.0).to(tl.float32) / qsc[:, None]
-            q3 = tl.load(qrow + kbq + 3, mask=rvalid[:, None], other=0.0).to(tl.float32) / qsc[:, None]
-    if SV:
-        NBV: tl.constexpr = D * BITS_V // 8
-        a0 = tl.zeros([REP_PAD, NBV], tl.float32)
-        a1 = tl.zeros([REP_PAD, NBV], tl.float32)
-        a2 = tl.zeros([REP_PAD, NBV], tl.float32)
-        a3 = tl.zeros([REP_PAD, NBV], tl.float32)
 
     m_i = tl.full([REP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([REP_PAD], tl.float32)
@@ -773,10 +471,7 @@ def _decode_kernel(
             t0 = start + it * BLOCK_T
             t = t0 + tl.arange(0, BLOCK_T)
             tvalid = t < stop
-        if SK:
-            s = _slice_logits(q0, q1, q2, q3, qsc, KC, KCEN, KHALF, bh, t, t0, tvalid, T, NG_K, D, S, BITS_K,
-                              AXIS_K, GS_K, SYM_K, BLOCK_T, INTERP)
-        elif KP != 0:
+        if KP != 0:
             s = _post_logits(qn, KC, KCEN, KHALF, KLEV, bh, t, t0, tvalid, d, T, NG_K, D, S,
                              BITS_K, GS_K, SYM_K, LUT_K, KP, BLOCK_T, dt, IEEE, INTERP)
         else:
@@ -801,10 +496,7 @@ def _decode_kernel(
                 s = s * temp[:, None]
             s = tl.where(allowed, s, float("-inf"))
             p, alpha, m_new, l_i = _softmax_step(s, m_i, l_i)
-            if SV:
-                a0, a1, a2, a3 = _slice_pv(p, a0, a1, a2, a3, alpha, VC, VCEN, VHALF, bh, t, t0, tvalid, T, NG_V, D,
-                                           S, BITS_V, AXIS_V, GS_V, SYM_V, BLOCK_T, INTERP)
-            elif VP != 0:
+            if VP != 0:
                 pv = _post_pv(p, VC, VCEN, VHALF, VLEV, bh, t, t0, tvalid, d, T, NG_V, D, S,
                               BITS_V, GS_V, SYM_V, LUT_V, VP, BLOCK_T, dt, IEEE, INTERP)
             else:
@@ -812,8 +504,7 @@ def _decode_kernel(
                                stride_vb, stride_vh, 0, 1, b, h, bh, t, t0, d, tvalid, p0, bnd_v, T, D, S, WR_V, BITS_V,
                                AXIS_V, GS_V, NG_V, SYM_V, LUT_V, NOUT_V, False, not WINDOW, BLOCK_T)
                 pv = _dot(p, v, dt, IEEE, INTERP)
-            if not SV:
-                acc = acc * alpha[:, None] + pv
+            acc = acc * alpha[:, None] + pv
             m_i = m_new
 
     o = (bh * REP_PAD + r) * (NSPLIT + 1) + split
@@ -822,10 +513,7 @@ def _decode_kernel(
         tl.store(OUT_L + o, lo_i)
     else:
         tl.store(OUT_L + o, l_i)
-        if SV:
-            _store_slices(OUT_ACC, o, a0, a1, a2, a3, D, BITS_V)
-        else:
-            tl.store(OUT_ACC + o[:, None] * D + d[None, :], acc)
+        tl.store(OUT_ACC + o[:, None] * D + d[None, :], acc)
 
 
 @triton.jit
@@ -909,23 +597,6 @@ def _post_mode(c: dict, block_t: int, head_dim: int) -> int:
     return 0
 
 
-def _slice_mode(c: dict, block_t: int, head_dim: int, key: bool) -> bool:
-    """Whether a side's codes-only tiles go through byte slices: 2-, 4- or 8-bit uniform levels (asymmetric or
-    symmetric) without outliers or InnerQ norms, at least 16 bytes per token (the slice dots' inner or outer size),
-    statistics the slice path can apply: Keys per channel (static, or token groups a tile holds whole or covers
-    exactly) or one per token; Values per token (whole or in channel groups of whole bytes) or per channel
-    (static, or token groups a tile never straddles)."""
-    bits = c["BITS"]
-    if bits not in (2, 4, 8) or c["LUT"] or c["SYM"] == 2 or c["NOUT"] or c.get("NORM"):
-        return False
-    if head_dim * bits // 8 < 16:
-        return False
-    gs = c["GS"]
-    if c["AXIS"] == 0:  # TOKEN
-        return gs == head_dim or (not key and gs % (8 // bits) == 0 and head_dim % gs == 0)
-    return gs == 0 or gs % block_t == 0 or (key and block_t % gs == 0)
-
-
 def default_block_t(kc: dict, vc: dict, rope: bool) -> int:
     """Tokens per tile when the caller names none: 32 where a side dequantizes element by element through a
     codebook, hybrid levels or outliers, or keys are rotated after dequantization (64-token tiles need more than
@@ -958,7 +629,7 @@ def layout_per_element(cfg, spec, names) -> bool:
     return _per_element(consts("k", spec.key), consts("v", spec.value), cfg.keys_before_rope and spec.key.quantized)
 
 
-LAST_KERNELS: dict = {}  # the last launch: compiled kernels (registers, spills: see bench/), "consts" its constants
+LAST_KERNELS: dict = {}  # the compiled kernels of the last launch (registers, spills: see bench/)
 
 
 def _num_splits(bh: int, max_len: int, block_t: int, device, programs_per_sm: int = 16) -> int:
@@ -973,7 +644,7 @@ def _num_splits(bh: int, max_len: int, block_t: int, device, programs_per_sm: in
 
 def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale: float, is_causal: bool,
                      cfg, spec, geo, block_t: int | None = None, num_splits: int | None = None,
-                     num_warps: int = 4, num_stages: int = 2, post_scaling: bool = True, slices: int = 3,
+                     num_warps: int = 4, num_stages: int = 2, post_scaling: bool = True,
                      programs_per_sm: int = 16, out=None):
     """kvq::attend for one query token per sequence (decode), entirely on the device.
 
@@ -981,9 +652,7 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
     key/value [B, H, 1, D]: the chunk just appended at positions[0]; attn_mask [B|1, Hq|1, 1, >= L] or None.
     Launch configuration (what `kvq_compile.lowering` tunes under max_autotune): block_t tokens per tile (None: the
     layout's `default_block_t`), num_warps and
-    num_stages of the main launch, programs_per_sm for the split count (or num_splits outright). post_scaling: False
-    turns the post-scaled paths off; slices: byte slices for keys (bit 1) and values (bit 2) where the layout
-    allows (`_slice_mode`), 3 both, 0 neither (A/B timing: per-element dequantization then serves those layouts).
+    num_stages of the main launch, programs_per_sm for the split count (or num_splits outright).
     out: a contiguous [B, Hq, 1, D] tensor to write into (else a new one)."""
     import torch
 
@@ -1005,9 +674,6 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
     block_t = block_t or default_block_t(kc, vc, rope)
     kpost = _post_mode(kc, block_t, D) if (post_scaling and not rope) else 0
     vpost = _post_mode(vc, block_t, D) if post_scaling else 0
-    half_cache = query.dtype in (torch.float16, torch.bfloat16)  # fp32 caches keep their IEEE dots
-    slice_k = bool(slices & 1) and half_cache and not rope and _slice_mode(kc, block_t, D, True)
-    slice_v = bool(slices & 2) and half_cache and _slice_mode(vc, block_t, D, False)
     cos = bufs["rope.cos"] if rope else query
     sin = bufs["rope.sin"] if rope else query
     if attn_mask is None:
@@ -1038,9 +704,8 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
                 cos, sin, positions, amask, smb, smh, temp, m_buf, l_buf, acc_buf, float(scale), T, kc["NG"], vc["NG"], nsplit)
         consts = dict(H=H, REP=rep, REP_PAD=rep_pad, D=D, S=cfg.sink, R=cfg.recent, **side_constants(kc, vc),
                       ROPE=rope, MASK_KIND=mask_kind, IS_CAUSAL=is_causal, TAU_PHASE=phase,
-                      KPOST=kpost, VPOST=vpost, SLICE_K=slice_k, SLICE_V=slice_v,
+                      KPOST=kpost, VPOST=vpost,
                       BLOCK_T=block_t, IEEE=ieee, INTERP=_INTERPRET)
-        LAST_KERNELS["consts"] = consts
         LAST_KERNELS["main"] = _decode_kernel[(B * H, nsplit)](*args, **consts, WINDOW=False, num_warps=num_warps,
                                                                num_stages=num_stages)
         LAST_KERNELS["window"] = _decode_kernel[(B * H, 1)](*args, **consts, WINDOW=True, num_warps=4, num_stages=1)
