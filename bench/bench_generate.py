@@ -7,7 +7,9 @@ the HF-native KVQCache, in one run.
 Decode tokens/s = batch / median time between consecutive generated tokens (a logits processor timestamps each
 token after a device sync; the prefill and the first three steps, which compile and record CUDA graphs, are left
 out). Peak memory is
-torch.cuda.max_memory_allocated over the whole generate. Roofline tokens/s = copy bandwidth / (weight bytes +
+torch.cuda.max_memory_allocated over the whole generate. --gpu-time adds the GPU time of a step (the kernels of
+8 profiled decode steps), which leaves out HF's Python between steps (generate syncs every step, so the GPU
+idles meanwhile: bench/host_overhead.py measures that part, about 1.5-2.2 ms on an H100). Roofline tokens/s = copy bandwidth / (weight bytes +
 KV bytes read per step), with the KV bytes of each preset from its store size at the mean context.
 """
 from __future__ import annotations
@@ -59,10 +61,46 @@ def timed_generate(model, ids, new, **kw):
     return dts[len(dts) // 2], len(dts)
 
 
+class ProfileWindow:
+    """A logits processor that runs the torch profiler over generated tokens [start, start + steps) only, so
+    that neither the prefill nor the compiling steps are in the trace."""
+
+    def __init__(self, start: int = 8, steps: int = 8):
+        from torch.profiler import ProfilerActivity, profile
+
+        self.start, self.steps, self.n = start, steps, 0
+        self.prof = profile(activities=[ProfilerActivity.CUDA])
+
+    def __call__(self, input_ids, scores):
+        if self.n == self.start:
+            torch.cuda.synchronize()
+            self.prof.start()
+        elif self.n == self.start + self.steps:
+            torch.cuda.synchronize()
+            self.prof.stop()
+        self.n += 1
+        return scores
+
+
+def gpu_ms_per_step(model, ids, steps: int = 8, **kw) -> float:
+    """GPU time of one decode step: the CUDA kernels' time summed over `steps` profiled decode steps (the
+    wall-clock step also holds HF's Python between steps, during which the GPU idles: generate syncs every
+    step)."""
+    from transformers import LogitsProcessorList
+
+    win = ProfileWindow(8, steps)
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8 + steps + 2,
+                   min_new_tokens=8 + steps + 2, do_sample=False, logits_processor=LogitsProcessorList([win]), **kw)
+    us = 0.0
+    for e in win.prof.key_averages():
+        t = getattr(e, "self_device_time_total", None)
+        us += t if t is not None else getattr(e, "self_cuda_time_total", 0.0)
+    return us / 1e3 / steps
+
+
 def profile_step(model, preset, B: int = 8, P: int = 2048):
-    """Top CUDA kernels and CPU ops of a few kvq decode steps at (B, P), after warm-up."""
-    from torch.profiler import ProfilerActivity, profile
-    from transformers import CompileConfig
+    """Top CUDA kernels of 8 kvq decode steps at (B, P), after warm-up (decode steps only: `ProfileWindow`)."""
+    from transformers import CompileConfig, LogitsProcessorList
 
     from kvq_compile import kvq_backend
 
@@ -70,10 +108,11 @@ def profile_step(model, preset, B: int = 8, P: int = 2048):
     ids = torch.randint(100, 120000, (B, P), device="cuda")
     kw = dict(cache_implementation="static", compile_config=CompileConfig(backend=kvq_backend(preset), fullgraph=True))
     timed_generate(model, ids, 8, **kw)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        timed_generate(model, ids, 8, **kw)
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
-    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60))
+    win = ProfileWindow(8, 8)
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=18, min_new_tokens=18, do_sample=False,
+                   logits_processor=LogitsProcessorList([win]), **kw)
+    print(f"{preset} B={B} P={P}: kernels of 8 decode steps")
+    print(win.prof.key_averages().table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=70))
 
 
 def main():
@@ -92,8 +131,10 @@ def main():
     ap.add_argument("--opaque", default="", help="presets also run with kvq::attend not lowered (default launch)")
     ap.add_argument("--kvqcache", default="", help="presets also run through KVQCache (no fp16 cache at all)")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--profile", default=None, help="preset whose decode step is profiled (top kernels)")
+    ap.add_argument("--profile", default=None, help="presets whose decode steps are profiled (top kernels)")
     ap.add_argument("--profile-shape", default="8x2048", help="(batch)x(prompt) of the profiled steps")
+    ap.add_argument("--gpu-time", action="store_true",
+                    help="also the GPU time of a decode step (kernels of 8 profiled steps), for compiled runs")
     args = ap.parse_args()
     x = torch.empty(2 ** 29, dtype=torch.bfloat16, device="cuda")
     y = torch.empty_like(x)
@@ -106,7 +147,7 @@ def main():
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} copy {bw / 1e12:.2f} TB/s, "
           f"{args.layers} layers, weights {wbytes / 2**30:.1f} GiB", flush=True)
     rows = []
-    for shape in args.shapes.split(","):
+    for shape in filter(None, args.shapes.split(",")):
         B, P = map(int, shape.split("x"))
         ids = torch.randint(100, 120000, (B, P), device="cuda")
         runs = [(b, None) for b in args.baselines.split(",") if b] + [("kvq", p) for p in args.presets.split(",") if p]
@@ -141,6 +182,9 @@ def main():
                 print(f"{kind} {preset} B={B} P={P}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
             peak = torch.cuda.max_memory_allocated()
+            gpu = None
+            if args.gpu_time and kind in ("hf-compiled", "kvq", "kvq-opaque", "kvqcache"):
+                gpu = gpu_ms_per_step(model, ids, **kw)
             tps = B / step
             ctx = P + args.new // 2
             if lowering.SELECTED and kind == "kvq":
@@ -152,13 +196,16 @@ def main():
                 kv_bytes = 2 * args.layers * B * 8 * ctx * 128 * 2
             roof = B / ((wbytes + kv_bytes) / bw)
             row = dict(kind=kind, preset=preset, batch=B, prompt=P, tok_s=tps, ms_step=1e3 * step,
-                       peak_gib=peak / 2**30, roofline_tok_s=roof, frac_roofline=tps / roof)
+                       peak_gib=peak / 2**30, roofline_tok_s=roof, frac_roofline=tps / roof, gpu_ms_step=gpu)
             rows.append(row)
             kw.pop("past_key_values", None)
             print(f"{kind:12s} {str(preset):12s} B={B:2d} P={P:6d}  {tps:9.1f} tok/s  {row['ms_step']:7.2f} ms/step  "
-                  f"peak {row['peak_gib']:6.1f} GiB  roofline {roof:9.1f} tok/s ({100 * tps / roof:5.1f}%)", flush=True)
-    if args.profile:
-        profile_step(model, args.profile, *map(int, args.profile_shape.split("x")))
+                  f"peak {row['peak_gib']:6.1f} GiB  roofline {roof:9.1f} tok/s ({100 * tps / roof:5.1f}%)"
+                  + (f"  GPU {gpu:6.2f} ms/step ({100 * B / roof / (gpu * 1e-3):5.1f}% of roofline)" if gpu else ""),
+                  flush=True)
+    for preset in (args.profile or "").split(","):
+        if preset:
+            profile_step(model, preset, *map(int, args.profile_shape.split("x")))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bw=bw,

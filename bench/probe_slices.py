@@ -13,10 +13,14 @@ byte per 4 codes through shared memory) and unpacks in the dot-operand registers
   join    the shipped unpack (probe_unpack.py mode 2, int32 words, join tree, int -> float): the baseline
   slice   one inline-PTX block per 4 bytes and slice: shr, 2 prmt (bytes to 16-bit halves), 2 lop3 (mask into
           the mantissa of 1024.0), 2 sub.f16x2 (exact code)
-  slice4  one block per 4 bytes for all 4 slices: 2 prmt + 8 lop3 per 16 codes, codes masked in place
-          (1024 + code * 4^j, exact in fp16); the 4^-j is folded into q_j (K) or the accumulator (V), the 1024
-          into one subtraction per tile (K: 1024 * sum(q'), V: 1024 * sum(p))
+  slice4  one block per 4 bytes for all 4 slices: 2 prmt + 8 lop3 + 8 fma per 16 codes (codes masked in place
+          into 1024.0's mantissa, then scaled back exactly). An earlier version left the 1024 offset in the
+          operands and subtracted it once per tile: right for K, wrong for V (the check failed on the H100, most
+          likely the offset, ~1e6 after the 32 tiles of a split, accumulated in the dot's accumulator), so every
+          mode now hands exact codes to the dot.
 Statistics (scale/zero) are left out: this measures the unpack and dot-operand path alone, like probe_unpack.py.
+Session 8 also put slices into the decode template (commit 4e0b2ee, reverted in dd88d56): the statistics made
+them slower there (bench/RESULTS.md).
 """
 from __future__ import annotations
 
@@ -49,19 +53,25 @@ def _slice_codes(x, J: tl.constexpr):
 
 @triton.jit
 def _slices_inplace(x):
-    """(m0, m1, m2, m3) fp16: m_j = 1024 + code_j * 4^j of each byte (in-place masks into 1024.0's mantissa)."""
+    """(c0, c1, c2, c3) exact fp16 codes of each byte, for all 4 slices in one block: 2 prmt spread 4 bytes to
+    16-bit halves, then per slice one lop3 masks field j in place into the mantissa of 1024.0 (1024 + c * 4^j,
+    exact) and one f16x2 fma scales back exactly (c = m * 4^-j - 1024 * 4^-j): 18 instructions per 16 codes."""
     return tl.inline_asm_elementwise(
-        asm="""{ .reg .b32 a, b;
+        asm="""{ .reg .b32 a, b, t, s, o;
         prmt.b32 a, $8, 0, 0x4140;
         prmt.b32 b, $8, 0, 0x4342;
-        lop3.b32 $0, a, 0x00030003, 0x64006400, 0xea;
-        lop3.b32 $1, b, 0x00030003, 0x64006400, 0xea;
-        lop3.b32 $2, a, 0x000C000C, 0x64006400, 0xea;
-        lop3.b32 $3, b, 0x000C000C, 0x64006400, 0xea;
-        lop3.b32 $4, a, 0x00300030, 0x64006400, 0xea;
-        lop3.b32 $5, b, 0x00300030, 0x64006400, 0xea;
-        lop3.b32 $6, a, 0x00C000C0, 0x64006400, 0xea;
-        lop3.b32 $7, b, 0x00C000C0, 0x64006400, 0xea;
+        mov.b32 s, 0x3C003C00; mov.b32 o, 0xE400E400;
+        lop3.b32 t, a, 0x00030003, 0x64006400, 0xea; fma.rn.f16x2 $0, t, s, o;
+        lop3.b32 t, b, 0x00030003, 0x64006400, 0xea; fma.rn.f16x2 $1, t, s, o;
+        mov.b32 s, 0x34003400; mov.b32 o, 0xDC00DC00;
+        lop3.b32 t, a, 0x000C000C, 0x64006400, 0xea; fma.rn.f16x2 $2, t, s, o;
+        lop3.b32 t, b, 0x000C000C, 0x64006400, 0xea; fma.rn.f16x2 $3, t, s, o;
+        mov.b32 s, 0x2C002C00; mov.b32 o, 0xD400D400;
+        lop3.b32 t, a, 0x00300030, 0x64006400, 0xea; fma.rn.f16x2 $4, t, s, o;
+        lop3.b32 t, b, 0x00300030, 0x64006400, 0xea; fma.rn.f16x2 $5, t, s, o;
+        mov.b32 s, 0x24002400; mov.b32 o, 0xCC00CC00;
+        lop3.b32 t, a, 0x00C000C0, 0x64006400, 0xea; fma.rn.f16x2 $6, t, s, o;
+        lop3.b32 t, b, 0x00C000C0, 0x64006400, 0xea; fma.rn.f16x2 $7, t, s, o;
         }""",
         constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[x], dtype=(tl.float16,) * 4, is_pure=True, pack=4)
 
@@ -80,15 +90,10 @@ def _probe(CODES, Q, P, OUT, T, NSPLIT, D: tl.constexpr, BT: tl.constexpr, SIDE:
     kb = tl.arange(0, NB)
     base = CODES + bh.to(tl.int64) * T * NB
     if SIDE == 0:
-        f0: tl.constexpr = 1.0 if MODE == 1 else 1.0
-        f1: tl.constexpr = 1.0 if MODE == 1 else 0.25
-        f2: tl.constexpr = 1.0 if MODE == 1 else 0.0625
-        f3: tl.constexpr = 1.0 if MODE == 1 else 0.015625
-        q0 = (tl.load(Q + r[:, None] * D + kb[None, :] * 4 + 0).to(tl.float32) * f0).to(tl.float16)
-        q1 = (tl.load(Q + r[:, None] * D + kb[None, :] * 4 + 1).to(tl.float32) * f1).to(tl.float16)
-        q2 = (tl.load(Q + r[:, None] * D + kb[None, :] * 4 + 2).to(tl.float32) * f2).to(tl.float16)
-        q3 = (tl.load(Q + r[:, None] * D + kb[None, :] * 4 + 3).to(tl.float32) * f3).to(tl.float16)
-        off = 1024.0 * tl.sum(q0.to(tl.float32) + q1.to(tl.float32) + q2.to(tl.float32) + q3.to(tl.float32), 1)
+        q0 = tl.load(Q + r[:, None] * D + kb[None, :] * 4 + 0)
+        q1 = tl.load(Q + r[:, None] * D + kb[None, :] * 4 + 1)
+        q2 = tl.load(Q + r[:, None] * D + kb[None, :] * 4 + 2)
+        q3 = tl.load(Q + r[:, None] * D + kb[None, :] * 4 + 3)
         acc = tl.zeros([16, BT], tl.float32)
     else:
         p = tl.load(P + r[:, None] * BT + tl.arange(0, BT)[None, :])
@@ -111,8 +116,6 @@ def _probe(CODES, Q, P, OUT, T, NSPLIT, D: tl.constexpr, BT: tl.constexpr, SIDE:
             s = tl.dot(q1, tl.trans(m1), s)
             s = tl.dot(q2, tl.trans(m2), s)
             s = tl.dot(q3, tl.trans(m3), s)
-            if MODE == 2:
-                s = s - off[:, None]
             acc += s
         else:
             a0 = tl.dot(p, m0, a0)
@@ -122,13 +125,6 @@ def _probe(CODES, Q, P, OUT, T, NSPLIT, D: tl.constexpr, BT: tl.constexpr, SIDE:
     if SIDE == 0:
         tl.store(OUT + bh * NSPLIT + split, tl.sum(tl.sum(acc, 1), 0))
     else:
-        if MODE == 2:
-            n = (per // BT).to(tl.float32)
-            ps = 1024.0 * n * tl.sum(p.to(tl.float32), 1)[:, None]
-            a0 = a0 - ps
-            a1 = (a1 - ps) * 0.25
-            a2 = (a2 - ps) * 0.0625
-            a3 = (a3 - ps) * 0.015625
         tl.store(OUT + bh * NSPLIT + split, tl.sum(tl.sum(a0 + a1 + a2 + a3, 1), 0))
 
 

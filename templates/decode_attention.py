@@ -130,6 +130,15 @@ def _affine(code, half, center, BITS: tl.constexpr, SYM: tl.constexpr, LUT: tl.c
 
 
 @triton.jit
+def _values(code, sym, half, center, BITS: tl.constexpr, SYM: tl.constexpr, LUT: tl.constexpr, lev_ptr):
+    """lev(code) * half + center with the statistics broadcastable against code (center unused when symmetric):
+    hybrid groups pick their levels by `sym` (`_levels`), the others take `_affine`'s one multiply-add."""
+    if SYM == 2:
+        return _levels(code, sym, BITS, SYM, LUT, lev_ptr) * half + center
+    return _affine(code, half, center, BITS, SYM, LUT, lev_ptr)
+
+
+@triton.jit
 def _split_join(x, NB: tl.constexpr):
     """[..] -> [.., 2]: the low and the high NB bits of each 2*NB-bit field (a new in-thread minor dim)."""
     m: tl.constexpr = (1 << NB) - 1
@@ -195,12 +204,10 @@ def _dequant(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_pt
             cen = tl.load(cen_ptr + gb + gi, mask=m2, other=0.0).to(tl.float32)
         else:
             cen = half
+        sym = None
         if SYM == 2:
-            sym = tl.load(hmask_ptr + gb + gi, mask=m2, other=0) != 0
-            x3 = _levels(code3, sym[:, :, None], BITS, SYM, LUT, lev_ptr) * half[:, :, None] + cen[:, :, None]
-        else:
-            x3 = _affine(code3, half[:, :, None], cen[:, :, None], BITS, SYM, LUT, lev_ptr)
-        x = tl.reshape(x3, [BT, D])
+            sym = (tl.load(hmask_ptr + gb + gi, mask=m2, other=0) != 0)[:, :, None]
+        x = tl.reshape(_values(code3, sym, half[:, :, None], cen[:, :, None], BITS, SYM, LUT, lev_ptr), [BT, D])
     else:
         if GS == 0:  # static per-channel ranges: one row
             gb = bh64 * D
@@ -221,17 +228,16 @@ def _dequant(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_pt
                 c3 = tl.load(cen_ptr + ro, mask=(rows < NG)[:, None], other=0.0).to(tl.float32)[:, None, :]
             else:
                 c3 = h3
-            x = tl.reshape(_affine(tl.reshape(code, [NR, GS, D]), h3, c3, BITS, SYM, LUT, lev_ptr), [BT, D])
+            x = tl.reshape(_values(tl.reshape(code, [NR, GS, D]), None, h3, c3, BITS, SYM, LUT, lev_ptr), [BT, D])
         else:  # statistics loaded per element
             half = tl.load(half_ptr + gb + gi, mask=gm, other=0.0).to(tl.float32)
+            sym = None
             if SYM == 2:
                 sym = tl.load(hmask_ptr + gb + gi, mask=gm, other=0) != 0
-                lev = _levels(code, sym, BITS, SYM, LUT, lev_ptr)
-            else:
-                lev = _levels(code, None, BITS, SYM, LUT, lev_ptr)
-            x = lev * half
+            cen = half
             if SYM != 1:
-                x += tl.load(cen_ptr + gb + gi, mask=gm, other=0.0).to(tl.float32)
+                cen = tl.load(cen_ptr + gb + gi, mask=gm, other=0.0).to(tl.float32)
+            x = _values(code, sym, half, cen, BITS, SYM, LUT, lev_ptr)
     for j in tl.static_range(NOUT):
         oi = t * NOUT + j
         idx = tl.load(oidx_ptr + bh64 * T * NOUT + oi, mask=tmask, other=0).to(tl.int32)
