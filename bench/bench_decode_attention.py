@@ -87,21 +87,35 @@ def bytes_read(layer: st.LayerStore, B: int, T: int, dtype) -> int:
     return total
 
 
+FLUSH = None  # --flush-l2: a 256 MiB buffer written between calls, so no call reads what the last one left in L2
+
+
 def graph_time(fn, reps=20) -> float:
-    """Median microseconds of one fn() call, from replays of a CUDA graph of `reps` calls."""
+    """Median microseconds of one fn() call, from replays of a CUDA graph of `reps` calls (with --flush-l2, each
+    call follows a write of FLUSH and the time of the writes alone, timed the same way, is subtracted)."""
     import triton.testing as tt
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    return tt.do_bench(g.replay, warmup=10, rep=100, return_mode="median") * 1e3 / reps
+    def replay_us(body):
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                body()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(reps):
+                body()
+        return tt.do_bench(g.replay, warmup=10, rep=100, return_mode="median") * 1e3 / reps
+
+    if FLUSH is None:
+        return replay_us(fn)
+
+    def flushed():
+        FLUSH.fill_(1)
+        fn()
+
+    return replay_us(flushed) - replay_us(lambda: FLUSH.fill_(1))
 
 
 def pick_layer(cfg: KVQConfig, layers: int = 32) -> int:
@@ -156,7 +170,15 @@ def main():
     ap.add_argument("--splits", default=None, help="sweep only these split counts (with --sweep), e.g. 2,4,8,16")
     ap.add_argument("--variants", default=None,
                     help="time these launches of each preset, e.g. 'default;block_t=32;block_t=128,num_warps=8'")
+    ap.add_argument("--mask", default="none", choices=("none", "bool", "additive", "bool-heads"),
+                    help="an attention mask for both kernels, every position allowed: [B, 1, 1, ctx] (HF's decode "
+                         "mask is a bool one), or bool-heads: one row per query head [B, 32, 1, ctx]")
+    ap.add_argument("--flush-l2", action="store_true",
+                    help="write 256 MiB between timed calls (no call reads the last one's data from L2)")
     args = ap.parse_args()
+    if args.flush_l2:
+        global FLUSH
+        FLUSH = torch.empty(2 ** 26, dtype=torch.float32, device="cuda")
     dtype = torch.bfloat16
     torch.manual_seed(0)
     presets = args.presets.split(",")
@@ -174,7 +196,15 @@ def main():
         q = torch.randn(B, HQ, 1, D, device="cuda", dtype=dtype)
         k = torch.randn(B, H, ctx, D, device="cuda", dtype=dtype)
         v = torch.randn(B, H, ctx, D, device="cuda", dtype=dtype)
-        sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
+        am = None
+        if args.mask == "bool":
+            am = torch.ones(B, 1, 1, ctx, dtype=torch.bool, device="cuda")
+        elif args.mask == "additive":
+            am = torch.zeros(B, 1, 1, ctx, dtype=dtype, device="cuda")
+        elif args.mask == "bool-heads":
+            am = torch.ones(B, HQ, 1, ctx, dtype=torch.bool, device="cuda")
+        sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=am,  # noqa: E731
+                                                                        enable_gqa=True)
         t_sdpa = graph_time(sdpa) / 1e3
         sdpa_bytes = 2 * k.numel() * 2 + 2 * q.numel() * 2
         del k, v
@@ -200,7 +230,7 @@ def main():
                             for v in args.variants.split(";")]
             best = None
             for var in variants:
-                fn = lambda: decode_attention(q, bufs, kc, vc, pos, None, D ** -0.5, False, cfg, lay.spec,  # noqa: E731
+                fn = lambda: decode_attention(q, bufs, kc, vc, pos, am, D ** -0.5, False, cfg, lay.spec,  # noqa: E731
                                               ms.geo, **var)
                 try:
                     t = graph_time(fn) / 1e3  # ms, GPU time of one call (CUDA graph replay: no launch overhead)

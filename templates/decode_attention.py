@@ -28,8 +28,8 @@ BITS_* code width (16: unquantized `data` buffer); CPW codes per int32 word = 32
 1 CHANNEL; GS_* group size (TOKEN: channels per group; CHANNEL: tokens per group, 0 = static ranges);
 SYM_* 0 asymmetric / 1 symmetric / 2 hybrid; LUT_* levels from a table; NOUT_* outliers per token;
 NORM_K InnerQ key normalization; S sink tokens, R recent tokens, WR_* ring slots; T max cache length;
-NG_* channel-group rows; MASK_KIND 0 none / 1 bool / 2 additive; TAU_PHASE 0 plain softmax / 1 range
-pass (max, min of s) / 2 calibrated pass (s *= temp).
+NG_* channel-group rows; MASK_KIND 0 none / 1 bool / 2 additive (MASK_SHARED: one mask row serves every head);
+TAU_PHASE 0 plain softmax / 1 range pass (max, min of s) / 2 calibrated pass (s *= temp).
 """
 from __future__ import annotations
 
@@ -70,11 +70,11 @@ def _softmax_step(s, m_i, l_i):
 
 
 @triton.jit
-def _apply_mask(s, allowed, AMASK, moff, MASK_KIND: tl.constexpr):
-    """(s, allowed) under the attention mask at offsets moff: MASK_KIND 1 bool (False masks), 2 additive (added to
-    s; -inf masks), 0 none."""
+def _apply_mask(s, allowed, AMASK, moff, lmask, MASK_KIND: tl.constexpr):
+    """(s, allowed) under the attention mask at offsets moff (loaded where lmask; moff may cover one row that
+    every query row shares): MASK_KIND 1 bool (False masks), 2 additive (added to s; -inf masks), 0 none."""
     if MASK_KIND != 0:
-        mv = tl.load(AMASK + moff, mask=allowed, other=0)
+        mv = tl.load(AMASK + moff, mask=lmask, other=0)
         if MASK_KIND == 1:
             allowed = allowed & (mv != 0)
         else:
@@ -420,7 +420,8 @@ def _decode_kernel(
         TPG_K: tl.constexpr, WR_K: tl.constexpr,
         BITS_V: tl.constexpr, AXIS_V: tl.constexpr, GS_V: tl.constexpr,
         SYM_V: tl.constexpr, LUT_V: tl.constexpr, NOUT_V: tl.constexpr, TPG_V: tl.constexpr, WR_V: tl.constexpr,
-        ROPE: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, TAU_PHASE: tl.constexpr,
+        ROPE: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHARED: tl.constexpr, IS_CAUSAL: tl.constexpr,
+        TAU_PHASE: tl.constexpr,
         KPOST: tl.constexpr, VPOST: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr,
         WINDOW: tl.constexpr):
     bh = tl.program_id(0)
@@ -490,8 +491,12 @@ def _decode_kernel(
             s = _dot(q, tl.trans(k), dt, IEEE, INTERP)
         s = s * scale
         allowed = rvalid[:, None] & tvalid[None, :]
-        moff = b.to(tl.int64) * stride_mb + qh[:, None] * stride_mh + t[None, :]
-        s, allowed = _apply_mask(s, allowed, AMASK, moff, MASK_KIND)
+        if MASK_SHARED:  # one mask row for all query heads ([B|1, 1, 1, T]: HF's decode mask): load it once
+            s, allowed = _apply_mask(s, allowed, AMASK, b.to(tl.int64) * stride_mb + t[None, :], tvalid[None, :],
+                                     MASK_KIND)
+        else:
+            moff = b.to(tl.int64) * stride_mb + qh[:, None] * stride_mh + t[None, :]
+            s, allowed = _apply_mask(s, allowed, AMASK, moff, allowed, MASK_KIND)
         if IS_CAUSAL:
             allowed = allowed & (t[None, :] <= 0)
         if TAU_PHASE == 1:
@@ -709,7 +714,7 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
                 *side_pointers(vp, False), value, value.stride(0), value.stride(1),
                 cos, sin, positions, amask, smb, smh, temp, m_buf, l_buf, acc_buf, float(scale), T, kc["NG"], vc["NG"], nsplit)
         consts = dict(H=H, REP=rep, REP_PAD=rep_pad, D=D, S=cfg.sink, R=cfg.recent, **side_constants(kc, vc),
-                      ROPE=rope, MASK_KIND=mask_kind, IS_CAUSAL=is_causal, TAU_PHASE=phase,
+                      ROPE=rope, MASK_KIND=mask_kind, MASK_SHARED=smh == 0, IS_CAUSAL=is_causal, TAU_PHASE=phase,
                       KPOST=kpost, VPOST=vpost,
                       BLOCK_T=block_t, IEEE=ieee, INTERP=_INTERPRET)
         LAST_KERNELS["main"] = _decode_kernel[(B * H, nsplit)](*args, **consts, WINDOW=False, num_warps=num_warps,

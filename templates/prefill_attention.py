@@ -62,7 +62,7 @@ def _logits(q, KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, 
     s = _dot(q, tl.trans(k), dt, IEEE, INTERP) * scale
     allowed = rvalid[:, None] & tvalid[None, :]
     moff = b.to(tl.int64) * stride_mb + qh64[:, None] * stride_mh + i64[:, None] * stride_mn + t[None, :]
-    s, allowed = _apply_mask(s, allowed, AMASK, moff, MASK_KIND)
+    s, allowed = _apply_mask(s, allowed, AMASK, moff, allowed, MASK_KIND)
     if IS_CAUSAL:
         allowed = allowed & (t[None, :] <= i[:, None])
     return s, allowed
