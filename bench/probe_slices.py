@@ -152,11 +152,9 @@ def main():
 
     if "--sass" in sys.argv:
         return sass_report()
-    x = torch.empty(2 ** 29, dtype=torch.bfloat16, device="cuda")
-    y = torch.empty_like(x)
-    ms = tt.do_bench(lambda: y.copy_(x), warmup=20, rep=100, return_mode="median")
-    bw = 2 * x.numel() * 2 / (ms * 1e-3)
-    del x, y
+    from bench_decode_attention import copy_bandwidth
+
+    bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()} copy {bw / 1e12:.2f} TB/s", flush=True)
     D, BH, T = 128, 256, 16384
     codes = torch.randint(0, 256, (BH, T, D // 4), device="cuda", dtype=torch.uint8)
