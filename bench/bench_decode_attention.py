@@ -9,7 +9,10 @@ tensor over the valid length, the RoPE table for pre-RoPE keys, q, the output), 
 of the device-to-device copy bandwidth measured in the same run, and the speedup over SDPA. Each store is filled
 with random codes and statistics (timing does not depend on the values; correctness is tests/test_templates.py),
 sized so that the whole static buffer is the valid context. Before timing, the kernel is checked against the
-reference op on a smaller context of the same preset.
+reference op on a smaller context of the same preset. --mask adds an all-allowed attention mask to both kernels
+(bool [B, 1, 1, ctx] is what HF passes in decode; its bytes are not counted); --flush-l2 writes 256 MiB before
+every timed call and subtracts the writes' own time (the writes also evict dirty lines, which slightly penalizes
+bandwidth-bound kernels).
 """
 from __future__ import annotations
 

@@ -6,11 +6,12 @@ the HF-native KVQCache, in one run.
 
 Decode tokens/s = batch / median time between consecutive generated tokens (a logits processor timestamps each
 token after a device sync; the prefill and the first three steps, which compile and record CUDA graphs, are left
-out). Peak memory is
-torch.cuda.max_memory_allocated over the whole generate. --gpu-time adds the GPU time of a step (the kernels of
-8 profiled decode steps), which leaves out HF's Python between steps (generate syncs every step, so the GPU
-idles meanwhile: bench/host_overhead.py measures that part, about 1.5-2.2 ms on an H100). Roofline tokens/s = copy bandwidth / (weight bytes +
-KV bytes read per step), with the KV bytes of each preset from its store size at the mean context.
+out). Peak memory is torch.cuda.max_memory_allocated over the whole generate. Roofline tokens/s = copy bandwidth /
+(weight bytes + KV bytes read per step), with the KV bytes of each preset from its store size at the mean context
+and the weight bytes without the input embedding table (a step gathers B of its rows; until session 8 the table,
+1 GiB, was counted, which put every "% of roofline" too high). --gpu-time adds the GPU time of a step (the kernels
+of 8 profiled decode steps), which leaves out HF's Python between steps: generate syncs every step, so the GPU
+idles meanwhile (bench/host_overhead.py measures that part: 1.5-2.2 ms on an H100).
 """
 from __future__ import annotations
 
@@ -91,10 +92,13 @@ def gpu_ms_per_step(model, ids, steps: int = 8, **kw) -> float:
     win = ProfileWindow(8, steps)
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8 + steps + 2,
                    min_new_tokens=8 + steps + 2, do_sample=False, logits_processor=LogitsProcessorList([win]), **kw)
+    from torch.autograd import DeviceType
+
     us = 0.0
-    for e in win.prof.key_averages():
-        t = getattr(e, "self_device_time_total", None)
-        us += t if t is not None else getattr(e, "self_cuda_time_total", 0.0)
+    for e in win.prof.key_averages():  # kernels only (a CPU op would carry its kernels' time again)
+        if e.device_type == DeviceType.CUDA:
+            t = getattr(e, "self_device_time_total", None)
+            us += t if t is not None else getattr(e, "self_cuda_time_total", 0.0)
     return us / 1e3 / steps
 
 
@@ -102,12 +106,14 @@ def profile_step(model, preset, B: int = 8, P: int = 2048):
     """Top CUDA kernels of 8 kvq decode steps at (B, P), after warm-up (decode steps only: `ProfileWindow`)."""
     from transformers import CompileConfig, LogitsProcessorList
 
-    from kvq_compile import kvq_backend
+    from kvq_compile import kvq_backend, lowering
 
     torch._dynamo.reset()
+    lowering.DEVICES.clear()
+    lowering.DEVICES.add("cuda")
     ids = torch.randint(100, 120000, (B, P), device="cuda")
     kw = dict(cache_implementation="static", compile_config=CompileConfig(backend=kvq_backend(preset), fullgraph=True))
-    timed_generate(model, ids, 8, **kw)
+    timed_generate(model, ids, 18, **kw)  # the profiled generate's length: the same static cache
     win = ProfileWindow(8, 8)
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=18, min_new_tokens=18, do_sample=False,
                    logits_processor=LogitsProcessorList([win]), **kw)
@@ -144,8 +150,11 @@ def main():
     del x, y
     model = build(args.layers)
     wbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    if emb is not head:  # a decode step gathers B rows of the input embedding, it does not read the table
+        wbytes -= emb.numel() * emb.element_size()
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} copy {bw / 1e12:.2f} TB/s, "
-          f"{args.layers} layers, weights {wbytes / 2**30:.1f} GiB", flush=True)
+          f"{args.layers} layers, weights read per step {wbytes / 2**30:.1f} GiB", flush=True)
     rows = []
     for shape in filter(None, args.shapes.split(",")):
         B, P = map(int, shape.split("x"))
@@ -178,13 +187,13 @@ def main():
             try:
                 torch.cuda.reset_peak_memory_stats()
                 step, _ = timed_generate(model, ids, args.new, **kw)
+                peak = torch.cuda.max_memory_allocated()
+                gpu = None
+                if args.gpu_time and kind in ("hf-compiled", "kvq", "kvq-opaque"):  # (a used KVQCache is full)
+                    gpu = gpu_ms_per_step(model, ids, **kw)
             except Exception as e:  # noqa: BLE001  report and go on
                 print(f"{kind} {preset} B={B} P={P}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
-            peak = torch.cuda.max_memory_allocated()
-            gpu = None
-            if args.gpu_time and kind in ("hf-compiled", "kvq", "kvq-opaque", "kvqcache"):
-                gpu = gpu_ms_per_step(model, ids, **kw)
             tps = B / step
             ctx = P + args.new // 2
             if lowering.SELECTED and kind == "kvq":

@@ -1,7 +1,7 @@
 """Probe: which way of turning packed codes into tensor-core operands keeps decode attention memory bound.
 
     python bench/probe_unpack.py            (CUDA: times every mode)
-    python bench/probe_unpack.py --sass     (no GPU needed: SASS instructions per element of each mode)
+    python bench/probe_unpack.py --sass [--bits 2]   (no GPU needed: SASS instructions per element of each mode)
     python bench/probe_unpack.py --modes raw,joinmag,asmword --bits 2 --bt 128     (CUDA: a subset)
 
 One side of decode attention, stripped down: programs (b*H + h, split) stream their slice of a [T, W] int32
@@ -282,12 +282,14 @@ def sass_report():
 
     sig = dict(WORDS="*i32", Q="*fp16", P="*fp16", OUT="*fp32", T="i32", NSPLIT="i32", D="constexpr",
                BITS="constexpr", BT="constexpr", MODE="constexpr", SIDE="constexpr")
-    for bits in (1, 2, 4, 8):
+    bit_list = sys.argv[sys.argv.index("--bits") + 1].split(",") if "--bits" in sys.argv else "1,2,4,8".split(",")
+    for bits in map(int, bit_list):
         for mode in (2, 3, 10, 14, 16, 13):
             if mode == 13 and bits != 2:
                 continue
             for side in (0, 1):
-                k = compile_sm90(_probe, sig, dict(D=128, BITS=bits, BT=128, MODE=mode, SIDE=side))
+                k = compile_sm90(_probe, sig, dict(D=128, BITS=bits, BT=128, MODE=mode, SIDE=side),
+                                 aligned=(0, 1, 2, 3, 4))
                 n, ops = loop_ops(k)
                 print(f"bits={bits} mode={mode} side={'KV'[side]}: {n} instructions per 128x128 tile and thread = "
                       f"{n / 128:.2f} per element; " + ", ".join(f"{o} {c}" for o, c in ops.most_common(8)))

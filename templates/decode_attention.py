@@ -693,6 +693,9 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
         amask = attn_mask if attn_mask.stride(-1) == 1 else attn_mask.contiguous()
         while amask.dim() < 4:
             amask = amask.unsqueeze(0)
+        if amask.dim() > 4 or amask.shape[0] not in (1, B) or amask.shape[1] not in (1, Hq) or amask.shape[2] != 1:
+            raise ValueError(f"attn_mask must broadcast as [B|1, Hq|1, 1, >= L] = [{B}|1, {Hq}|1, 1, >= L] for a "
+                             f"decode step, got shape {tuple(attn_mask.shape)}")
         mask_kind = 1 if amask.dtype == torch.bool else 2
         smb = amask.stride(0) if amask.shape[0] > 1 else 0
         smh = amask.stride(1) if amask.shape[1] > 1 else 0

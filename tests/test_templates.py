@@ -45,6 +45,20 @@ def check(cfg, B=2, H=2, rep=3, D=64, T=48, prefill=21, steps=3, dtype=torch.flo
         elif mask == "additive":  # per-head float bias, -inf on a few positions
             am = rnd(B, H * rep, 1, T).float().to(dtype) * 0.5
             am[:, :, :, 5:7] = float("-inf")
+        elif mask == "additive-shared":  # one bias row for all heads of a sequence
+            am = rnd(B, 1, 1, T).float().to(dtype) * 0.5
+            am[:, :, :, 5:7] = float("-inf")
+        elif mask == "bool-heads":  # a bool row per head, each masking other positions
+            am = torch.ones(B, H * rep, 1, T, dtype=torch.bool, device=DEVICE)
+            for h in range(H * rep):
+                am[:, h, :, h % 7] = False
+        elif mask == "one-row":  # [1, 1, 1, T]: one row for every sequence and head
+            am = torch.ones(1, 1, 1, T, dtype=torch.bool, device=DEVICE)
+            am[..., 2:4] = False
+        elif mask == "expanded":  # HF-style row expanded over heads (stride 0)
+            am = torch.ones(B, 1, 1, T, dtype=torch.bool, device=DEVICE)
+            am[1:, :, :, :3] = False
+            am = am.expand(B, H * rep, 1, T)
         pos = torch.tensor([p], device=DEVICE)
         # the reference kernel itself: on CUDA, torch.ops.kvq.attend dispatches to the template under test
         ref = attend_cpu_reference(q, tensors, k, v, pos, am, 0.125, False, lay.descriptor(names))
@@ -153,3 +167,22 @@ def test_default_tile_is_short_where_dequantization_is_per_element(name, tile):
     bufs = dict(zip(*lay.attend_tensors()))
     kc, vc = (_side_args(bufs, s, q, geo, cfg)[1] for s, q in (("k", lay.spec.key), ("v", lay.spec.value)))
     assert default_block_t(kc, vc, cfg.keys_before_rope and lay.spec.key.quantized) == tile
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("mask", ["bool", "additive-shared", "bool-heads", "additive", "one-row", "expanded"])
+def test_mask_layouts(mask):
+    """Masks shared by all heads (one row read per tile: HF's decode mask) and per-head masks, bool and additive,
+    broadcast over sequences or not, against the reference."""
+    check(small_windows("kivi-2"), mask=mask, dtype=torch.float16, rep=4, prefill=27, steps=2, T=64, seed=7)
+
+
+def test_mask_of_the_wrong_shape_is_refused():
+    cfg = small_windows("kivi-2")
+    geo = st.Geometry(2, 2, 32, 64, "float32")
+    lay = st.ModelStore(cfg, 1, geo, DEVICE).layers[0]
+    names, tensors = lay.attend_tensors()
+    q, kv = torch.zeros(2, 6, 1, 64, device=DEVICE), torch.zeros(2, 2, 1, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="attn_mask must broadcast"):
+        decode_attention(q, dict(zip(names, tensors)), kv, kv, torch.tensor([3], device=DEVICE),
+                         torch.ones(2, 32, dtype=torch.bool, device=DEVICE), 0.125, False, cfg, lay.spec, geo)
