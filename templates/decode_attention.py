@@ -117,7 +117,8 @@ def _levels(code, sym, BITS: tl.constexpr, SYM: tl.constexpr, LUT: tl.constexpr,
 def _affine(code, half, center, BITS: tl.constexpr, SYM: tl.constexpr, LUT: tl.constexpr, lev_ptr):
     """lev(code) * half + center (center unused when symmetric) for uniform or codebook levels, the statistics
     broadcastable against code. Uniform levels l = a*code - 1 take one multiply-add per element,
-    code * (a * half) + (center - half), with both factors formed on the statistics' own smaller shape."""
+    code * (a * half) + (center - half), both factors formed on the statistics' own shape (smaller than code's
+    where they broadcast over a group; per-element statistics pay the two extra operations per element)."""
     if LUT:
         x = tl.load(lev_ptr + code) * half
         if SYM != 1:
