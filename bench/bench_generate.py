@@ -83,19 +83,25 @@ class ProfileWindow:
         return scores
 
 
-def gpu_ms_per_step(model, ids, steps: int = 8, **kw) -> float:
-    """GPU time of one decode step: the CUDA kernels' time summed over `steps` profiled decode steps (the
-    wall-clock step also holds HF's Python between steps, during which the GPU idles: generate syncs every
-    step)."""
+def profiled_decode(model, ids, steps: int = 8, **kw):
+    """The torch profiler over `steps` decode steps of one generate (tokens 8 .. 8 + steps: no prefill, no
+    compiling step); the generate runs 8 + steps + 2 tokens."""
     from transformers import LogitsProcessorList
 
     win = ProfileWindow(8, steps)
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8 + steps + 2,
                    min_new_tokens=8 + steps + 2, do_sample=False, logits_processor=LogitsProcessorList([win]), **kw)
+    return win.prof
+
+
+def gpu_ms_per_step(model, ids, steps: int = 8, **kw) -> float:
+    """GPU time of one decode step: the CUDA kernels' time summed over `steps` profiled decode steps (the
+    wall-clock step also holds HF's Python between steps, during which the GPU idles: generate syncs every
+    step)."""
     from torch.autograd import DeviceType
 
     us = 0.0
-    for e in win.prof.key_averages():  # kernels only (a CPU op would carry its kernels' time again)
+    for e in profiled_decode(model, ids, steps, **kw).key_averages():  # kernels only (a CPU op would repeat them)
         if e.device_type == DeviceType.CUDA:
             t = getattr(e, "self_device_time_total", None)
             us += t if t is not None else getattr(e, "self_cuda_time_total", 0.0)
@@ -103,8 +109,8 @@ def gpu_ms_per_step(model, ids, steps: int = 8, **kw) -> float:
 
 
 def profile_step(model, preset, B: int = 8, P: int = 2048):
-    """Top CUDA kernels of 8 kvq decode steps at (B, P), after warm-up (decode steps only: `ProfileWindow`)."""
-    from transformers import CompileConfig, LogitsProcessorList
+    """Top CUDA kernels of 8 kvq decode steps at (B, P), after warm-up (decode steps only: `profiled_decode`)."""
+    from transformers import CompileConfig
 
     from kvq_compile import kvq_backend, lowering
 
@@ -114,11 +120,9 @@ def profile_step(model, preset, B: int = 8, P: int = 2048):
     ids = torch.randint(100, 120000, (B, P), device="cuda")
     kw = dict(cache_implementation="static", compile_config=CompileConfig(backend=kvq_backend(preset), fullgraph=True))
     timed_generate(model, ids, 18, **kw)  # the profiled generate's length: the same static cache
-    win = ProfileWindow(8, 8)
-    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=18, min_new_tokens=18, do_sample=False,
-                   logits_processor=LogitsProcessorList([win]), **kw)
+    prof = profiled_decode(model, ids, 8, **kw)
     print(f"{preset} B={B} P={P}: kernels of 8 decode steps")
-    print(win.prof.key_averages().table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=70))
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=70))
 
 
 def main():

@@ -151,8 +151,7 @@ def _prefill_kernel(
                 s, allowed = _logits(q, KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING,
                                      KCHUNK, stride_kb, stride_kh, stride_kn, COS, SIN, AMASK, stride_mb, stride_mh,
                                      stride_mn, b, h, bh, qh64, i, i64, rvalid, t, t0, tvalid, d, p0, bnd_k, scale, T,
-                                     NG_K,
-                                     NCH, D, S, BITS_K, AXIS_K, GS_K, SYM_K, LUT_K, NOUT_K, NORM_K, WR_K, ROPE,
+                                     NG_K, NCH, D, S, BITS_K, AXIS_K, GS_K, SYM_K, LUT_K, NOUT_K, NORM_K, WR_K, ROPE,
                                      MASK_KIND, IS_CAUSAL, seg == 0, BLOCK_T, dt, IEEE, INTERP)
                 if ps == 0:
                     m_i = tl.maximum(m_i, tl.max(tl.where(allowed, s, float("-inf")), 1))
