@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from kvq_compile import compat
+from kvq_compile.templates import decode_attention_gluon as dag
 
 compat.fix_triton_interpreter()
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -657,7 +658,7 @@ def _num_splits(bh: int, max_len: int, block_t: int, device, programs_per_sm: in
 def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale: float, is_causal: bool,
                      cfg, spec, geo, block_t: int | None = None, num_splits: int | None = None,
                      num_warps: int = 4, num_stages: int = 2, post_scaling: bool = True,
-                     programs_per_sm: int = 16, out=None):
+                     programs_per_sm: int = 16, out=None, gluon: bool | None = None):
     """kvq::attend for one query token per sequence (decode), entirely on the device.
 
     query [B, Hq, 1, D]; bufs: the layer's attend tensors by name (store.LayerStore.attend_tensors);
@@ -665,7 +666,9 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
     Launch configuration (what `kvq_compile.lowering` tunes under max_autotune): block_t tokens per tile (None: the
     layout's `default_block_t`), num_warps and
     num_stages of the main launch, programs_per_sm for the split count (or num_splits outright).
-    out: a contiguous [B, Hq, 1, D] tensor to write into (else a new one)."""
+    out: a contiguous [B, Hq, 1, D] tensor to write into (else a new one).
+    gluon: run the quantized region through `decode_attention_gluon` where it supports the layout (None: unless
+    KVQ_GLUON=0; False: never; True: required, ValueError where unsupported)."""
     import torch
 
     B, Hq, n, D = query.shape
@@ -700,7 +703,15 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
         mask_kind = 1 if amask.dtype == torch.bool else 2
         smb = amask.stride(0) if amask.shape[0] > 1 else 0
         smh = amask.stride(1) if amask.shape[1] > 1 else 0
-    nsplit = num_splits or _num_splits(B * H, T, block_t, query.device, programs_per_sm)
+    why = dag.supports(query, rep, kc, vc, kp, rope, mask_kind, smh == 0, is_causal, cfg.softmax_tau)
+    if gluon and why:
+        raise ValueError(f"kvq decode attention: the Gluon kernel cannot serve this layer: {why}")
+    use_gluon = why is None and (gluon or (gluon is None and dag.enabled()))
+    if use_gluon:  # one-warp programs, half as many per SM as four-warp ones: best of 8 / 16 / 32 / 64 on an H100
+        gluon_bt = block_t if block_t in (16, 32) else dag.BT  # (bench/RESULTS.md, session 9)
+        nsplit = num_splits or _num_splits(B * H, T, gluon_bt, query.device, max(1, programs_per_sm // 2))
+    else:
+        nsplit = num_splits or _num_splits(B * H, T, block_t, query.device, programs_per_sm)
     ns = nsplit + 1
     m_buf = torch.empty(B * H * rep_pad * ns, dtype=torch.float32, device=query.device)
     l_buf = torch.empty_like(m_buf)
@@ -721,8 +732,13 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
                       ROPE=rope, MASK_KIND=mask_kind, MASK_SHARED=smh == 0, IS_CAUSAL=is_causal, TAU_PHASE=phase,
                       KPOST=kpost, VPOST=vpost,
                       BLOCK_T=block_t, IEEE=ieee, INTERP=_INTERPRET)
-        LAST_KERNELS["main"] = _decode_kernel[(B * H, nsplit)](*args, **consts, WINDOW=False, num_warps=num_warps,
-                                                               num_stages=num_stages)
+        if use_gluon:
+            LAST_KERNELS["main"] = dag.launch(query, kp, vp, positions, amask, smb, mask_kind, m_buf, l_buf, acc_buf,
+                                              scale, T, kc["NG"], nsplit, H, rep, cfg.sink, cfg.recent, vc["TPG"],
+                                              block_t=gluon_bt)
+        else:
+            LAST_KERNELS["main"] = _decode_kernel[(B * H, nsplit)](*args, **consts, WINDOW=False,
+                                                                   num_warps=num_warps, num_stages=num_stages)
         LAST_KERNELS["window"] = _decode_kernel[(B * H, 1)](*args, **consts, WINDOW=True, num_warps=4, num_stages=1)
 
     if cfg.softmax_tau is not None:

@@ -1,0 +1,105 @@
+"""GPU check of the Gluon decode kernel (templates/decode_attention_gluon.py) against the reference op and the
+Triton template, on stores filled by kvq::append (random K/V), then its time next to the Triton template's.
+
+    python bench/check_gluon.py [--time]
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_decode_attention import graph_time, random_store, copy_bandwidth, bytes_read  # noqa: E402
+
+from kvq_compile import KVQConfig  # noqa: E402
+from kvq_compile import store as st  # noqa: E402
+from kvq_compile.ops import attend_cpu_reference  # noqa: E402
+from kvq_compile.templates.decode_attention import decode_attention  # noqa: E402
+
+
+def filled(cfg, B, H, T, n0, dtype, D=128):
+    geo = st.Geometry(B, H, T, D, st.dtype_name(dtype))
+    ms = st.ModelStore(cfg, 1, geo, "cuda")
+    lay = ms.layers[0]
+    names, tensors = lay.append_tensors()
+    k = torch.randn(B, H, n0, D, device="cuda", dtype=dtype) * 2 + 0.5
+    v = torch.randn(B, H, n0, D, device="cuda", dtype=dtype)
+    torch.ops.kvq.append(tensors, k, v, torch.arange(n0, device="cuda"), None, None, lay.descriptor(names))
+    k = torch.randn(B, H, 1, D, device="cuda", dtype=dtype)
+    v = torch.randn(B, H, 1, D, device="cuda", dtype=dtype)
+    p = torch.tensor([n0], device="cuda")
+    torch.ops.kvq.append(tensors, k, v, p, None, None, lay.descriptor(names))
+    return ms, lay, k, v, p
+
+
+def check(preset="kivi-2"):
+    cfg = KVQConfig.preset(preset)
+    worst = 0.0
+    for dtype in (torch.float16, torch.bfloat16):
+        for B, H, rep, T, n0 in ((2, 2, 4, 640, 600), (3, 1, 3, 700, 333), (1, 3, 1, 512, 200), (2, 2, 8, 1100, 1031),
+                                 (1, 1, 5, 300, 160), (2, 1, 4, 2000, 130)):
+            ms, lay, k, v, p = filled(cfg, B, H, T, n0, dtype)
+            names, tensors = lay.attend_tensors()
+            q = torch.randn(B, H * rep, 1, 128, device="cuda", dtype=dtype)
+            for mk in ("none", "bool", "additive"):
+                mask = None
+                if mk == "bool":
+                    mask = torch.rand(B, 1, 1, T, device="cuda") < 0.8
+                    mask[..., n0] = True
+                elif mk == "additive":
+                    mask = torch.where(torch.rand(B, 1, 1, T, device="cuda") < 0.8, 0.0, float("-inf")).to(dtype)
+                    mask[..., n0] = 0
+                ref = attend_cpu_reference(q, tensors, k, v, p, mask, 128 ** -0.5, False, lay.descriptor(names)).float()
+                outs = {}
+                for g in (False, True):
+                    for ns, bt in ((None, None), (1, 16), (7, 32), (5, 16)):
+                        outs[(g, ns)] = decode_attention(q, dict(zip(names, tensors)), k, v, p, mask, 128 ** -0.5,
+                                                         False, cfg, lay.spec, ms.geo, gluon=g, num_splits=ns,
+                                                         block_t=bt).float()
+                errs = {key: ((o - ref).norm() / ref.norm()).item() for key, o in outs.items()}
+                mx = {key: (o - ref).abs().max().item() for key, o in outs.items()}
+                g_err = max(v for (g, _), v in errs.items() if g)
+                t_err = max(v for (g, _), v in errs.items() if not g)
+                worst = max(worst, g_err / max(t_err, 1e-4))
+                print(f"{preset} {str(dtype)[6:]:8s} B={B} H={H} rep={rep} T={T} n0={n0} mask={mk:8s} rel err "
+                      f"gluon {g_err:.2e} triton {t_err:.2e}  max abs gluon "
+                      f"{max(v for (g, _), v in mx.items() if g):.2e} triton {max(v for (g, _), v in mx.items() if not g):.2e}",
+                      flush=True)
+    print(f"worst gluon/triton error ratio {worst:.2f}")
+
+
+def timing():
+    bw = copy_bandwidth()
+    print(f"device {torch.cuda.get_device_name()} copy {bw / 1e12:.2f} TB/s")
+    cfg = KVQConfig.preset("kivi-2")
+    dtype = torch.bfloat16
+    for B, ctx in ((32, 4096), (8, 8192), (1, 65536), (32, 16384)):
+      for pf in ("1", "0"):
+        os.environ["KVQ_GLUON_PREFETCH"] = pf
+        ms = random_store(cfg, 0, 1, B, ctx, dtype)
+        lay = ms.layers[0]
+        names, tensors = lay.attend_tensors()
+        bufs = dict(zip(names, tensors))
+        q = torch.randn(B, 32, 1, 128, device="cuda", dtype=dtype)
+        kc = torch.randn(B, 8, 1, 128, device="cuda", dtype=dtype)
+        pos = torch.tensor([ctx - 1], device="cuda")
+        am = torch.ones(B, 1, 1, ctx, dtype=torch.bool, device="cuda")
+        nbytes = bytes_read(lay, B, ctx, dtype)
+        for mask in (None, am) if pf == "1" else (None,):
+            for var in [dict(gluon=False)] + [dict(gluon=True, programs_per_sm=p, block_t=bt) for bt in (16, 32)
+                                              for p in (2, 4, 8, 16)]:
+                t = graph_time(lambda: decode_attention(q, bufs, kc, kc, pos, mask, 128 ** -0.5, False, cfg, lay.spec,
+                                                        ms.geo, **var))
+                print(f"prefetch {pf} kivi-2 B={B} ctx={ctx} mask={'bool' if mask is not None else 'none'} {var}: {t:.1f} us "
+                      f"{nbytes / (t * 1e-6) / bw * 100:.1f}% bw", flush=True)
+        del ms, bufs, tensors
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    check()
+    if "--time" in sys.argv:
+        timing()

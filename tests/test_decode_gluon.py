@@ -1,0 +1,133 @@
+"""The Gluon decode kernel (templates/decode_attention_gluon.py): where it applies, that it compiles for sm_90
+without shared or local memory (CPU CI: Gluon has no interpreter), and on a GPU its output against the
+reference op and the Triton template."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from kvq_compile import KVQConfig
+from kvq_compile import store as st
+from kvq_compile.ops import attend_cpu_reference
+
+pytest.importorskip("triton")
+from kvq_compile.templates import decode_attention as da  # noqa: E402
+from kvq_compile.templates import decode_attention_gluon as dag  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+
+
+def _store(preset, B, H, T, n0, dtype, device, D=128, seed=0):
+    """A one-layer store filled through kvq::append (prefill of n0 tokens, then the token at n0)."""
+    torch.manual_seed(seed)
+    cfg = KVQConfig.preset(preset)
+    geo = st.Geometry(B, H, T, D, st.dtype_name(dtype))
+    ms = st.ModelStore(cfg, 1, geo, device)
+    lay = ms.layers[0]
+    names, tensors = lay.append_tensors()
+    k = (torch.randn(B, H, n0, D, device=device) * 2 + 0.5).to(dtype)
+    v = torch.randn(B, H, n0, D, device=device).to(dtype)
+    torch.ops.kvq.append(tensors, k, v, torch.arange(n0, device=device), None, None, lay.descriptor(names))
+    k, v = (torch.randn(B, H, 1, D, device=device).to(dtype) for _ in range(2))
+    p = torch.tensor([n0], device=device)
+    torch.ops.kvq.append(tensors, k, v, p, None, None, lay.descriptor(names))
+    return cfg, ms, lay, k, v, p
+
+
+def _reason(preset, dtype=torch.bfloat16, rep=4, D=128, mask_kind=1, mask_shared=True, device="cpu"):
+    cfg, ms, lay, k, v, p = _store(preset, 1, 1, 256, 40, dtype, device, D=D)
+    names, tensors = lay.attend_tensors()
+    bufs = dict(zip(names, tensors))
+    kp, kc = da._side_args(bufs, "k", lay.spec.key, ms.geo, cfg)
+    vp, vc = da._side_args(bufs, "v", lay.spec.value, ms.geo, cfg)
+    q = torch.zeros(1, rep, 1, D, dtype=dtype, device=device)
+    return dag.supports(q, rep, kc, vc, kp, False, mask_kind, mask_shared, False, cfg.softmax_tau)
+
+
+def test_where_the_kernel_applies():
+    assert "KIVI" in _reason("int8")
+    assert "KIVI" in _reason("kivi-4")
+    assert "head_dim" in _reason("kivi-2", D=64)
+    assert "head_dim" in _reason("kivi-2", rep=9)
+    assert "per-head mask" in _reason("kivi-2", mask_shared=False)
+    assert "fp16 or bf16" in _reason("kivi-2", dtype=torch.float32)
+    if not CUDA:
+        assert "GPU" in _reason("kivi-2")
+        cfg, ms, lay, k, v, p = _store("kivi-2", 1, 1, 256, 200, torch.float16, "cpu")
+        names, tensors = lay.attend_tensors()
+        q = torch.zeros(1, 4, 1, 128, dtype=torch.float16)
+        with pytest.raises(ValueError, match="Gluon kernel cannot serve"):
+            da.decode_attention(q, dict(zip(names, tensors)), k, v, p, None, 0.1, False, cfg, lay.spec, ms.geo,
+                                gluon=True)
+
+
+SCRIPT = textwrap.dedent('''
+    import os, subprocess, sys, tempfile, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from kvq_compile.templates import decode_attention_gluon as dag
+
+    out = []
+    for bf16, mask, bt in ((False, 0, 32), (True, 1, 32), (True, 2, 16), (False, 1, 16)):
+        ty = "*bf16" if bf16 else "*fp16"
+        sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KCEN=ty, KHALF=ty, VC="*i32", VCEN=ty,
+                   VHALF=ty, POS="*i64", AMASK="*i1" if mask == 1 else ty, stride_mb="i32", OUT_M="*fp32",
+                   OUT_L="*fp32", OUT_ACC="*fp32", scale="fp32", T="i32", NG_K="i32", NSPLIT="i32")
+        cx = dict(H=8, REP=4, S=0, R=128, TPG_K=32, TPG_V=1, MASK_KIND=mask, IS_BF16=bf16, BT=bt)
+        sig.update({n: "constexpr" for n in cx})
+        src = GluonASTSource(fn=dag._kivi_decode_kernel, signature=sig, constexprs=cx,
+                             attrs={(i,): [["tt.divisibility", 16]] for i in (0, 3, 4, 5, 6, 7, 8, 12, 13, 14)})
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1))
+        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+            f.write(k.asm["cubin"])
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+        out.append((bf16, mask, bt, k.metadata.shared, "LOCAL:0" in usage, sass.count("HMMA"),
+                    sass.count("STS") + sass.count("LDS")))
+    print(out)
+''')
+
+
+@pytest.mark.skipif(not dag.HAVE_GLUON, reason="triton without Gluon")
+def test_compiles_for_sm90_into_registers_only():
+    """fp16 / bf16, every mask kind, both tile sizes: tensor-core code with no shared memory and no spills (the
+    unpacked codes go from the loaded words straight into the mma operand registers)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = eval(r.stdout.strip().splitlines()[-1])  # noqa: S307  (our own repr of a list of tuples)
+    assert len(rows) == 4
+    for bf16, mask, bt, shared, no_local, hmma, smem_ops in rows:
+        assert shared == 0 and smem_ops == 0, rows
+        assert no_local, rows
+        assert hmma >= 3 * bt // 2, rows  # per tile: bt (q @ k^T, m16n8k16) + bt / 2 (v^T @ p^T)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("B,H,rep,T,n0", [(2, 2, 4, 640, 600), (3, 1, 3, 700, 333), (1, 3, 1, 512, 200),
+                                          (2, 2, 8, 1100, 1031), (1, 1, 5, 300, 160)])
+@pytest.mark.parametrize("mask", [None, "bool", "additive"])
+def test_matches_reference_on_gpu(dtype, B, H, rep, T, n0, mask):
+    cfg, ms, lay, k, v, p = _store("kivi-2", B, H, T, n0, dtype, "cuda", seed=B * 100 + n0)
+    names, tensors = lay.attend_tensors()
+    q = torch.randn(B, H * rep, 1, 128, device="cuda").to(dtype)
+    am = None
+    if mask == "bool":
+        am = torch.rand(B, 1, 1, T, device="cuda") < 0.8
+        am[..., n0] = True
+    elif mask == "additive":
+        am = torch.where(torch.rand(B, 1, 1, T, device="cuda") < 0.8, 0.0, float("-inf")).to(dtype)
+        am[..., n0] = 0
+    ref = attend_cpu_reference(q, tensors, k, v, p, am, 128 ** -0.5, False, lay.descriptor(names)).float()
+    tol = 2.5e-2 if dtype == torch.bfloat16 else 4e-3
+    for ns, bt in ((None, None), (1, 16), (7, 32)):
+        out = da.decode_attention(q, dict(zip(names, tensors)), k, v, p, am, 128 ** -0.5, False, cfg, lay.spec,
+                                  ms.geo, gluon=True, num_splits=ns, block_t=bt).float()
+        assert torch.isfinite(out).all()
+        rel = ((out - ref).norm() / ref.norm()).item()
+        assert rel < tol, (ns, bt, rel)
