@@ -131,3 +131,33 @@ def test_matches_reference_on_gpu(dtype, B, H, rep, T, n0, mask):
         assert torch.isfinite(out).all()
         rel = ((out - ref).norm() / ref.norm()).item()
         assert rel < tol, (ns, bt, rel)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+@pytest.mark.gpu
+def test_reduce_overhead_generate_in_half_precision():
+    """kivi-2 with its 32-token groups (a short recent window so that most of the prompt is quantized), fp16
+    model: compiled generate with CUDA graphs runs the Gluon kernel, with no cudagraph skip, and agrees with the
+    eager simulation of the same cache."""
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
+
+    from kvq_compile import kvq_backend
+    from kvq_compile.simulate import HFSimulation
+    from models import hf_model, prompts
+
+    model = hf_model("llama", kv_heads=2, gqa=4, head_dim=128, layers=2, dtype=torch.float16).cuda()
+    cfg = KVQConfig.preset("kivi-2")
+    cfg.recent = 8
+    ids, mask = prompts(3, 101, pad=(0, 5, 2))
+    ids, mask = ids.cuda(), mask.cuda()
+    gen = dict(do_sample=False, output_logits=True, return_dict_in_generate=True, max_new_tokens=10)
+    sim = HFSimulation(model, cfg).generate(ids, attention_mask=mask, **gen)
+    counters.clear()
+    da.LAST_KERNELS.clear()
+    cc = CompileConfig(backend=kvq_backend(cfg), fullgraph=True, mode="reduce-overhead")
+    out = model.generate(ids, attention_mask=mask, cache_implementation="static", compile_config=cc, **gen)
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    assert "_kivi_decode_kernel" in str(getattr(da.LAST_KERNELS.get("main"), "name", da.LAST_KERNELS.get("main")))
+    for a, b in zip(sim.logits, out.logits):
+        torch.testing.assert_close(b.float(), a.float(), atol=3e-2, rtol=3e-2)
