@@ -148,8 +148,8 @@ def test_reduce_overhead_generate_in_half_precision():
 
     model = hf_model("llama", kv_heads=2, gqa=4, head_dim=128, layers=2, dtype=torch.float16).cuda()
     cfg = KVQConfig.preset("kivi-2")
-    cfg.recent = 8
-    ids, mask = prompts(3, 101, pad=(0, 5, 2))
+    cfg.recent = 32
+    ids, mask = prompts(3, 109, pad=(0, 5, 2))
     ids, mask = ids.cuda(), mask.cuda()
     gen = dict(do_sample=False, output_logits=True, return_dict_in_generate=True, max_new_tokens=10)
     sim = HFSimulation(model, cfg).generate(ids, attention_mask=mask, **gen)
