@@ -17,7 +17,7 @@ Math (per sequence b, KV head h, the REP = Hq / H query heads of its GQA group, 
 Work split (flash-decoding): launch 1, programs (b*H + h, j < NSPLIT), each covers one slice of the region
 [S, min(Q_K(L), Q_V(L), p0)) where both sides are quantized, with unpacking fused into the tile loads
 and each K/V tile loaded once for all REP query heads (a [REP_PAD, D] x [D, BLOCK_T] dot); launch 2
-(WINDOW, one program per b*H + h, slot NSPLIT) covers the exact windows (sink, ring, chunk) and the
+(WINDOW, programs (b*H + h, j < NWIN), slots NSPLIT + j) covers the exact windows (sink, ring, chunk), one tile each, and the
 stretch where only one side is quantized. Each writes its running (max, sum, acc); `_combine_kernel`
 merges them. CalibQuant's temperature needs each row's logit range first: TAU_PHASE 1 runs both launches
 without V, then TAU_PHASE 2 attends. Every length is read
@@ -425,9 +425,9 @@ def _decode_kernel(
         ROPE: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHARED: tl.constexpr, IS_CAUSAL: tl.constexpr,
         TAU_PHASE: tl.constexpr,
         KPOST: tl.constexpr, VPOST: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr,
-        WINDOW: tl.constexpr):
+        WINDOW: tl.constexpr, NWIN: tl.constexpr):
     bh = tl.program_id(0)
-    split = NSPLIT if WINDOW else tl.program_id(1)
+    split = NSPLIT + tl.program_id(1) if WINDOW else tl.program_id(1)
     b = bh // H
     h = bh % H
     p0 = tl.load(POS).to(tl.int32)
@@ -459,16 +459,18 @@ def _decode_kernel(
     lo_i = tl.full([REP_PAD], float("inf"), tl.float32)
     acc = tl.zeros([REP_PAD, D], tl.float32)
 
-    if WINDOW:  # the exact windows: [0, min(S_EFF, p0)) then [max(S_EFF, qend), p0]
+    if WINDOW:  # the exact windows, [0, min(S_EFF, p0)) then [max(S_EFF, qend), p0]: tile j of them
         win_lo = tl.maximum(S_EFF, qend)
         n_sink = tl.cdiv(tl.minimum(S_EFF, p0), BLOCK_T)
-        n_iter = n_sink + tl.cdiv(p0 + 1 - win_lo, BLOCK_T)
+        it_lo = tl.program_id(1)
+        n_iter = tl.minimum(n_sink + tl.cdiv(p0 + 1 - win_lo, BLOCK_T), it_lo + 1)
     else:  # this program's slice of the region where both sides are quantized
         per = tl.cdiv(tl.cdiv(qlen, NSPLIT), BLOCK_T) * BLOCK_T
         start = S_EFF + split * per
         stop = tl.minimum(start + per, qend)
+        it_lo = 0
         n_iter = tl.cdiv(tl.maximum(stop - start, 0), BLOCK_T)
-    for it in range(0, n_iter):
+    for it in range(it_lo, n_iter):
         if WINDOW:
             t_sink = it * BLOCK_T + tl.arange(0, BLOCK_T)
             t_win = win_lo + (it - n_sink) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -520,7 +522,7 @@ def _decode_kernel(
             acc = acc * alpha[:, None] + pv
             m_i = m_new
 
-    o = (bh * REP_PAD + r) * (NSPLIT + 1) + split
+    o = (bh * REP_PAD + r) * (NSPLIT + NWIN) + split
     tl.store(OUT_M + o, m_i)
     if TAU_PHASE == 1:
         tl.store(OUT_L + o, lo_i)
@@ -642,6 +644,16 @@ def layout_per_element(cfg, spec, names) -> bool:
     return _per_element(consts("k", spec.key), consts("v", spec.value), cfg.keys_before_rope and spec.key.quantized)
 
 
+def _window_tiles(cfg, kc: dict, vc: dict, block_t: int) -> int:
+    """Programs of the window launch, one tile each: the sink's tiles plus the most tiles [max(S, Q(L)), L) can
+    span (1 <= L - max(S, Q(L)) <= R + TPG - 1 for a quantized side). One program per KV head walking them in turn took 23-26
+    us whatever the batch (kivi-2 on an H100, bench/RESULTS.md, session 9)."""
+    quantized = [c["TPG"] for c in (kc, vc) if c["BITS"] != 16]
+    if not quantized:
+        return 1  # the chunk alone
+    return -(-cfg.sink // block_t) + -(-max(1, cfg.recent + max(quantized) - 1) // block_t)
+
+
 LAST_KERNELS: dict = {}  # the compiled kernels of the last launch (registers, spills: see bench/)
 
 
@@ -712,7 +724,8 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
         nsplit = num_splits or _num_splits(B * H, T, gluon_bt, query.device, max(1, programs_per_sm // 2))
     else:
         nsplit = num_splits or _num_splits(B * H, T, block_t, query.device, programs_per_sm)
-    ns = nsplit + 1
+    nwin = _window_tiles(cfg, kc, vc, block_t)
+    ns = nsplit + nwin
     m_buf = torch.empty(B * H * rep_pad * ns, dtype=torch.float32, device=query.device)
     l_buf = torch.empty_like(m_buf)
     acc_buf = torch.empty(B * H * rep_pad * ns * D, dtype=torch.float32, device=query.device)
@@ -731,15 +744,16 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
         consts = dict(H=H, REP=rep, REP_PAD=rep_pad, D=D, S=cfg.sink, R=cfg.recent, **side_constants(kc, vc),
                       ROPE=rope, MASK_KIND=mask_kind, MASK_SHARED=smh == 0, IS_CAUSAL=is_causal, TAU_PHASE=phase,
                       KPOST=kpost, VPOST=vpost,
-                      BLOCK_T=block_t, IEEE=ieee, INTERP=_INTERPRET)
+                      BLOCK_T=block_t, IEEE=ieee, INTERP=_INTERPRET, NWIN=nwin)
         if use_gluon:
             LAST_KERNELS["main"] = dag.launch(query, kp, vp, positions, amask, smb, mask_kind, m_buf, l_buf, acc_buf,
-                                              scale, T, kc["NG"], nsplit, H, rep, cfg.sink, cfg.recent, vc["TPG"],
+                                              scale, T, kc["NG"], nsplit, nwin, H, rep, cfg.sink, cfg.recent, vc["TPG"],
                                               block_t=gluon_bt)
         else:
             LAST_KERNELS["main"] = _decode_kernel[(B * H, nsplit)](*args, **consts, WINDOW=False,
                                                                    num_warps=num_warps, num_stages=num_stages)
-        LAST_KERNELS["window"] = _decode_kernel[(B * H, 1)](*args, **consts, WINDOW=True, num_warps=4, num_stages=1)
+        LAST_KERNELS["window"] = _decode_kernel[(B * H, nwin)](*args, **consts, WINDOW=True, num_warps=4,
+                                                               num_stages=1)
 
     if cfg.softmax_tau is not None:
         launch(1, query)

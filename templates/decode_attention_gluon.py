@@ -70,45 +70,45 @@ def _f16x2(lo: float, hi: float, bf16: bool) -> str:
 
 
 def _key_asm(bf16: bool) -> str:
-    """16 codes of one word -> 8 registers of (value 2i, value 2i+1); operands: $0-$7 out, $8 the word (16 copies,
-    $8-$23), $24-$31 scale pairs, $32-$39 offset pairs (channels 2i, 2i+1)."""
+    """16 codes of one word -> 8 registers of (value 2i, value 2i+1). Operands: $0-$7 out, $8-$23 the word (16
+    copies), $24-$31 scale pairs, $32-$39 offset pairs (channels 2i, 2i+1). Per byte: `prmt` copies it into both
+    halves, `lop3` puts two codes into the mantissas of M (at bits 2m, 2m + 2: M + 4^m code), `add` removes M
+    (exact), `fma` applies the scale (pre-divided by 4^m, `_scale_offset`) and the offset. bf16 (7 mantissa bits):
+    codes 2, 3 of a byte are shifted down to bits 0-3 first."""
     ty = "bf16x2" if bf16 else "f16x2"
     magic = "0x43004300" if bf16 else "0x64006400"
-    m = 128.0 if bf16 else 1024.0
-    lines = ["{ .reg .b32 y, x, f0, g0, f1, g1;",
-             f"mov.b32 f0, {_f16x2(1.0, 0.25, bf16)}; mov.b32 g0, {_f16x2(-m, -m / 4, bf16)};"]
-    if bf16:  # codes 2, 3 of a byte are shifted down to bits 0-3 (bit 7 is the exponent's lowest bit)
-        lines.append("mov.b32 f1, f0; mov.b32 g1, g0;")
-    else:
-        lines.append(f"mov.b32 f1, {_f16x2(1 / 16, 1 / 64, bf16)}; mov.b32 g1, {_f16x2(-m / 16, -m / 64, bf16)};")
+    neg = _f16x2(-128.0, -128.0, True) if bf16 else _f16x2(-1024.0, -1024.0, False)
+    lines = ["{ .reg .b32 y, x, n;", f"mov.b32 n, {neg};"]
     for i in range(4):
-        sel = f"0x{i:x}{i:x}{i:x}{i:x}"
-        lines.append(f"prmt.b32 y, $8, $8, {sel};")
-        lines.append(f"lop3.b32 x, y, 0x000C0003, {magic}, 0xea; fma.rn.{ty} x, x, f0, g0; "
+        lines.append(f"prmt.b32 y, $8, $8, 0x{i:x}{i:x}{i:x}{i:x};")
+        lines.append(f"lop3.b32 x, y, 0x000C0003, {magic}, 0xea; add.rn.{ty} x, x, n; "
                      f"fma.rn.{ty} ${2 * i}, x, ${24 + 2 * i}, ${32 + 2 * i};")
         if bf16:
             lines.append("shr.b32 y, y, 4;")
-            lines.append(f"lop3.b32 x, y, 0x000C0003, {magic}, 0xea; fma.rn.{ty} x, x, f1, g1; "
-                         f"fma.rn.{ty} ${2 * i + 1}, x, ${25 + 2 * i}, ${33 + 2 * i};")
-        else:
-            lines.append(f"lop3.b32 x, y, 0x00C00030, {magic}, 0xea; fma.rn.{ty} x, x, f1, g1; "
-                         f"fma.rn.{ty} ${2 * i + 1}, x, ${25 + 2 * i}, ${33 + 2 * i};")
+        mask = "0x000C0003" if bf16 else "0x00C00030"
+        lines.append(f"lop3.b32 x, y, {mask}, {magic}, 0xea; add.rn.{ty} x, x, n; "
+                     f"fma.rn.{ty} ${2 * i + 1}, x, ${25 + 2 * i}, ${33 + 2 * i};")
     lines.append("}")
     return "\n".join(lines)
 
 
 def _value_asm(bf16: bool) -> str:
     """Codes 0-7 of two tokens' words (pre-shifted so they sit in bytes 0-1) -> 8 registers (token t, token t+1)
-    of code j = 0..7; operands: $0-$7 out, $8-$23 words (even: token t, odd: token t+1), $24-$31 scale pairs,
-    $32-$39 offset pairs (t, t+1)."""
+    of code j = 0..7. Operands: $0-$7 out, $8-$23 words (even: token t, odd: token t+1), $24-$31 scale pairs,
+    $32-$39 offset pairs (t, t+1). `prmt` interleaves a byte of the two words, `lop3` puts code m of it into the
+    mantissas of M (M + 4^m code), `add` removes M, `fma` applies the scale divided by 4^m and the offset. bf16:
+    code 3 of a byte is shifted down to bits 0-1 first (bit 7 is the exponent's lowest bit)."""
     ty = "bf16x2" if bf16 else "f16x2"
     magic = "0x43004300" if bf16 else "0x64006400"
-    m = 128.0 if bf16 else 1024.0
-    lines = ["{ .reg .b32 y, x, f0, g0, f1, g1, f2, g2, f3, g3;"]
-    for j in range(4):
-        sh = 0 if (bf16 and j == 3) else j  # bf16: code 3 of a byte is shifted down (bit 7 is the exponent's)
-        lines.append(f"mov.b32 f{j}, {_f16x2(4.0 ** -sh, 4.0 ** -sh, bf16)}; "
-                     f"mov.b32 g{j}, {_f16x2(-m * 4.0 ** -sh, -m * 4.0 ** -sh, bf16)};")
+    neg = _f16x2(-128.0, -128.0, True) if bf16 else _f16x2(-1024.0, -1024.0, False)
+    lines = ["{ .reg .b32 y, x, n, s1, s2, s3, z0;", f"mov.b32 n, {neg}; mov.b32 z0, {_NEG0};",
+             f"mov.b32 s1, {_f16x2(0.25, 0.25, bf16)}; mul.rn.{ty} s1, $24, s1;" if not bf16 else
+             f"mov.b32 s1, {_f16x2(0.25, 0.25, bf16)}; fma.rn.{ty} s1, $24, s1, z0;",
+             f"mov.b32 s2, {_f16x2(1 / 16, 1 / 16, bf16)}; mul.rn.{ty} s2, $24, s2;" if not bf16 else
+             f"mov.b32 s2, {_f16x2(1 / 16, 1 / 16, bf16)}; fma.rn.{ty} s2, $24, s2, z0;",
+             f"mov.b32 s3, {_f16x2(1 / 64, 1 / 64, bf16)}; mul.rn.{ty} s3, $24, s3;" if not bf16 else
+             "mov.b32 s3, $24;"]
+    scales = ["$24", "s1", "s2", "s3"]
     for byte in range(2):
         lines.append(f"prmt.b32 y, $8, $9, 0x{4 + byte:x}{4 + byte:x}{byte:x}{byte:x};")
         for j in range(4):
@@ -117,27 +117,34 @@ def _value_asm(bf16: bool) -> str:
                 mask = "0x00030003"
             else:
                 mask = f"0x{(3 << 2 * j) << 16 | (3 << 2 * j):08X}"
-            lines.append(f"lop3.b32 x, y, {mask}, {magic}, 0xea; fma.rn.{ty} x, x, f{j}, g{j}; "
-                         f"fma.rn.{ty} ${4 * byte + j}, x, $24, $32;")
+            lines.append(f"lop3.b32 x, y, {mask}, {magic}, 0xea; add.rn.{ty} x, x, n; "
+                         f"fma.rn.{ty} ${4 * byte + j}, x, {scales[j]}, $32;")
     lines.append("}")
     return "\n".join(lines)
 
 
-def _stats_asm(bf16: bool, scale: float) -> tuple[str, str]:
-    """(s = half * scale, z = center - half) on packed pairs: operands $0 out, $1 half, $2 center. The scale is
-    split in two terms of the cache dtype (hi + lo), so s = fma(half, hi, half * lo) is rounded once in effect."""
+_NEG0 = "0x80008000"  # (-0, -0): the addend of a product written as fma
+
+
+def _stats_asm(bf16: bool) -> tuple[str, str]:
+    """(s = fma(half, hi, half * lo), z = center - half) on packed pairs. Operands of s: $0 out, $1 half, $2 hi,
+    $3 lo (the scale split in two terms of the cache dtype, so s is rounded once in effect); of z: $0 out,
+    $1 half, $2 center."""
     ty = "bf16x2" if bf16 else "f16x2"
-    hi = _round(scale, bf16)
-    lo = _round(scale - hi, bf16)
-    s = (f"{{ .reg .b32 a, b, z, t; mov.b32 a, {_f16x2(hi, hi, bf16)}; mov.b32 b, {_f16x2(lo, lo, bf16)}; "
-         f"mov.b32 z, 0x80008000; fma.rn.{ty} t, $1, b, z; fma.rn.{ty} $0, $1, a, t; }}")
+    s = (f"{{ .reg .b32 z, t; mov.b32 z, {_NEG0}; fma.rn.{ty} t, $1, $3, z; fma.rn.{ty} $0, $1, $2, t; }}")
     z = f"{{ .reg .b32 a; mov.b32 a, {_f16x2(-1.0, -1.0, bf16)}; fma.rn.{ty} $0, $1, a, $2; }}"
     return s, z
 
 
+def split_scale(scale: float, bf16: bool) -> tuple[float, float]:
+    """(hi, lo): scale = hi + lo to about twice the cache dtype's precision, both representable in it."""
+    hi = _round(scale, bf16)
+    return hi, _round(scale - hi, bf16)
+
+
 _C = {}
 for _bf in (False, True):
-    _s, _z = _stats_asm(_bf, 2.0 / 3.0)
+    _s, _z = _stats_asm(_bf)
     _C[_bf] = (_key_asm(_bf), _value_asm(_bf), _s, _z)
 _KEY_F16, _VAL_F16, _SCL_F16, _OFF_F16 = _C[False]
 _KEY_BF16, _VAL_BF16, _SCL_BF16, _OFF_BF16 = _C[True]
@@ -179,15 +186,16 @@ if HAVE_GLUON:
     PV32 = gl.constexpr(_value_layout(32))
 
     @gluon.jit
-    def _scale_offset(half, center, IS_BF16: gl.constexpr):
-        """(half * 2/3, center - half) in the cache dtype, two per instruction."""
+    def _scale_offset(half, center, hi, lo, IS_BF16: gl.constexpr):
+        """(half * (hi + lo), center - half) in the cache dtype, two per instruction (hi, lo broadcast)."""
         if IS_BF16:
-            s = gl.inline_asm_elementwise(SCL_BF16, "=r,r,r", [half, center], dtype=gl.bfloat16, is_pure=True,
+            s = gl.inline_asm_elementwise(SCL_BF16, "=r,r,r,r", [half, hi, lo], dtype=gl.bfloat16, is_pure=True,
                                           pack=2)
             z = gl.inline_asm_elementwise(OFF_BF16, "=r,r,r", [half, center], dtype=gl.bfloat16, is_pure=True,
                                           pack=2)
         else:
-            s = gl.inline_asm_elementwise(SCL_F16, "=r,r,r", [half, center], dtype=gl.float16, is_pure=True, pack=2)
+            s = gl.inline_asm_elementwise(SCL_F16, "=r,r,r,r", [half, hi, lo], dtype=gl.float16, is_pure=True,
+                                          pack=2)
             z = gl.inline_asm_elementwise(OFF_F16, "=r,r,r", [half, center], dtype=gl.float16, is_pure=True, pack=2)
         return s, z
 
@@ -197,7 +205,7 @@ if HAVE_GLUON:
             OUT_M, OUT_L, OUT_ACC, scale, T, NG_K, NSPLIT,
             H: gl.constexpr, REP: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
             TPG_K: gl.constexpr, TPG_V: gl.constexpr, MASK_KIND: gl.constexpr, IS_BF16: gl.constexpr,
-            BT: gl.constexpr):
+            BT: gl.constexpr, A_HI: gl.constexpr, A_LO: gl.constexpr, NWIN: gl.constexpr):
         bh = gl.program_id(0)
         split = gl.program_id(1)
         b = bh // H
@@ -239,6 +247,14 @@ if HAVE_GLUON:
         sc = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(0, KS)))
         schan = gl.expand_dims(gl.expand_dims(sa * 16, 1) + gl.expand_dims(sb * 32, 0), 2) + \
             gl.expand_dims(gl.expand_dims(sc, 0), 0)                                    # [2, 4, 16] channels
+        # the level spacing 2 / 3 as hi + lo; Keys' divided by 4^m for code m of its byte pair (the `lop3` position)
+        if IS_BF16:
+            cm = sc % 2
+        else:
+            cm = sc % 4
+        kfac = gl.where(cm == 0, 1.0, gl.where(cm == 1, 0.25, gl.where(cm == 2, 0.0625, 0.015625)))
+        khi = gl.expand_dims(gl.expand_dims((kfac * A_HI).to(dt), 0), 0)              # [1, 1, 16]
+        klo = gl.expand_dims(gl.expand_dims((kfac * A_LO).to(dt), 0), 0)
         # Value words and statistics offsets
         vt = gl.arange(0, BT, layout=gl.SliceLayout(1, VW))
         vw = gl.arange(0, 8, layout=gl.SliceLayout(0, VW))
@@ -248,6 +264,8 @@ if HAVE_GLUON:
         vshift = gl.expand_dims(gl.expand_dims(jh * 16, 0), 0)                         # [1, 1, 2]
         jl = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, PV))))
         jdummy = gl.expand_dims(gl.expand_dims(gl.expand_dims(jl, 0), 0), 0)         # [1, 1, 1, 8], broadcast only
+        vhi = gl.full([BT, 8], A_HI, dt, VW)
+        vlo = gl.full([BT, 8], A_LO, dt, VW)
 
         bh64 = bh.to(gl.int64)
         kc_base = KC + bh64 * T * W
@@ -276,7 +294,7 @@ if HAVE_GLUON:
             kwords, kh, kcen, vwords, vh, vcen = _load_tile(kc_base, KHALF, KCEN, vc_base, VHALF, VCEN, ks_base,
                                                             vs_base, t0, stop, S, koff, schan, kt, voff, vsoff, vt,
                                                             BT, D, W)
-            ks, kz = _scale_offset(kh, kcen, IS_BF16)
+            ks, kz = _scale_offset(kh, kcen, khi, klo, IS_BF16)
             wb, ks4 = gl.broadcast(gl.expand_dims(kwords, 2), gl.expand_dims(ks, 3))
             wb, kz4 = gl.broadcast(wb, gl.expand_dims(kz, 3))
             if IS_BF16:
@@ -306,7 +324,7 @@ if HAVE_GLUON:
             l_i = l_i * alpha + gl.sum(p, 1)
             m_i = m_new
 
-            vs, vz = _scale_offset(vh, vcen, IS_BF16)
+            vs, vz = _scale_offset(vh, vcen, vhi, vlo, IS_BF16)
             vw3 = gl.expand_dims(vwords, 2) >> vshift                                   # [BT, 8, 2]
             wv, _ = gl.broadcast(gl.expand_dims(vw3, 3), jdummy)                      # [BT, 8, 2, 8]
             wv, vs4 = gl.broadcast(wv, gl.expand_dims(gl.expand_dims(vs, 2), 3))
@@ -328,14 +346,14 @@ if HAVE_GLUON:
 
         # partial results, as `_decode_kernel` writes them (rows REP..15 are never read): output channels back
         # in channel order
-        o = (bh * 16 + rows) * (NSPLIT + 1) + split
+        o = (bh * 16 + rows) * (NSPLIT + NWIN) + split
         LN2: gl.constexpr = 0.6931471805599453
         gl.store(OUT_M + o, m_i * LN2, mask=rows < REP)
         gl.store(OUT_L + o, l_i, mask=rows < REP)
         n = gl.arange(0, 128, layout=gl.SliceLayout(1, mma))
         r8 = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
         chan = 16 * (n & 7) + (n >> 3)
-        o8 = (bh * 16 + r8) * (NSPLIT + 1) + split
+        o8 = (bh * 16 + r8) * (NSPLIT + NWIN) + split
         gl.store(OUT_ACC + gl.expand_dims(o8, 0) * 128 + gl.expand_dims(chan, 1), acc,
                  mask=gl.expand_dims(r8 < REP, 0))
 
@@ -387,15 +405,18 @@ def enabled() -> bool:
 
 
 def launch(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int, m_buf, l_buf, acc_buf,
-           scale: float, T: int, ng_k: int, nsplit: int, H: int, rep: int, sink: int, recent: int, tpg_v: int,
-           block_t: int = BT):
-    """Run the quantized-region launch into slots [0, nsplit) of the partial buffers (grid (B * H, nsplit))."""
+           scale: float, T: int, ng_k: int, nsplit: int, nwin: int, H: int, rep: int, sink: int, recent: int,
+           tpg_v: int, block_t: int = BT):
+    """Run the quantized-region launch into slots [0, nsplit) of the partial buffers (grid (B * H, nsplit); each
+    row has nsplit + nwin slots, the last nwin the window launch's)."""
     import torch
 
     B = query.shape[0]
+    bf16 = query.dtype == torch.bfloat16
+    a_hi, a_lo = split_scale(2.0 / 3.0, bf16)
     return _kivi_decode_kernel[(B * H, nsplit)](
         query, query.stride(0), query.stride(1), kp["codes"], kp["cen"], kp["half"], vp["codes"], vp["cen"],
         vp["half"], positions, amask, smb, m_buf, l_buf, acc_buf, float(scale), T, ng_k, nsplit,
         H=H, REP=rep, S=sink, R=recent, TPG_K=32, TPG_V=tpg_v, MASK_KIND=mask_kind,
-        IS_BF16=query.dtype == torch.bfloat16, BT=block_t, num_warps=1)
+        IS_BF16=bf16, BT=block_t, A_HI=a_hi, A_LO=a_lo, NWIN=nwin, num_warps=1)
 

@@ -76,7 +76,9 @@ SCRIPT = textwrap.dedent('''
         sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KCEN=ty, KHALF=ty, VC="*i32", VCEN=ty,
                    VHALF=ty, POS="*i64", AMASK="*i1" if mask == 1 else ty, stride_mb="i32", OUT_M="*fp32",
                    OUT_L="*fp32", OUT_ACC="*fp32", scale="fp32", T="i32", NG_K="i32", NSPLIT="i32")
-        cx = dict(H=8, REP=4, S=0, R=128, TPG_K=32, TPG_V=1, MASK_KIND=mask, IS_BF16=bf16, BT=bt)
+        a_hi, a_lo = dag.split_scale(2 / 3, bf16)
+        cx = dict(H=8, REP=4, S=0, R=128, TPG_K=32, TPG_V=1, MASK_KIND=mask, IS_BF16=bf16, BT=bt, A_HI=a_hi, A_LO=a_lo,
+                  NWIN=3)
         sig.update({n: "constexpr" for n in cx})
         src = GluonASTSource(fn=dag._kivi_decode_kernel, signature=sig, constexprs=cx,
                              attrs={(i,): [["tt.divisibility", 16]] for i in (0, 3, 4, 5, 6, 7, 8, 12, 13, 14)})
