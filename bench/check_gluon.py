@@ -1,7 +1,8 @@
 """GPU check of the Gluon decode kernel (templates/decode_attention_gluon.py) against the reference op and the
-Triton template, on stores filled by kvq::append (random K/V), then its time next to the Triton template's.
+Triton template, on stores filled by kvq::append (random K/V): relative errors of both, printed (the asserting
+version is tests/test_decode_gluon.py). --time: its time next to the Triton template's and a profile of one call.
 
-    python bench/check_gluon.py [--time]
+    python bench/check_gluon.py [--quick] [--time]
 """
 from __future__ import annotations
 
@@ -11,26 +12,19 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from bench_decode_attention import graph_time, random_store, copy_bandwidth, bytes_read  # noqa: E402
 
 from kvq_compile import KVQConfig  # noqa: E402
-from kvq_compile import store as st  # noqa: E402
 from kvq_compile.ops import attend_cpu_reference  # noqa: E402
 from kvq_compile.templates.decode_attention import decode_attention  # noqa: E402
 
 
-def filled(cfg, B, H, T, n0, dtype, D=128):
-    geo = st.Geometry(B, H, T, D, st.dtype_name(dtype))
-    ms = st.ModelStore(cfg, 1, geo, "cuda")
-    lay = ms.layers[0]
-    names, tensors = lay.append_tensors()
-    k = torch.randn(B, H, n0, D, device="cuda", dtype=dtype) * 2 + 0.5
-    v = torch.randn(B, H, n0, D, device="cuda", dtype=dtype)
-    torch.ops.kvq.append(tensors, k, v, torch.arange(n0, device="cuda"), None, None, lay.descriptor(names))
-    k = torch.randn(B, H, 1, D, device="cuda", dtype=dtype)
-    v = torch.randn(B, H, 1, D, device="cuda", dtype=dtype)
-    p = torch.tensor([n0], device="cuda")
-    torch.ops.kvq.append(tensors, k, v, p, None, None, lay.descriptor(names))
+def filled(preset, B, H, T, n0, dtype):
+    """A one-layer store filled through kvq::append (tests/test_decode_gluon.py's `_store`)."""
+    from test_decode_gluon import _store
+
+    _, ms, lay, k, v, p = _store(preset, B, H, T, n0, dtype, "cuda", seed=B * 100 + n0)
     return ms, lay, k, v, p
 
 
@@ -41,7 +35,7 @@ def check(preset="kivi-2", quick=False):
               (1, 1, 5, 300, 160), (2, 1, 4, 2000, 130))
     for dtype in (torch.float16, torch.bfloat16):
         for B, H, rep, T, n0 in shapes[:2] if quick else shapes:
-            ms, lay, k, v, p = filled(cfg, B, H, T, n0, dtype)
+            ms, lay, k, v, p = filled(preset, B, H, T, n0, dtype)
             names, tensors = lay.attend_tensors()
             q = torch.randn(B, H * rep, 1, 128, device="cuda", dtype=dtype)
             for mk in ("none", "bool", "additive"):
@@ -72,13 +66,15 @@ def check(preset="kivi-2", quick=False):
 
 
 def timing():
+    """kivi-2 decode attention, one call (CUDA-graph timed): the Triton template against the Gluon kernel at 8, 16
+    and 32 one-warp programs per SM (programs_per_sm 16 / 32 / 64), then where one call's GPU time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
     bw = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()} copy {bw / 1e12:.2f} TB/s")
     cfg = KVQConfig.preset("kivi-2")
     dtype = torch.bfloat16
     for B, ctx in ((32, 4096), (8, 8192), (1, 65536), (32, 16384)):
-      for pf in ("0", "128", "96"):
-        os.environ["KVQ_GLUON_MAXNREG"] = pf
         ms = random_store(cfg, 0, 1, B, ctx, dtype)
         lay = ms.layers[0]
         names, tensors = lay.attend_tensors()
@@ -86,28 +82,23 @@ def timing():
         q = torch.randn(B, 32, 1, 128, device="cuda", dtype=dtype)
         kc = torch.randn(B, 8, 1, 128, device="cuda", dtype=dtype)
         pos = torch.tensor([ctx - 1], device="cuda")
-        am = torch.ones(B, 1, 1, ctx, dtype=torch.bool, device="cuda")
         nbytes = bytes_read(lay, B, ctx, dtype)
-        for mask in (None,):
-            for var in [dict(gluon=True, programs_per_sm=p) for p in (16, 32, 64)]:
-                t = graph_time(lambda: decode_attention(q, bufs, kc, kc, pos, mask, 128 ** -0.5, False, cfg, lay.spec,
-                                                        ms.geo, **var))
-                print(f"maxnreg {pf} kivi-2 B={B} ctx={ctx} mask={'bool' if mask is not None else 'none'} {var}: {t:.1f} us "
-                      f"{nbytes / (t * 1e-6) / bw * 100:.1f}% bw", flush=True)
-        if pf == "0":  # where a call's GPU time goes: the Gluon launch, the Triton window launch, the combine
-            from torch.profiler import ProfilerActivity, profile
-            fn = lambda: decode_attention(q, bufs, kc, kc, pos, None, 128 ** -0.5, False, cfg, lay.spec,  # noqa: E731
-                                          ms.geo, gluon=True)
-            for _ in range(3):
+        for var in [dict(gluon=False)] + [dict(gluon=True, programs_per_sm=p) for p in (16, 32, 64)]:
+            t = graph_time(lambda: decode_attention(q, bufs, kc, kc, pos, None, 128 ** -0.5, False, cfg, lay.spec,
+                                                    ms.geo, **var))
+            print(f"kivi-2 B={B} ctx={ctx} {var}: {t:.1f} us {nbytes / (t * 1e-6) / bw * 100:.1f}% bw", flush=True)
+        fn = lambda: decode_attention(q, bufs, kc, kc, pos, None, 128 ** -0.5, False, cfg, lay.spec,  # noqa: E731
+                                      ms.geo, gluon=True)
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
                 fn()
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(20):
-                    fn()
-                torch.cuda.synchronize()
-            for e in prof.key_averages():
-                if e.device_type.name == "CUDA" and e.count:
-                    print(f"  profile B={B} ctx={ctx}: {e.key[:40]:40s} {e.device_time_total / e.count:8.1f} us x{e.count}")
+        for e in prof.key_averages():
+            if e.device_type.name == "CUDA" and e.count:
+                print(f"  profile B={B} ctx={ctx}: {e.key[:40]:40s} {e.device_time_total / e.count:8.1f} us x{e.count}")
         del ms, bufs, tensors
         torch.cuda.empty_cache()
 

@@ -17,8 +17,8 @@ Math (per sequence b, KV head h, the REP = Hq / H query heads of its GQA group, 
 Work split (flash-decoding): launch 1, programs (b*H + h, j < NSPLIT), each covers one slice of the region
 [S, min(Q_K(L), Q_V(L), p0)) where both sides are quantized, with unpacking fused into the tile loads
 and each K/V tile loaded once for all REP query heads (a [REP_PAD, D] x [D, BLOCK_T] dot); launch 2
-(WINDOW, programs (b*H + h, j < NWIN), slots NSPLIT + j) covers the exact windows (sink, ring, chunk), one tile each, and the
-stretch where only one side is quantized. Each writes its running (max, sum, acc); `_combine_kernel`
+(WINDOW, programs (b*H + h, j < NWIN), slots NSPLIT + j) covers the exact windows (sink, ring, chunk), one tile
+each, and the stretch where only one side is quantized. Each writes its running (max, sum, acc); `_combine_kernel`
 merges them. CalibQuant's temperature needs each row's logit range first: TAU_PHASE 1 runs both launches
 without V, then TAU_PHASE 2 attends. Every length is read
 from `positions` on the device: no host synchronization, fixed launch shapes (CUDA-graph safe).
@@ -28,7 +28,8 @@ BITS_* code width (16: unquantized `data` buffer); CPW codes per int32 word = 32
 1 CHANNEL; GS_* group size (TOKEN: channels per group; CHANNEL: tokens per group, 0 = static ranges);
 SYM_* 0 asymmetric / 1 symmetric / 2 hybrid; LUT_* levels from a table; NOUT_* outliers per token;
 NORM_K InnerQ key normalization; S sink tokens, R recent tokens, WR_* ring slots; T max cache length;
-NG_* channel-group rows; MASK_KIND 0 none / 1 bool / 2 additive (MASK_SHARED: one mask row serves every head);
+NG_* channel-group rows; NWIN programs of the window launch (slots per row: NSPLIT + NWIN); MASK_KIND 0 none /
+1 bool / 2 additive (MASK_SHARED: one mask row serves every head);
 TAU_PHASE 0 plain softmax / 1 range pass (max, min of s) / 2 calibrated pass (s *= temp).
 """
 from __future__ import annotations
@@ -646,8 +647,8 @@ def layout_per_element(cfg, spec, names) -> bool:
 
 def _window_tiles(cfg, kc: dict, vc: dict, block_t: int) -> int:
     """Programs of the window launch, one tile each: the sink's tiles plus the most tiles [max(S, Q(L)), L) can
-    span (1 <= L - max(S, Q(L)) <= R + TPG - 1 for a quantized side). One program per KV head walking them in turn took 23-26
-    us whatever the batch (kivi-2 on an H100, bench/RESULTS.md, session 9)."""
+    span (1 <= L - max(S, Q(L)) <= R + TPG - 1 for a quantized side). One program per KV head walking them in
+    turn took 23-26 us whatever the batch (kivi-2 on an H100, bench/RESULTS.md, session 9)."""
     quantized = [c["TPG"] for c in (kc, vc) if c["BITS"] != 16]
     if not quantized:
         return 1  # the chunk alone
@@ -680,7 +681,9 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
     num_stages of the main launch, programs_per_sm for the split count (or num_splits outright).
     out: a contiguous [B, Hq, 1, D] tensor to write into (else a new one).
     gluon: run the quantized region through `decode_attention_gluon` where it supports the layout (None: unless
-    KVQ_GLUON=0; False: never; True: required, ValueError where unsupported)."""
+    KVQ_GLUON=0; False: never; True: required, ValueError where unsupported). That launch has its own fixed
+    configuration (32-token tiles, one warp): block_t, num_warps and num_stages then apply to the window launch only
+    (block_t) or not at all."""
     import torch
 
     B, Hq, n, D = query.shape
@@ -719,9 +722,9 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
     if gluon and why:
         raise ValueError(f"kvq decode attention: the Gluon kernel cannot serve this layer: {why}")
     use_gluon = why is None and (gluon or (gluon is None and dag.enabled()))
-    if use_gluon:  # one-warp programs, half as many per SM as four-warp ones: best of 8 / 16 / 32 / 64 on an H100
-        gluon_bt = block_t if block_t in (16, 32) else dag.BT  # (bench/RESULTS.md, session 9)
-        nsplit = num_splits or _num_splits(B * H, T, gluon_bt, query.device, max(1, programs_per_sm // 2))
+    if use_gluon:  # one-warp programs, half as many per SM as four-warp ones: best of 8 / 16 / 32 at three of four
+        # shapes on an H100 (bench/RESULTS.md, session 9)
+        nsplit = num_splits or _num_splits(B * H, T, dag.BT, query.device, max(1, programs_per_sm // 2))
     else:
         nsplit = num_splits or _num_splits(B * H, T, block_t, query.device, programs_per_sm)
     nwin = _window_tiles(cfg, kc, vc, block_t)
@@ -747,8 +750,7 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
                       BLOCK_T=block_t, IEEE=ieee, INTERP=_INTERPRET, NWIN=nwin)
         if use_gluon:
             LAST_KERNELS["main"] = dag.launch(query, kp, vp, positions, amask, smb, mask_kind, m_buf, l_buf, acc_buf,
-                                              scale, T, kc["NG"], nsplit, nwin, H, rep, cfg.sink, cfg.recent, vc["TPG"],
-                                              block_t=gluon_bt)
+                                              scale, T, kc["NG"], nsplit, nwin, H, rep, cfg.sink, cfg.recent, vc["TPG"])
         else:
             LAST_KERNELS["main"] = _decode_kernel[(B * H, nsplit)](*args, **consts, WINDOW=False,
                                                                    num_warps=num_warps, num_stages=num_stages)

@@ -6,36 +6,42 @@ blocked layout that Triton then converts into the mma operand layout through sha
 costs ~5 instructions per element and holds the kernel to 14-21% of copy bandwidth (bench/RESULTS.md, sessions
 3 and 8). Gluon (`triton.experimental.gluon`, shipped with triton 3.6) declares every layout, so each lane loads
 exactly the packed words its mma fragments need and one inline-PTX block per word writes the dequantized
-f16x2 / bf16x2 operand registers: `prmt` (replicate or interleave a byte), `lop3` (code bits into the mantissa
-of the magic number M = 1024 (fp16) / 128 (bf16)), one exact `fma` (x * 4^-m - M * 4^-m = code), one `fma`
-with the group's scale and offset (code * s + z).
+f16x2 / bf16x2 operand registers: `prmt` (replicate or interleave a byte), `lop3` (two code bits into the
+mantissa of the magic number M = 1024 (fp16) / 128 (bf16), at bit 0 or 2), an exact `add` of -M, one `fma` with
+the group's scale (divided by 4 for codes at bit 2) and offset. The blocks are checked bit by bit on the CPU by
+a small PTX interpreter (tests/test_decode_gluon.py); Gluon has no interpreter mode, so the kernel itself runs
+on a GPU only.
 
 Scope (`supports`): the layout of kivi-2 (and xquant's 2-bit layers): 2-bit asymmetric uniform codes, Keys
 per channel in groups of 32 tokens (statistics rows [NG, D]), Values per token in groups of 32 channels
-(statistics [T, D / 32]), head_dim 128, at most 16 query heads per KV head, fp16 or bf16, an attention mask of
+(statistics [T, D / 32]), head_dim 128, at most 8 query heads per KV head, fp16 or bf16, an attention mask of
 one row per sequence (HF's decode mask) or none. Everything else runs the Triton template, as do the exact
 windows (sink, ring, chunk) of every layout: this kernel writes the same (max, sum, acc) partial results into
-slots [0, NSPLIT) that `_decode_kernel` would, and `_combine_kernel` merges them with the window's slot.
+slots [0, NSPLIT) that `_decode_kernel` would, its window launch slots [NSPLIT, NSPLIT + NWIN), and
+`_combine_kernel` merges them.
 
 Math (one program = one KV head of one sequence and one slice of the quantized region, one warp):
     k[t, c] = s_k[g, c] * code + z_k[g, c]     s = half * 2 / (2^B - 1), z = center - half, g = (t - S) // 32
     v[t, c] = s_v[t, c // 32] * code + z_v[t, c // 32]
-    per 32-token tile: logits = q @ k^T (mma m16n8k16, q rows padded to 16), online softmax in base 2,
-    acc = acc * alpha + p @ v.
+    per 32-token tile: logits = q @ k^T (mma m16n8k16, the <= 8 query rows padded to 16), online softmax in base
+    2, acc^T = acc^T * alpha + v^T @ p^T (m16n8k16 with the 8 query rows as its columns).
     Scale and offset are rounded to the cache dtype before the multiply-add (one rounding of the value after
-    it): values can differ from the reference's fp32 dequantization by one unit in the last place.
+    it): values can differ from the reference's fp32 dequantization by about one unit in the last place; fp16
+    scales below 2^-12 lose bits in the division by 4 (at most 3 * 2^-23 absolute).
 
 Layouts (one warp; the mma B fragment of m16n8k16 gives lane l the reduction indices 2(l%4) + {0, 1, 8, 9}
 of every 16 and the column l/4 of every 8). The reduction index of the Key mma is a permutation of the
 channel, so that each lane's 32 channels of a token are two whole words (q is loaded in the same order):
     k = 64a + 32c3 + 16c2 + 8c1 + 4b1 + 2b0 + c0  <->  channel 32b + 16a + c   (c = c0 + 2c1 + 4c2 + 8c3)
-The output column of the Value mma is a permutation of the channel, so that each lane's 16 columns are one
-word (the partial results are stored back in channel order):
+The row of the transposed Value mma (v^T as its A operand) is a permutation of the channel, so that each lane's
+16 rows are one word (the partial results are stored back in channel order):
     n = 8j + w  <->  channel 16w + j.
 
-Glossary: BT tokens per tile (= the Key group, 32); REP query heads per KV head (rows of the mma, padded to 16);
-S sink tokens, R recent tokens, TPG_K / TPG_V tokens per group of each side (the fill boundary); MASK_KIND 0
-none / 1 bool / 2 additive; IS_BF16 the cache dtype; NSPLIT slices of the quantized region per KV head.
+Glossary: BT tokens per tile (= the Key group, 32); REP query heads per KV head (<= 8); S sink tokens, R recent
+tokens, TPG_K / TPG_V tokens per group of each side (the fill boundary); MASK_KIND 0 none / 1 bool / 2
+additive; IS_BF16 the cache dtype; NSPLIT slices of the quantized region per KV head, NWIN programs of the
+window launch (partial-result slots per row: NSPLIT + NWIN); A_HI + A_LO the level spacing 2/3 in two terms of
+the cache dtype.
 """
 from __future__ import annotations
 
@@ -72,22 +78,21 @@ def _f16x2(lo: float, hi: float, bf16: bool) -> str:
 def _key_asm(bf16: bool) -> str:
     """16 codes of one word -> 8 registers of (value 2i, value 2i+1). Operands: $0-$7 out, $8-$23 the word (16
     copies), $24-$31 scale pairs, $32-$39 offset pairs (channels 2i, 2i+1). Per byte: `prmt` copies it into both
-    halves, `lop3` puts two codes into the mantissas of M (at bits 2m, 2m + 2: M + 4^m code), `add` removes M
-    (exact), `fma` applies the scale (pre-divided by 4^m, `_scale_offset`) and the offset. bf16 (7 mantissa bits):
-    codes 2, 3 of a byte are shifted down to bits 0-3 first."""
+    halves of y; `lop3` puts codes (2m, 2m+1) of y into the mantissas of the magic number M (1024 fp16, 128 bf16)
+    at bits 0 and 2: (M + code, M + 4 code); `add` removes M (exact); `fma` applies the scale (its high half
+    pre-divided by 4, `_scale_offset`) and the offset. y >> 4 brings codes 2, 3 of the byte down."""
     ty = "bf16x2" if bf16 else "f16x2"
     magic = "0x43004300" if bf16 else "0x64006400"
     neg = _f16x2(-128.0, -128.0, True) if bf16 else _f16x2(-1024.0, -1024.0, False)
     lines = ["{ .reg .b32 y, x, n;", f"mov.b32 n, {neg};"]
     for i in range(4):
         lines.append(f"prmt.b32 y, $8, $8, 0x{i:x}{i:x}{i:x}{i:x};")
-        lines.append(f"lop3.b32 x, y, 0x000C0003, {magic}, 0xea; add.rn.{ty} x, x, n; "
-                     f"fma.rn.{ty} ${2 * i}, x, ${24 + 2 * i}, ${32 + 2 * i};")
-        if bf16:
-            lines.append("shr.b32 y, y, 4;")
-        mask = "0x000C0003" if bf16 else "0x00C00030"
-        lines.append(f"lop3.b32 x, y, {mask}, {magic}, 0xea; add.rn.{ty} x, x, n; "
-                     f"fma.rn.{ty} ${2 * i + 1}, x, ${25 + 2 * i}, ${33 + 2 * i};")
+        for half in range(2):
+            if half:
+                lines.append("shr.b32 y, y, 4;")
+            r = 2 * i + half
+            lines.append(f"lop3.b32 x, y, 0x000C0003, {magic}, 0xea; add.rn.{ty} x, x, n; "
+                         f"fma.rn.{ty} ${r}, x, ${24 + r}, ${32 + r};")
     lines.append("}")
     return "\n".join(lines)
 
@@ -95,30 +100,23 @@ def _key_asm(bf16: bool) -> str:
 def _value_asm(bf16: bool) -> str:
     """Codes 0-7 of two tokens' words (pre-shifted so they sit in bytes 0-1) -> 8 registers (token t, token t+1)
     of code j = 0..7. Operands: $0-$7 out, $8-$23 words (even: token t, odd: token t+1), $24-$31 scale pairs,
-    $32-$39 offset pairs (t, t+1). `prmt` interleaves a byte of the two words, `lop3` puts code m of it into the
-    mantissas of M (M + 4^m code), `add` removes M, `fma` applies the scale divided by 4^m and the offset. bf16:
-    code 3 of a byte is shifted down to bits 0-1 first (bit 7 is the exponent's lowest bit)."""
+    $32-$39 offset pairs (t, t+1). `prmt` interleaves a byte of the two words; `lop3` puts code m (m = 0, 1) of
+    each half into the mantissa of M (M + 4^m code); `add` removes M; `fma` applies the scale (divided by 4^m)
+    and the offset; y >> 4 brings codes 2, 3 of the byte down."""
     ty = "bf16x2" if bf16 else "f16x2"
     magic = "0x43004300" if bf16 else "0x64006400"
     neg = _f16x2(-128.0, -128.0, True) if bf16 else _f16x2(-1024.0, -1024.0, False)
-    lines = ["{ .reg .b32 y, x, n, s1, s2, s3, z0;", f"mov.b32 n, {neg}; mov.b32 z0, {_NEG0};",
-             f"mov.b32 s1, {_f16x2(0.25, 0.25, bf16)}; mul.rn.{ty} s1, $24, s1;" if not bf16 else
-             f"mov.b32 s1, {_f16x2(0.25, 0.25, bf16)}; fma.rn.{ty} s1, $24, s1, z0;",
-             f"mov.b32 s2, {_f16x2(1 / 16, 1 / 16, bf16)}; mul.rn.{ty} s2, $24, s2;" if not bf16 else
-             f"mov.b32 s2, {_f16x2(1 / 16, 1 / 16, bf16)}; fma.rn.{ty} s2, $24, s2, z0;",
-             f"mov.b32 s3, {_f16x2(1 / 64, 1 / 64, bf16)}; mul.rn.{ty} s3, $24, s3;" if not bf16 else
-             "mov.b32 s3, $24;"]
-    scales = ["$24", "s1", "s2", "s3"]
+    lines = ["{ .reg .b32 y, x, n, s1, z0;", f"mov.b32 n, {neg}; mov.b32 z0, {_NEG0};",
+             f"mov.b32 s1, {_f16x2(0.25, 0.25, bf16)}; fma.rn.{ty} s1, $24, s1, z0;"]
     for byte in range(2):
         lines.append(f"prmt.b32 y, $8, $9, 0x{4 + byte:x}{4 + byte:x}{byte:x}{byte:x};")
         for j in range(4):
-            if bf16 and j == 3:
-                lines.append("shr.b32 y, y, 6;")
-                mask = "0x00030003"
-            else:
-                mask = f"0x{(3 << 2 * j) << 16 | (3 << 2 * j):08X}"
+            if j == 2:
+                lines.append("shr.b32 y, y, 4;")
+            mask = "0x00030003" if j % 2 == 0 else "0x000C000C"
+            scale = "$24" if j % 2 == 0 else "s1"
             lines.append(f"lop3.b32 x, y, {mask}, {magic}, 0xea; add.rn.{ty} x, x, n; "
-                         f"fma.rn.{ty} ${4 * byte + j}, x, {scales[j]}, $32;")
+                         f"fma.rn.{ty} ${4 * byte + j}, x, {scale}, $32;")
     lines.append("}")
     return "\n".join(lines)
 
@@ -136,6 +134,7 @@ def _stats_asm(bf16: bool) -> tuple[str, str]:
     return s, z
 
 
+@functools.lru_cache(maxsize=None)
 def split_scale(scale: float, bf16: bool) -> tuple[float, float]:
     """(hi, lo): scale = hi + lo to about twice the cache dtype's precision, both representable in it."""
     hi = _round(scale, bf16)
@@ -180,9 +179,7 @@ if HAVE_GLUON:
             lane_bases=[[2, 0, 0, 0], [4, 0, 0, 0], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]],
             warp_bases=[], block_bases=[], shape=[bt, 8, 2, 8])
 
-    PK16 = gl.constexpr(_key_layout(16))
     PK32 = gl.constexpr(_key_layout(32))
-    PV16 = gl.constexpr(_value_layout(16))
     PV32 = gl.constexpr(_value_layout(32))
 
     @gluon.jit
@@ -198,6 +195,17 @@ if HAVE_GLUON:
                                           pack=2)
             z = gl.inline_asm_elementwise(OFF_F16, "=r,r,r", [half, center], dtype=gl.float16, is_pure=True, pack=2)
         return s, z
+
+    @gluon.jit
+    def _words_to_values(words, s, z, ASM_F16: gl.constexpr, ASM_BF16: gl.constexpr, IS_BF16: gl.constexpr):
+        """Dequantized values (cache dtype) from packed words broadcast over their codes, 16 per asm block."""
+        if IS_BF16:
+            x = gl.inline_asm_elementwise(ASM_BF16, CONSTRAINTS, [words, s, z], dtype=gl.bfloat16, is_pure=True,
+                                          pack=16)
+        else:
+            x = gl.inline_asm_elementwise(ASM_F16, CONSTRAINTS, [words, s, z], dtype=gl.float16, is_pure=True,
+                                          pack=16)
+        return x
 
     @gluon.jit
     def _kivi_decode_kernel(
@@ -229,10 +237,11 @@ if HAVE_GLUON:
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-        PK: gl.constexpr = PK16 if BT == 16 else PK32
+        gl.static_assert(BT == 32, "one tile = one Key group of 32 tokens")
+        PK: gl.constexpr = PK32
         KW: gl.constexpr = gl.SliceLayout(2, PK)   # words [2, 4, BT]
         KS: gl.constexpr = gl.SliceLayout(3, PK)   # statistics [2, 4, 16]
-        PV: gl.constexpr = PV16 if BT == 16 else PV32
+        PV: gl.constexpr = PV32
         VW3: gl.constexpr = gl.SliceLayout(3, PV)  # [BT, 8, 2]
         VW: gl.constexpr = gl.SliceLayout(2, VW3)  # words, statistics [BT, 8]
 
@@ -247,12 +256,8 @@ if HAVE_GLUON:
         sc = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(0, KS)))
         schan = gl.expand_dims(gl.expand_dims(sa * 16, 1) + gl.expand_dims(sb * 32, 0), 2) + \
             gl.expand_dims(gl.expand_dims(sc, 0), 0)                                    # [2, 4, 16] channels
-        # the level spacing 2 / 3 as hi + lo; Keys' divided by 4^m for code m of its byte pair (the `lop3` position)
-        if IS_BF16:
-            cm = sc % 2
-        else:
-            cm = sc % 4
-        kfac = gl.where(cm == 0, 1.0, gl.where(cm == 1, 0.25, gl.where(cm == 2, 0.0625, 0.015625)))
+        # the level spacing 2 / 3 as hi + lo; Keys' odd channels divided by 4 (their code sits at bit 2, `_key_asm`)
+        kfac = gl.where(sc % 2 == 0, 1.0, 0.25)
         khi = gl.expand_dims(gl.expand_dims((kfac * A_HI).to(dt), 0), 0)              # [1, 1, 16]
         klo = gl.expand_dims(gl.expand_dims((kfac * A_LO).to(dt), 0), 0)
         # Value words and statistics offsets
@@ -297,12 +302,7 @@ if HAVE_GLUON:
             ks, kz = _scale_offset(kh, kcen, khi, klo, IS_BF16)
             wb, ks4 = gl.broadcast(gl.expand_dims(kwords, 2), gl.expand_dims(ks, 3))
             wb, kz4 = gl.broadcast(wb, gl.expand_dims(kz, 3))
-            if IS_BF16:
-                kv = gl.inline_asm_elementwise(KEY_BF16, CONSTRAINTS, [wb, ks4, kz4], dtype=gl.bfloat16,
-                                               is_pure=True, pack=16)
-            else:
-                kv = gl.inline_asm_elementwise(KEY_F16, CONSTRAINTS, [wb, ks4, kz4], dtype=gl.float16,
-                                               is_pure=True, pack=16)
+            kv = _words_to_values(wb, ks4, kz4, KEY_F16, KEY_BF16, IS_BF16)
             kv = kv.reshape([2, 2, 2, 2, 2, 2, 2, BT]).permute([0, 3, 4, 5, 1, 2, 6, 7]).reshape([128, BT])
             kv = gl.convert_layout(kv, b_l)
             s = mma_v2(q, kv, gl.zeros([16, BT], gl.float32, mma)) * qscale
@@ -329,12 +329,7 @@ if HAVE_GLUON:
             wv, _ = gl.broadcast(gl.expand_dims(vw3, 3), jdummy)                      # [BT, 8, 2, 8]
             wv, vs4 = gl.broadcast(wv, gl.expand_dims(gl.expand_dims(vs, 2), 3))
             wv, vz4 = gl.broadcast(wv, gl.expand_dims(gl.expand_dims(vz, 2), 3))
-            if IS_BF16:
-                vv = gl.inline_asm_elementwise(VAL_BF16, CONSTRAINTS, [wv, vs4, vz4], dtype=gl.bfloat16,
-                                               is_pure=True, pack=16)
-            else:
-                vv = gl.inline_asm_elementwise(VAL_F16, CONSTRAINTS, [wv, vs4, vz4], dtype=gl.float16,
-                                               is_pure=True, pack=16)
+            vv = _words_to_values(wv, vs4, vz4, VAL_F16, VAL_BF16, IS_BF16)
             vv = vv.permute([0, 2, 3, 1]).reshape([BT, 128]).permute([1, 0])          # v^T [128 (n = 8j + w), BT]
             vv = gl.convert_layout(vv, a_l)
             # p^T [BT, 8]: rows 0-7 of p (the mma's rows 8-15 are padding: REP <= 8), as the B operand
@@ -365,8 +360,8 @@ if HAVE_GLUON:
         kwords = gl.load(kc_base + t0 * W + koff, mask=gl.expand_dims(gl.expand_dims(kvalid, 0), 0), other=0)
         grow = (t0 - S) // 32
         srow = ks_base + grow * D + schan
-        kh = gl.load(KHALF + srow, mask=(schan >= 0) & (t0 < stop), other=0.0)
-        kcen = gl.load(KCEN + srow, mask=(schan >= 0) & (t0 < stop), other=0.0)
+        kh = gl.load(KHALF + srow)  # t0 < stop: the tile's group row is written
+        kcen = gl.load(KCEN + srow)
         vvalid = gl.expand_dims((t0 + vt) < stop, 1)
         vwords = gl.load(vc_base + t0 * W + voff, mask=vvalid, other=0)
         vh = gl.load(VHALF + vs_base + t0 * 4 + vsoff, mask=vvalid, other=0.0)
@@ -383,22 +378,24 @@ def supports(query, rep: int, kc: dict, vc: dict, kp: dict, rope: bool, mask_kin
     val = dict(BITS=2, AXIS=0, GS=32, SYM=0, LUT=False, NOUT=0)
     if any(kc[n] != v for n, v in key.items()) or any(vc[n] != v for n, v in val.items()):
         return "the store is not in KIVI's 2-bit layout"
-    if query.shape[-1] != D or rep > 8:
-        return "needs head_dim 128 and at most 8 query heads per KV head"
+    if query.shape[-1] != D:
+        return "needs head_dim 128"
+    if rep > 8:
+        return "needs at most 8 query heads per KV head"
     if rope or is_causal or tau is not None or (mask_kind != 0 and not mask_shared):
         return "RoPE after dequantization, is_causal, calibrated softmax or a per-head mask"
     if query.dtype not in (torch.float16, torch.bfloat16) or kp["half"].dtype != query.dtype:
         return "needs fp16 or bf16 queries and statistics of the same dtype"
-    if not HAVE_GLUON:
-        return "triton.experimental.gluon is not available"
     if not query.is_cuda or torch.cuda.get_device_capability(query.device) < (8, 0):
         return "needs an NVIDIA GPU of compute capability 8.0 or newer"
+    if not HAVE_GLUON:
+        return "triton.experimental.gluon is not available"
     return None
 
 
 @functools.lru_cache(maxsize=None)
 def enabled() -> bool:
-    """KVQ_GLUON=0 turns the kernel off (every layout then runs the Triton template)."""
+    """KVQ_GLUON=0 turns the kernel off (every layout then runs the Triton template); read once per process."""
     import os
 
     return HAVE_GLUON and os.environ.get("KVQ_GLUON", "1") != "0"
@@ -406,7 +403,7 @@ def enabled() -> bool:
 
 def launch(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int, m_buf, l_buf, acc_buf,
            scale: float, T: int, ng_k: int, nsplit: int, nwin: int, H: int, rep: int, sink: int, recent: int,
-           tpg_v: int, block_t: int = BT):
+           tpg_v: int):
     """Run the quantized-region launch into slots [0, nsplit) of the partial buffers (grid (B * H, nsplit); each
     row has nsplit + nwin slots, the last nwin the window launch's)."""
     import torch
@@ -418,5 +415,5 @@ def launch(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int
         query, query.stride(0), query.stride(1), kp["codes"], kp["cen"], kp["half"], vp["codes"], vp["cen"],
         vp["half"], positions, amask, smb, m_buf, l_buf, acc_buf, float(scale), T, ng_k, nsplit,
         H=H, REP=rep, S=sink, R=recent, TPG_K=32, TPG_V=tpg_v, MASK_KIND=mask_kind,
-        IS_BF16=bf16, BT=block_t, A_HI=a_hi, A_LO=a_lo, NWIN=nwin, num_warps=1)
+        IS_BF16=bf16, BT=BT, A_HI=a_hi, A_LO=a_lo, NWIN=nwin, num_warps=1)
 

@@ -1,11 +1,12 @@
-"""The Gluon decode kernel (templates/decode_attention_gluon.py): where it applies, that it compiles for sm_90
-without shared or local memory (CPU CI: Gluon has no interpreter), and on a GPU its output against the
-reference op and the Triton template."""
+"""The Gluon decode kernel (templates/decode_attention_gluon.py): where it applies; its inline-PTX blocks bit by
+bit through a small PTX interpreter, and that it compiles for sm_90 without shared or local memory (CPU CI: Gluon
+has no interpreter); on a GPU its output against the reference op and the Triton template."""
 import os
 import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 
@@ -20,16 +21,18 @@ from kvq_compile.templates import decode_attention_gluon as dag  # noqa: E402
 CUDA = torch.cuda.is_available()
 
 
-def _store(preset, B, H, T, n0, dtype, device, D=128, seed=0):
+def _store(preset, B, H, T, n0, dtype, device, D=128, seed=0, sink=None, magnitude=1.0):
     """A one-layer store filled through kvq::append (prefill of n0 tokens, then the token at n0)."""
     torch.manual_seed(seed)
     cfg = KVQConfig.preset(preset)
+    if sink is not None:
+        cfg.sink = sink
     geo = st.Geometry(B, H, T, D, st.dtype_name(dtype))
     ms = st.ModelStore(cfg, 1, geo, device)
     lay = ms.layers[0]
     names, tensors = lay.append_tensors()
-    k = (torch.randn(B, H, n0, D, device=device) * 2 + 0.5).to(dtype)
-    v = torch.randn(B, H, n0, D, device=device).to(dtype)
+    k = ((torch.randn(B, H, n0, D, device=device) * 2 + 0.5) * magnitude).to(dtype)
+    v = (torch.randn(B, H, n0, D, device=device) * magnitude).to(dtype)
     torch.ops.kvq.append(tensors, k, v, torch.arange(n0, device=device), None, None, lay.descriptor(names))
     k, v = (torch.randn(B, H, 1, D, device=device).to(dtype) for _ in range(2))
     p = torch.tensor([n0], device=device)
@@ -51,7 +54,7 @@ def test_where_the_kernel_applies():
     assert "KIVI" in _reason("int8")
     assert "KIVI" in _reason("kivi-4")
     assert "head_dim" in _reason("kivi-2", D=64)
-    assert "head_dim" in _reason("kivi-2", rep=9)
+    assert "at most 8 query heads" in _reason("kivi-2", rep=9)
     assert "per-head mask" in _reason("kivi-2", mask_shared=False)
     assert "fp16 or bf16" in _reason("kivi-2", dtype=torch.float32)
     if not CUDA:
@@ -71,7 +74,7 @@ SCRIPT = textwrap.dedent('''
     from kvq_compile.templates import decode_attention_gluon as dag
 
     out = []
-    for bf16, mask, bt in ((False, 0, 32), (True, 1, 32), (True, 2, 16), (False, 1, 16)):
+    for bf16, mask, bt in ((False, 0, 32), (True, 1, 32), (True, 2, 32), (False, 2, 32)):
         ty = "*bf16" if bf16 else "*fp16"
         sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KCEN=ty, KHALF=ty, VC="*i32", VCEN=ty,
                    VHALF=ty, POS="*i64", AMASK="*i1" if mask == 1 else ty, stride_mb="i32", OUT_M="*fp32",
@@ -96,7 +99,7 @@ SCRIPT = textwrap.dedent('''
 
 @pytest.mark.skipif(not dag.HAVE_GLUON, reason="triton without Gluon")
 def test_compiles_for_sm90_into_registers_only():
-    """fp16 / bf16, every mask kind, both tile sizes: tensor-core code with no shared memory and no spills (the
+    """fp16 / bf16, every mask kind: tensor-core code with no shared memory and no spills (the
     unpacked codes go from the loaded words straight into the mma operand registers)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
@@ -109,15 +112,27 @@ def test_compiles_for_sm90_into_registers_only():
         assert hmma >= 3 * bt // 2, rows  # per tile: bt (q @ k^T, m16n8k16) + bt / 2 (v^T @ p^T)
 
 
+CASES = [  # B, H, rep, T, n0, sink, magnitude of K / V
+    (2, 2, 4, 640, 600, None, 1.0), (3, 1, 3, 700, 333, None, 1.0), (1, 3, 1, 512, 200, None, 1.0),
+    (2, 2, 8, 1100, 1031, None, 1.0), (1, 1, 5, 300, 160, None, 1.0),
+    (2, 2, 4, 700, 100, None, 1.0),    # L <= R: nothing quantized yet, every Gluon program empty
+    (2, 2, 4, 700, 650, 33, 1.0),      # a sink: the quantized region starts at 33 (groups counted from there)
+    (2, 1, 4, 900, 800, None, 1e-3),   # small statistics (fp16 scales near the subnormal range)
+]
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("B,H,rep,T,n0", [(2, 2, 4, 640, 600), (3, 1, 3, 700, 333), (1, 3, 1, 512, 200),
-                                          (2, 2, 8, 1100, 1031), (1, 1, 5, 300, 160)])
-@pytest.mark.parametrize("mask", [None, "bool", "additive"])
-def test_matches_reference_on_gpu(dtype, B, H, rep, T, n0, mask):
-    cfg, ms, lay, k, v, p = _store("kivi-2", B, H, T, n0, dtype, "cuda", seed=B * 100 + n0)
+@pytest.mark.parametrize("B,H,rep,T,n0,sink,magnitude", CASES)
+@pytest.mark.parametrize("mask", [None, "bool", "additive", "one-row"])
+def test_matches_reference_on_gpu(dtype, B, H, rep, T, n0, sink, magnitude, mask):
+    """Against the reference op (relative error) and the Triton template on the same store (max difference:
+    within twice the template's own error, so that a token dropped or counted twice at a slice, group or window
+    boundary shows)."""
+    cfg, ms, lay, k, v, p = _store("kivi-2", B, H, T, n0, dtype, "cuda", seed=B * 100 + n0, sink=sink,
+                                   magnitude=magnitude)
     names, tensors = lay.attend_tensors()
-    q = torch.randn(B, H * rep, 1, 128, device="cuda").to(dtype)
+    q = torch.randn(B, H * rep, 1, 128, device="cuda").to(dtype) / magnitude ** 0.5
     am = None
     if mask == "bool":
         am = torch.rand(B, 1, 1, T, device="cuda") < 0.8
@@ -125,14 +140,23 @@ def test_matches_reference_on_gpu(dtype, B, H, rep, T, n0, mask):
     elif mask == "additive":
         am = torch.where(torch.rand(B, 1, 1, T, device="cuda") < 0.8, 0.0, float("-inf")).to(dtype)
         am[..., n0] = 0
+    elif mask == "one-row":  # [1, 1, 1, T]: the same row for every sequence
+        am = torch.rand(1, 1, 1, T, device="cuda") < 0.8
+        am[..., n0] = True
+    bufs = dict(zip(names, tensors))
     ref = attend_cpu_reference(q, tensors, k, v, p, am, 128 ** -0.5, False, lay.descriptor(names)).float()
-    tol = 2.5e-2 if dtype == torch.bfloat16 else 4e-3
-    for ns, bt in ((None, None), (1, 16), (7, 32)):
-        out = da.decode_attention(q, dict(zip(names, tensors)), k, v, p, am, 128 ** -0.5, False, cfg, lay.spec,
-                                  ms.geo, gluon=True, num_splits=ns, block_t=bt).float()
+    tol = 1.5e-2 if dtype == torch.bfloat16 else 3e-3
+    for ns, bt in ((None, None), (1, 16), (7, 64)):
+        kw = dict(num_splits=ns, block_t=bt)
+        out = da.decode_attention(q, bufs, k, v, p, am, 128 ** -0.5, False, cfg, lay.spec, ms.geo, gluon=True,
+                                  **kw).float()
+        tri = da.decode_attention(q, bufs, k, v, p, am, 128 ** -0.5, False, cfg, lay.spec, ms.geo, gluon=False,
+                                  **kw).float()
         assert torch.isfinite(out).all()
         rel = ((out - ref).norm() / ref.norm()).item()
         assert rel < tol, (ns, bt, rel)
+        scale = ref.abs().max().item()
+        assert (out - tri).abs().max().item() <= 2 * (tri - ref).abs().max().item() + 2e-4 * scale, (ns, bt)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
@@ -163,3 +187,72 @@ def test_reduce_overhead_generate_in_half_precision():
     assert "_kivi_decode_kernel" in str(getattr(da.LAST_KERNELS.get("main"), "name", da.LAST_KERNELS.get("main")))
     for a, b in zip(sim.logits, out.logits):
         torch.testing.assert_close(b.float(), a.float(), atol=3e-2, rtol=3e-2)
+
+
+def _bits(x: float, bf16: bool) -> int:
+    return int(torch.tensor(x, dtype=torch.bfloat16 if bf16 else torch.float16).view(torch.int16)) & 0xFFFF
+
+
+def _pair(lo: float, hi: float, bf16: bool) -> int:
+    return _bits(lo, bf16) | _bits(hi, bf16) << 16
+
+
+def _halves(x: int) -> list[float]:
+    return [float(np.array(v, dtype=np.uint16).view(np.float16)) for v in (x & 0xFFFF, x >> 16)]
+
+
+def _exact(x: float, bf16: bool) -> float:
+    return torch.tensor(x, dtype=torch.float64).to(torch.bfloat16 if bf16 else torch.float16).double().item()
+
+
+def _same(got: int, want: int, bf16: bool, subnormal, where):
+    """Equal pairs, except an fp16 half whose scale was handed over divided by 4 into the subnormal range: off by
+    at most half a subnormal step times 4 * 3 (plus one rounding)."""
+    if bf16 or not any(subnormal):
+        assert got == want, (where, hex(got), hex(want))
+        return
+    for g, w, sub in zip(_halves(got), _halves(want), subnormal):
+        assert g == w or (sub and abs(g - w) <= 12 * 2 ** -25 + abs(w) * 2 ** -10), (where, g, w)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_inline_ptx_unpacks_every_code(bf16):
+    """The inline-PTX blocks, run by a small PTX interpreter (tests/ptx_emulator.py): every output register holds
+    code * scale + offset of the right channel / token, rounded once, for random words and statistics (scales
+    down to fp16's subnormal range, where the scale the kernel hands over divided by 4 is itself rounded)."""
+    from ptx_emulator import run
+
+    key_asm, value_asm, scale_asm, offset_asm = dag._C[bf16]
+    gen = torch.Generator().manual_seed(1)
+    for trial in range(60):
+        words = [int(w) & 0xFFFFFFFF for w in torch.randint(-2**31, 2**31 - 1, (2,), generator=gen)]
+        mag = 10.0 ** float(torch.empty(()).uniform_(-4, 1, generator=gen))
+        s = [_exact(float(x) * mag, bf16) for x in torch.rand(16, generator=gen) + 0.05]
+        z = [_exact(float(x) * mag, bf16) for x in torch.randn(16, generator=gen)]
+        code = lambda w, j: (w >> 2 * j) & 3  # noqa: E731
+        # Keys: one word, 16 channels; the scale of odd channels is handed over divided by 4
+        ops = {8 + i: words[0] for i in range(16)}
+        ops.update({24 + i: _pair(s[2 * i], s[2 * i + 1] / 4, bf16) for i in range(8)})
+        ops.update({32 + i: _pair(z[2 * i], z[2 * i + 1], bf16) for i in range(8)})
+        out = run(key_asm, ops)
+        for i in range(8):
+            want = _pair(*(_exact(code(words[0], c) * s[c] + z[c], bf16) for c in (2 * i, 2 * i + 1)), bf16)
+            _same(out[f"${i}"], want, bf16, (False, s[2 * i + 1] / 4 < 2 ** -14), (trial, "key", i))
+        # Values: two tokens' words (codes 0-7 of the pre-shifted word), one scale / offset per token
+        for shift in (0, 16):
+            ops = {8 + i: words[i % 2] >> shift for i in range(16)}
+            ops.update({24 + i: _pair(s[0], s[1], bf16) for i in range(8)})
+            ops.update({32 + i: _pair(z[0], z[1], bf16) for i in range(8)})
+            out = run(value_asm, ops)
+            for j in range(8):
+                want = _pair(*(_exact(code(words[t] >> shift, j) * s[t] + z[t], bf16) for t in (0, 1)), bf16)
+                _same(out[f"${j}"], want, bf16, [j % 2 == 1 and s[t] / 4 < 2 ** -14 for t in (0, 1)],
+                      (trial, "value", shift, j))
+        # statistics: s = half * (hi + lo) rounded once in effect, z = center - half exactly rounded
+        hi, lo = dag.split_scale(2 / 3, bf16)
+        out = run(scale_asm, {1: _pair(s[0], s[1], bf16), 2: _pair(hi, hi, bf16), 3: _pair(lo, lo, bf16)})
+        for k, h in enumerate(s[:2]):
+            got = (out["$0"] >> 16 * k) & 0xFFFF
+            assert abs(got - _bits(_exact(h * 2 / 3, bf16), bf16)) <= 1, (trial, "scale", h, hex(got))
+        out = run(offset_asm, {1: _pair(s[0], s[1], bf16), 2: _pair(z[0], z[1], bf16)})
+        assert out["$0"] == _pair(_exact(z[0] - s[0], bf16), _exact(z[1] - s[1], bf16), bf16)

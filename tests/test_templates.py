@@ -191,20 +191,23 @@ def test_mask_of_the_wrong_shape_is_refused():
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_window_launch_covers_every_length(name):
     """The window launch has one program per tile: for every written length L its tiles (the sink's, then
-    [max(S, Q(L)), L)) fit in `_window_tiles` programs, Q(L) the smaller of the two sides' fill boundaries."""
+    [max(S, Q(L)), L)) fit in `_window_tiles` programs, Q(L) the smaller of the two sides' fill boundaries (the
+    kernel's own formula, `_quantized_end`), for the presets as shipped and shrunk, several sinks and windows."""
     from kvq_compile.templates import decode_attention as da
 
-    cfg = small_windows(name)
-    for recent in {cfg.recent, 0, 5, 128}:
-        tpg = max(cfg.key.tokens_per_group, cfg.value.tokens_per_group)  # powers of two: their lcm
-        cfg = dataclasses.replace(cfg, recent=recent - recent % tpg)
-        kc = dict(BITS=cfg.key.bits if cfg.key.quantized else 16, TPG=cfg.key.tokens_per_group)
-        vc = dict(BITS=cfg.value.bits if cfg.value.quantized else 16, TPG=cfg.value.tokens_per_group)
-        for bt in (16, 32, 64):
-            nwin = da._window_tiles(cfg, kc, vc, bt)
-            for L in range(1, 400):
-                p0, s_eff = L - 1, (0 if kc["BITS"] == vc["BITS"] == 16 else cfg.sink)
-                bnd = [L if c["BITS"] == 16 else st.fill_boundary(L, cfg.sink, cfg.recent, c["TPG"]) for c in (kc, vc)]
-                win_lo = max(s_eff, min(*bnd, p0))
-                need = -(-min(s_eff, p0) // bt) + -(-(p0 + 1 - win_lo) // bt)
-                assert need <= nwin, (name, recent, bt, L, need, nwin)
+    for base in (KVQConfig.preset(name), small_windows(name)):
+        tpg = max(base.key.tokens_per_group, base.value.tokens_per_group)  # powers of two: their lcm
+        for sink in (0, 1, 33, 70):
+            for recent in {base.recent, 0, 96, 160}:
+                cfg = dataclasses.replace(base, sink=sink, recent=recent - recent % tpg)
+                kc = dict(BITS=cfg.key.bits if cfg.key.quantized else 16, TPG=cfg.key.tokens_per_group)
+                vc = dict(BITS=cfg.value.bits if cfg.value.quantized else 16, TPG=cfg.value.tokens_per_group)
+                for bt in (16, 32, 64):
+                    nwin = da._window_tiles(cfg, kc, vc, bt)
+                    for L in range(1, 420):
+                        p0, s_eff = L - 1, (0 if kc["BITS"] == vc["BITS"] == 16 else cfg.sink)
+                        bnd = [L if c["BITS"] == 16 else st.fill_boundary(L, cfg.sink, cfg.recent, c["TPG"])
+                               for c in (kc, vc)]
+                        win_lo = max(s_eff, min(*bnd, p0))
+                        need = -(-min(s_eff, p0) // bt) + -(-(p0 + 1 - win_lo) // bt)
+                        assert need <= nwin, (name, sink, recent, bt, L, need, nwin)

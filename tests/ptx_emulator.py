@@ -1,0 +1,67 @@
+"""A tiny interpreter for the inline-PTX blocks of templates/decode_attention_gluon.py, so that their bit tricks
+run in the CPU CI (Gluon kernels have no interpreter): the instructions those blocks use, on 32-bit registers,
+with f16x2 / bf16x2 arithmetic rounded as the GPU does (one rounding of the exact result)."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import torch
+
+
+def _halves(x: int, ty: str) -> list[float]:
+    lo, hi = x & 0xFFFF, x >> 16
+    if ty == "f16x2":
+        return [float(np.array(v, dtype=np.uint16).view(np.float16)) for v in (lo, hi)]
+    return [float(np.array(v << 16, dtype=np.uint32).view(np.float32)) for v in (lo, hi)]
+
+
+def _pack(vals, ty: str) -> int:
+    dt = torch.float16 if ty == "f16x2" else torch.bfloat16
+    bits = [int(torch.tensor(v, dtype=torch.float64).to(dt).view(torch.int16)) & 0xFFFF for v in vals]
+    return bits[0] | bits[1] << 16
+
+
+def run(asm: str, operands: dict[int, int]) -> dict[int, int]:
+    """Execute `asm` with $i = operands[i] (uint32); returns every $i afterwards (outputs included)."""
+    regs = {f"${i}": v & 0xFFFFFFFF for i, v in operands.items()}
+
+    def val(tok: str) -> int:
+        tok = tok.strip()
+        if tok in regs:
+            return regs[tok]
+        if re.fullmatch(r"-?(0x[0-9a-fA-F]+|\d+)", tok):
+            return int(tok, 0) & 0xFFFFFFFF
+        raise KeyError(f"register {tok} read before written")
+
+    body = asm.replace("{", ";").replace("}", ";").replace("\n", ";")
+    for ins in filter(None, (x.strip() for x in body.split(";"))):
+        if ins.startswith(".reg"):
+            continue
+        op, args = ins.split(None, 1)
+        a = [t.strip() for t in args.split(",")]
+        if op == "mov.b32":
+            out = val(a[1])
+        elif op == "prmt.b32":
+            src = val(a[1]).to_bytes(4, "little") + val(a[2]).to_bytes(4, "little")
+            sel = val(a[3])
+            out = int.from_bytes(bytes(src[(sel >> 4 * k) & 7] for k in range(4)), "little")
+        elif op == "lop3.b32":
+            x, y, z, lut = val(a[1]), val(a[2]), val(a[3]), val(a[4])
+            out = 0
+            for bit in range(32):
+                i = ((x >> bit) & 1) << 2 | ((y >> bit) & 1) << 1 | ((z >> bit) & 1)
+                out |= ((lut >> i) & 1) << bit
+        elif op == "shr.b32":
+            out = val(a[1]) >> val(a[2])
+        elif op.split(".")[0] in ("add", "mul", "fma") and op.endswith("x2"):
+            ty = op.split(".")[-1]
+            xs = [_halves(val(t), ty) for t in a[1:]]
+            kind = op.split(".")[0]
+            res = [(x[0] + x[1]) if kind == "add" else (x[0] * x[1]) if kind == "mul" else (x[0] * x[1] + x[2])
+                   for x in zip(*xs)]
+            out = _pack(res, ty)
+        else:
+            raise NotImplementedError(ins)
+        regs[a[0]] = out & 0xFFFFFFFF
+    return regs
