@@ -18,14 +18,7 @@ from bench_decode_attention import graph_time, random_store, copy_bandwidth, byt
 from kvq_compile import KVQConfig  # noqa: E402
 from kvq_compile.ops import attend_cpu_reference  # noqa: E402
 from kvq_compile.templates.decode_attention import decode_attention  # noqa: E402
-
-
-def filled(preset, B, H, T, n0, dtype):
-    """A one-layer store filled through kvq::append (tests/test_decode_gluon.py's `_store`)."""
-    from test_decode_gluon import _store
-
-    _, ms, lay, k, v, p = _store(preset, B, H, T, n0, dtype, "cuda", seed=B * 100 + n0)
-    return ms, lay, k, v, p
+from test_decode_gluon import _store, random_mask  # noqa: E402  (the test's store and masks)
 
 
 def check(preset="kivi-2", quick=False):
@@ -35,17 +28,11 @@ def check(preset="kivi-2", quick=False):
               (1, 1, 5, 300, 160), (2, 1, 4, 2000, 130))
     for dtype in (torch.float16, torch.bfloat16):
         for B, H, rep, T, n0 in shapes[:2] if quick else shapes:
-            ms, lay, k, v, p = filled(preset, B, H, T, n0, dtype)
+            _, ms, lay, k, v, p = _store(preset, B, H, T, n0, dtype, "cuda", seed=B * 100 + n0)
             names, tensors = lay.attend_tensors()
             q = torch.randn(B, H * rep, 1, 128, device="cuda", dtype=dtype)
             for mk in ("none", "bool", "additive"):
-                mask = None
-                if mk == "bool":
-                    mask = torch.rand(B, 1, 1, T, device="cuda") < 0.8
-                    mask[..., n0] = True
-                elif mk == "additive":
-                    mask = torch.where(torch.rand(B, 1, 1, T, device="cuda") < 0.8, 0.0, float("-inf")).to(dtype)
-                    mask[..., n0] = 0
+                mask = random_mask(mk, B, T, n0, dtype, "cuda")
                 ref = attend_cpu_reference(q, tensors, k, v, p, mask, 128 ** -0.5, False, lay.descriptor(names)).float()
                 outs = {}
                 for g in (False, True):

@@ -718,10 +718,12 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
         mask_kind = 1 if amask.dtype == torch.bool else 2
         smb = amask.stride(0) if amask.shape[0] > 1 else 0
         smh = amask.stride(1) if amask.shape[1] > 1 else 0
-    why = dag.supports(query, rep, kc, vc, kp, rope, mask_kind, smh == 0, is_causal, cfg.softmax_tau)
-    if gluon and why:
-        raise ValueError(f"kvq decode attention: the Gluon kernel cannot serve this layer: {why}")
-    use_gluon = why is None and (gluon or (gluon is None and dag.enabled()))
+    use_gluon = dag.enabled() if gluon is None else gluon
+    if use_gluon:
+        why = dag.supports(query, rep, kc, vc, kp, rope, mask_kind, smh == 0, is_causal, cfg.softmax_tau)
+        if gluon and why:
+            raise ValueError(f"kvq decode attention: the Gluon kernel cannot serve this layer: {why}")
+        use_gluon = why is None
     if use_gluon:  # one-warp programs, half as many per SM as four-warp ones: best of 8 / 16 / 32 at three of four
         # shapes on an H100 (bench/RESULTS.md, session 9)
         nsplit = num_splits or _num_splits(B * H, T, dag.BT, query.device, max(1, programs_per_sm // 2))

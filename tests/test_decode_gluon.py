@@ -40,6 +40,18 @@ def _store(preset, B, H, T, n0, dtype, device, D=128, seed=0, sink=None, magnitu
     return cfg, ms, lay, k, v, p
 
 
+def random_mask(kind, B, T, n0, dtype, device):
+    """A decode mask with ~20% of positions masked (never the newest, n0): None / "none", "bool" [B, 1, 1, T],
+    "additive" (0 / -inf in the cache dtype) or "one-row" [1, 1, 1, T] (one row for every sequence)."""
+    if kind in (None, "none"):
+        return None
+    keep = torch.rand(1 if kind == "one-row" else B, 1, 1, T, device=device) < 0.8
+    keep[..., n0] = True
+    if kind == "additive":
+        return torch.where(keep, 0.0, float("-inf")).to(dtype)
+    return keep
+
+
 def _reason(preset, dtype=torch.bfloat16, rep=4, D=128, mask_kind=1, mask_shared=True, device="cpu"):
     cfg, ms, lay, k, v, p = _store(preset, 1, 1, 256, 40, dtype, device, D=D)
     names, tensors = lay.attend_tensors()
@@ -133,16 +145,7 @@ def test_matches_reference_on_gpu(dtype, B, H, rep, T, n0, sink, magnitude, mask
                                    magnitude=magnitude)
     names, tensors = lay.attend_tensors()
     q = torch.randn(B, H * rep, 1, 128, device="cuda").to(dtype) / magnitude ** 0.5
-    am = None
-    if mask == "bool":
-        am = torch.rand(B, 1, 1, T, device="cuda") < 0.8
-        am[..., n0] = True
-    elif mask == "additive":
-        am = torch.where(torch.rand(B, 1, 1, T, device="cuda") < 0.8, 0.0, float("-inf")).to(dtype)
-        am[..., n0] = 0
-    elif mask == "one-row":  # [1, 1, 1, T]: the same row for every sequence
-        am = torch.rand(1, 1, 1, T, device="cuda") < 0.8
-        am[..., n0] = True
+    am = random_mask(mask, B, T, n0, dtype, "cuda")
     bufs = dict(zip(names, tensors))
     ref = attend_cpu_reference(q, tensors, k, v, p, am, 128 ** -0.5, False, lay.descriptor(names)).float()
     tol = 1.5e-2 if dtype == torch.bfloat16 else 3e-3
