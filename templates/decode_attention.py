@@ -752,7 +752,8 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
                       BLOCK_T=block_t, IEEE=ieee, INTERP=_INTERPRET, NWIN=nwin)
         if use_gluon:
             LAST_KERNELS["main"] = dag.launch(query, kp, vp, positions, amask, smb, mask_kind, m_buf, l_buf, acc_buf,
-                                              scale, T, kc["NG"], nsplit, nwin, H, rep, cfg.sink, cfg.recent, vc["TPG"])
+                                              scale, T, kc["NG"], nsplit, nwin, H, rep, cfg.sink, cfg.recent, vc["TPG"],
+                                              kc["BITS"], vc["BITS"])
         else:
             LAST_KERNELS["main"] = _decode_kernel[(B * H, nsplit)](*args, **consts, WINDOW=False,
                                                                    num_warps=num_warps, num_stages=num_stages)

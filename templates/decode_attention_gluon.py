@@ -75,48 +75,96 @@ def _f16x2(lo: float, hi: float, bf16: bool) -> str:
     return f"0x{(bits(hi) << 16) | bits(lo):08X}"
 
 
-def _key_asm(bf16: bool) -> str:
-    """16 codes of one word -> 8 registers of (value 2i, value 2i+1). Operands: $0-$7 out, $8-$23 the word (16
-    copies), $24-$31 scale pairs, $32-$39 offset pairs (channels 2i, 2i+1). Per byte: `prmt` copies it into both
-    halves of y; `lop3` puts codes (2m, 2m+1) of y into the mantissas of the magic number M (1024 fp16, 128 bf16)
-    at bits 0 and 2: (M + code, M + 4 code); `add` removes M (exact); `fma` applies the scale (its high half
-    pre-divided by 4, `_scale_offset`) and the offset. y >> 4 brings codes 2, 3 of the byte down."""
+def _key_asm(bits: int, bf16: bool) -> str:
+    """The codes of one word (16 at 1 or 2 bits, 8 at 4 bits) -> registers of (value 2i, value 2i+1). Operands:
+    P = codes per block, $0..$(P/2 - 1) out, then P copies of the word, P/2 scale pairs, P/2 offset pairs
+    (channels 2i, 2i+1). `lop3` puts a code into the mantissa of the magic number M (1024 fp16, 128 bf16):
+    M + code; `add` removes M (exact); `fma` applies the scale and the offset.
+    2 bits, per byte: `prmt` copies it into both halves of y; `lop3` takes codes (2m, 2m+1) of y at bits 0 and 2
+    (M + code, M + 4 code: the high scale is pre-divided by 4, `_scale_offset`); y >> 4 brings codes 2, 3 down.
+    4 bits: `prmt` pairs byte i of the word (low half) with byte i of word >> 4 (high half): its two codes at bit 0.
+    1 bit (the word pre-shifted: its 16 codes at bits 0-15): `prmt` pairs byte i of the word with byte i of
+    word >> 1, so codes (2m, 2m+1) sit at bit 2m of the halves; y >> 2 steps to the next pair."""
     ty = "bf16x2" if bf16 else "f16x2"
     magic = "0x43004300" if bf16 else "0x64006400"
     neg = _f16x2(-128.0, -128.0, True) if bf16 else _f16x2(-1024.0, -1024.0, False)
-    lines = ["{ .reg .b32 y, x, n;", f"mov.b32 n, {neg};"]
-    for i in range(4):
-        lines.append(f"prmt.b32 y, $8, $8, 0x{i:x}{i:x}{i:x}{i:x};")
-        for half in range(2):
-            if half:
-                lines.append("shr.b32 y, y, 4;")
-            r = 2 * i + half
-            lines.append(f"lop3.b32 x, y, 0x000C0003, {magic}, 0xea; add.rn.{ty} x, x, n; "
-                         f"fma.rn.{ty} ${r}, x, ${24 + r}, ${32 + r};")
+    P = 8 if bits == 4 else 16
+    w, sc, of = P // 2, P // 2 + P, P + P
+    lines = ["{ .reg .b32 y, x, n;" if bits == 2 else "{ .reg .b32 y, x, n, h;", f"mov.b32 n, {neg};"]
+
+    def value(r: int, mask: str):
+        lines.append(f"lop3.b32 x, y, {mask}, {magic}, 0xea; add.rn.{ty} x, x, n; "
+                     f"fma.rn.{ty} ${r}, x, ${sc + r}, ${of + r};")
+
+    if bits == 2:
+        for i in range(4):
+            lines.append(f"prmt.b32 y, ${w}, ${w}, 0x{i:x}{i:x}{i:x}{i:x};")
+            for half in range(2):
+                if half:
+                    lines.append("shr.b32 y, y, 4;")
+                value(2 * i + half, "0x000C0003")
+    elif bits == 4:
+        lines.append(f"shr.b32 h, ${w}, 4;")
+        for i in range(4):
+            lines.append(f"prmt.b32 y, ${w}, h, 0x{4 + i:x}{4 + i:x}{i:x}{i:x};")
+            value(i, "0x000F000F")
+    elif bits == 1:
+        lines.append(f"shr.b32 h, ${w}, 1;")
+        for i in range(2):
+            lines.append(f"prmt.b32 y, ${w}, h, 0x{4 + i:x}{4 + i:x}{i:x}{i:x};")
+            for m in range(4):
+                if m:
+                    lines.append("shr.b32 y, y, 2;")
+                value(4 * i + m, "0x00010001")
+    else:
+        raise ValueError(f"no Key unpack for {bits}-bit codes")
     lines.append("}")
     return "\n".join(lines)
 
 
-def _value_asm(bf16: bool) -> str:
-    """Codes 0-7 of two tokens' words (pre-shifted so they sit in bytes 0-1) -> 8 registers (token t, token t+1)
-    of code j = 0..7. Operands: $0-$7 out, $8-$23 words (even: token t, odd: token t+1), $24-$31 scale pairs,
-    $32-$39 offset pairs (t, t+1). `prmt` interleaves a byte of the two words; `lop3` puts code m (m = 0, 1) of
-    each half into the mantissa of M (M + 4^m code); `add` removes M; `fma` applies the scale (divided by 4^m)
-    and the offset; y >> 4 brings codes 2, 3 of the byte down."""
+def _value_asm(bits: int, bf16: bool) -> str:
+    """Codes 0-7 of two tokens' words (pre-shifted so they sit at bits 0 .. 8 * bits - 1) -> 8 registers (token t,
+    token t+1) of code j = 0..7. Operands: $0-$7 out, $8-$23 words (even: token t, odd: token t+1), $24-$31 scale
+    pairs, $32-$39 offset pairs (t, t+1). `prmt` interleaves a byte of the two words (low half: token t, high
+    half: token t+1); `lop3` puts a code of each half into the mantissa of M; `add` removes M; `fma` applies the
+    scale and the offset.
+    2 bits: codes m = 0, 1 of the byte at bits 0 and 2 (M + 4^m code, the scale divided by 4^m); y >> 4 brings
+    codes 2, 3 down. 4 bits: code 0 of the byte at bit 0, y >> 4 brings code 1 down. 1 bit: y >> 1 per code."""
     ty = "bf16x2" if bf16 else "f16x2"
     magic = "0x43004300" if bf16 else "0x64006400"
     neg = _f16x2(-128.0, -128.0, True) if bf16 else _f16x2(-1024.0, -1024.0, False)
-    lines = ["{ .reg .b32 y, x, n, s1, z0;", f"mov.b32 n, {neg}; mov.b32 z0, {_NEG0};",
-             f"mov.b32 s1, {_f16x2(0.25, 0.25, bf16)}; fma.rn.{ty} s1, $24, s1, z0;"]
-    for byte in range(2):
+    lines = ["{ .reg .b32 y, x, n, s1, z0;", f"mov.b32 n, {neg};"]
+
+    def value(r: int, mask: str, scale: str = "$24"):
+        lines.append(f"lop3.b32 x, y, {mask}, {magic}, 0xea; add.rn.{ty} x, x, n; "
+                     f"fma.rn.{ty} ${r}, x, {scale}, $32;")
+
+    def interleave(byte: int):
         lines.append(f"prmt.b32 y, $8, $9, 0x{4 + byte:x}{4 + byte:x}{byte:x}{byte:x};")
-        for j in range(4):
-            if j == 2:
-                lines.append("shr.b32 y, y, 4;")
-            mask = "0x00030003" if j % 2 == 0 else "0x000C000C"
-            scale = "$24" if j % 2 == 0 else "s1"
-            lines.append(f"lop3.b32 x, y, {mask}, {magic}, 0xea; add.rn.{ty} x, x, n; "
-                         f"fma.rn.{ty} ${4 * byte + j}, x, {scale}, $32;")
+
+    if bits == 2:
+        lines[-1] += f" mov.b32 z0, {_NEG0};"
+        lines.append(f"mov.b32 s1, {_f16x2(0.25, 0.25, bf16)}; fma.rn.{ty} s1, $24, s1, z0;")
+        for byte in range(2):
+            interleave(byte)
+            for j in range(4):
+                if j == 2:
+                    lines.append("shr.b32 y, y, 4;")
+                value(4 * byte + j, "0x00030003" if j % 2 == 0 else "0x000C000C", "$24" if j % 2 == 0 else "s1")
+    elif bits == 4:
+        for byte in range(4):
+            interleave(byte)
+            value(2 * byte, "0x000F000F")
+            lines.append("shr.b32 y, y, 4;")
+            value(2 * byte + 1, "0x000F000F")
+    elif bits == 1:
+        interleave(0)
+        for j in range(8):
+            if j:
+                lines.append("shr.b32 y, y, 1;")
+            value(j, "0x00010001")
+    else:
+        raise ValueError(f"no Value unpack for {bits}-bit codes")
     lines.append("}")
     return "\n".join(lines)
 
@@ -141,70 +189,86 @@ def split_scale(scale: float, bf16: bool) -> tuple[float, float]:
     return hi, _round(scale - hi, bf16)
 
 
-_C = {}
-for _bf in (False, True):
-    _s, _z = _stats_asm(_bf)
-    _C[_bf] = (_key_asm(_bf), _value_asm(_bf), _s, _z)
-_KEY_F16, _VAL_F16, _SCL_F16, _OFF_F16 = _C[False]
-_KEY_BF16, _VAL_BF16, _SCL_BF16, _OFF_BF16 = _C[True]
-_CONSTRAINTS = "=r,=r,=r,=r,=r,=r,=r,=r," + ",".join(["r"] * 32)
+BITS = (1, 2, 4)  # code widths the kernel unpacks (per side: xquant pairs 2-bit Keys with 1-bit Values)
+_ASM = {(side, bits, bf): (_key_asm if side == "k" else _value_asm)(bits, bf)
+        for side in "kv" for bits in BITS for bf in (False, True)}
+_STATS = {bf: _stats_asm(bf) for bf in (False, True)}
+
+
+def _constraints(pack: int) -> str:
+    """pack codes per block: pack / 2 output registers; pack word copies, pack / 2 scale and offset pairs."""
+    return ",".join(["=r"] * (pack // 2) + ["r"] * (2 * pack))
+
+
+def key_pack(bits: int) -> int:
+    """Codes per Key asm block: one word at 4 bits (8 codes), 16 codes (a word or half of one) at 1 and 2 bits."""
+    return 8 if bits == 4 else 16
+
 
 if HAVE_GLUON:
-    KEY_F16 = gl.constexpr(_KEY_F16)
-    VAL_F16 = gl.constexpr(_VAL_F16)
-    SCL_F16 = gl.constexpr(_SCL_F16)
-    OFF_F16 = gl.constexpr(_OFF_F16)
-    KEY_BF16 = gl.constexpr(_KEY_BF16)
-    VAL_BF16 = gl.constexpr(_VAL_BF16)
-    SCL_BF16 = gl.constexpr(_SCL_BF16)
-    OFF_BF16 = gl.constexpr(_OFF_BF16)
-    CONSTRAINTS = gl.constexpr(_CONSTRAINTS)
     D_ = gl.constexpr(D)
 
-    def _key_layout(bt: int):
-        """Keys as [a(2), b(4), c(16), t(bt)]: code c of word a + 2b of token t; registers c0..c3 first (one word
-        per inline-asm block), lanes (b, t % 8), registers t // 8: the mma B fragment after the reshape."""
+    @gluon.constexpr_function
+    def _asm(side, bits, bf16):
+        return _ASM[(side, bits, bf16)]
+
+    @gluon.constexpr_function
+    def _cons(pack):
+        """`_constraints` (a constexpr function may not call a plain one)."""
+        return ",".join(["=r"] * (pack // 2) + ["r"] * (2 * pack))
+
+    @gluon.constexpr_function
+    def _stats(bf16, which):
+        return _STATS[bf16][which]
+
+    @gluon.constexpr_function
+    def _key_layout(bt, pack):
+        """Keys as [a(32 / pack), b(4), c(pack), t(bt)]: code c of asm block a of lane group b, token t (channel
+        32b + pack * a + c); registers c first (one asm block), then a, lanes (b, t % 8), registers t // 8: the mma
+        B fragment after the reshape."""
+        na = 32 // pack
         return gl.DistributedLinearLayout(
-            reg_bases=[[0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0], [0, 0, 8, 0], [1, 0, 0, 0]]
+            reg_bases=[[0, 0, 1 << i, 0] for i in range(pack.bit_length() - 1)]
+            + [[1 << i, 0, 0, 0] for i in range(na.bit_length() - 1)]
             + [[0, 0, 0, 8 << i] for i in range(bt.bit_length() - 4)],
             lane_bases=[[0, 1, 0, 0], [0, 2, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4]],
-            warp_bases=[], block_bases=[], shape=[2, 4, 16, bt])
+            warp_bases=[], block_bases=[], shape=[na, 4, pack, bt])
 
-    def _value_layout(bt: int):
-        """Values as [t(bt), w(8), jh(2), jl(8)]: code 8jh + jl of word w of token t; registers (t % 2, jl) first
-        (one inline-asm block: two tokens, eight codes), lanes (t // 2 % 4, w): the mma A fragment of v^T."""
+    @gluon.constexpr_function
+    def _value_layout(bt):
+        """Values as [t(bt), w(8), jh(2), jl(8)]: code 8jh + jl of the 16-channel chunk w of token t (channel
+        16w + 8jh + jl); registers (t % 2, jl) first (one inline-asm block: two tokens, eight codes), lanes
+        (t // 2 % 4, w): the mma A fragment of v^T."""
         return gl.DistributedLinearLayout(
             reg_bases=[[1, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4], [0, 0, 1, 0]]
             + [[8 << i, 0, 0, 0] for i in range(bt.bit_length() - 4)],
             lane_bases=[[2, 0, 0, 0], [4, 0, 0, 0], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]],
             warp_bases=[], block_bases=[], shape=[bt, 8, 2, 8])
 
-    PK32 = gl.constexpr(_key_layout(32))
-    PV32 = gl.constexpr(_value_layout(32))
-
     @gluon.jit
     def _scale_offset(half, center, hi, lo, IS_BF16: gl.constexpr):
         """(half * (hi + lo), center - half) in the cache dtype, two per instruction (hi, lo broadcast)."""
         if IS_BF16:
-            s = gl.inline_asm_elementwise(SCL_BF16, "=r,r,r,r", [half, hi, lo], dtype=gl.bfloat16, is_pure=True,
-                                          pack=2)
-            z = gl.inline_asm_elementwise(OFF_BF16, "=r,r,r", [half, center], dtype=gl.bfloat16, is_pure=True,
-                                          pack=2)
+            s = gl.inline_asm_elementwise(_stats(True, 0), "=r,r,r,r", [half, hi, lo], dtype=gl.bfloat16,
+                                          is_pure=True, pack=2)
+            z = gl.inline_asm_elementwise(_stats(True, 1), "=r,r,r", [half, center], dtype=gl.bfloat16,
+                                          is_pure=True, pack=2)
         else:
-            s = gl.inline_asm_elementwise(SCL_F16, "=r,r,r,r", [half, hi, lo], dtype=gl.float16, is_pure=True,
-                                          pack=2)
-            z = gl.inline_asm_elementwise(OFF_F16, "=r,r,r", [half, center], dtype=gl.float16, is_pure=True, pack=2)
+            s = gl.inline_asm_elementwise(_stats(False, 0), "=r,r,r,r", [half, hi, lo], dtype=gl.float16,
+                                          is_pure=True, pack=2)
+            z = gl.inline_asm_elementwise(_stats(False, 1), "=r,r,r", [half, center], dtype=gl.float16,
+                                          is_pure=True, pack=2)
         return s, z
 
     @gluon.jit
-    def _words_to_values(words, s, z, ASM_F16: gl.constexpr, ASM_BF16: gl.constexpr, IS_BF16: gl.constexpr):
-        """Dequantized values (cache dtype) from packed words broadcast over their codes, 16 per asm block."""
+    def _unpack(words, s, z, SIDE: gl.constexpr, BITS: gl.constexpr, PACK: gl.constexpr, IS_BF16: gl.constexpr):
+        """Dequantized values (cache dtype) from packed words broadcast over their codes, PACK per asm block."""
         if IS_BF16:
-            x = gl.inline_asm_elementwise(ASM_BF16, CONSTRAINTS, [words, s, z], dtype=gl.bfloat16, is_pure=True,
-                                          pack=16)
+            x = gl.inline_asm_elementwise(_asm(SIDE, BITS, True), _cons(PACK), [words, s, z], dtype=gl.bfloat16,
+                                          is_pure=True, pack=PACK)
         else:
-            x = gl.inline_asm_elementwise(ASM_F16, CONSTRAINTS, [words, s, z], dtype=gl.float16, is_pure=True,
-                                          pack=16)
+            x = gl.inline_asm_elementwise(_asm(SIDE, BITS, False), _cons(PACK), [words, s, z], dtype=gl.float16,
+                                          is_pure=True, pack=PACK)
         return x
 
     @gluon.jit
@@ -213,13 +277,17 @@ if HAVE_GLUON:
             OUT_M, OUT_L, OUT_ACC, scale, T, NG_K, NSPLIT,
             H: gl.constexpr, REP: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
             TPG_K: gl.constexpr, TPG_V: gl.constexpr, MASK_KIND: gl.constexpr, IS_BF16: gl.constexpr,
-            BT: gl.constexpr, A_HI: gl.constexpr, A_LO: gl.constexpr, NWIN: gl.constexpr):
+            BT: gl.constexpr, KBITS: gl.constexpr, VBITS: gl.constexpr, KA_HI: gl.constexpr, KA_LO: gl.constexpr,
+            VA_HI: gl.constexpr, VA_LO: gl.constexpr, NWIN: gl.constexpr):
         bh = gl.program_id(0)
         split = gl.program_id(1)
         b = bh // H
         h = bh % H
         dt: gl.constexpr = gl.bfloat16 if IS_BF16 else gl.float16
-        W: gl.constexpr = 8  # int32 words per token (2-bit codes, 128 channels)
+        KW_: gl.constexpr = 4 * KBITS   # int32 words per token (128 channels)
+        VW_: gl.constexpr = 4 * VBITS
+        KP: gl.constexpr = 8 if KBITS == 4 else 16   # Key codes per asm block (`key_pack`)
+        NA: gl.constexpr = 32 // KP                    # Key asm blocks per lane and token
         D: gl.constexpr = D_
 
         # the slice of [S, qend) this program covers, as `_decode_kernel` computes it
@@ -238,44 +306,58 @@ if HAVE_GLUON:
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
         gl.static_assert(BT == 32, "one tile = one Key group of 32 tokens")
-        PK: gl.constexpr = PK32
-        KW: gl.constexpr = gl.SliceLayout(2, PK)   # words [2, 4, BT]
-        KS: gl.constexpr = gl.SliceLayout(3, PK)   # statistics [2, 4, 16]
-        PV: gl.constexpr = PV32
-        VW3: gl.constexpr = gl.SliceLayout(3, PV)  # [BT, 8, 2]
-        VW: gl.constexpr = gl.SliceLayout(2, VW3)  # words, statistics [BT, 8]
+        PK: gl.constexpr = _key_layout(BT, KP)
+        KW: gl.constexpr = gl.SliceLayout(2, PK)   # words [NA, 4, BT]
+        KS: gl.constexpr = gl.SliceLayout(3, PK)   # statistics [NA, 4, KP]
+        PV: gl.constexpr = _value_layout(BT)
+        VW3: gl.constexpr = gl.SliceLayout(3, PV)  # words [BT, 8, 2]
+        VW: gl.constexpr = gl.SliceLayout(2, VW3)  # statistics (and words below 4 bits) [BT, 8]
 
-        # Key words and statistics offsets
-        ka = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, KW)))
+        # Key words: asm block a of lane group b starts at code 32b + KP * a
+        ka = gl.arange(0, NA, layout=gl.SliceLayout(1, gl.SliceLayout(2, KW)))
         kb = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, KW)))
         kt = gl.arange(0, BT, layout=gl.SliceLayout(0, gl.SliceLayout(0, KW)))
-        kword = gl.expand_dims(gl.expand_dims(ka, 1) + gl.expand_dims(kb, 0) * 2, 2)   # [2, 4, 1]
-        koff = gl.expand_dims(gl.expand_dims(kt, 0), 0) * W + kword                   # [2, 4, BT]
-        sa = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, KS)))
+        KBW: gl.constexpr = KP * KBITS // 32   # words per asm block (0 at 1 bit: half a word, shifted by 16a)
+        kword = gl.expand_dims(gl.expand_dims(ka * KBW, 1) + gl.expand_dims(kb * KBITS, 0), 2)     # [NA, 4, 1]
+        koff = gl.expand_dims(gl.expand_dims(kt, 0), 0) * KW_ + kword                             # [NA, 4, BT]
+        kshift = gl.expand_dims(gl.expand_dims(ka * 16, 1), 2)
+        sa = gl.arange(0, NA, layout=gl.SliceLayout(1, gl.SliceLayout(2, KS)))
         sb = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, KS)))
-        sc = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(0, KS)))
-        schan = gl.expand_dims(gl.expand_dims(sa * 16, 1) + gl.expand_dims(sb * 32, 0), 2) + \
-            gl.expand_dims(gl.expand_dims(sc, 0), 0)                                    # [2, 4, 16] channels
-        # the level spacing 2 / 3 as hi + lo; Keys' odd channels divided by 4 (their code sits at bit 2, `_key_asm`)
-        kfac = gl.where(sc % 2 == 0, 1.0, 0.25)
-        khi = gl.expand_dims(gl.expand_dims((kfac * A_HI).to(dt), 0), 0)              # [1, 1, 16]
-        klo = gl.expand_dims(gl.expand_dims((kfac * A_LO).to(dt), 0), 0)
-        # Value words and statistics offsets
+        sc = gl.arange(0, KP, layout=gl.SliceLayout(0, gl.SliceLayout(0, KS)))
+        schan = gl.expand_dims(gl.expand_dims(sa * KP, 1) + gl.expand_dims(sb * 32, 0), 2) + \
+            gl.expand_dims(gl.expand_dims(sc, 0), 0)                                    # [NA, 4, KP] channels
+        # the level spacing 2 / (2^B - 1) as hi + lo; at 2 bits the odd channels' scale divided by 4 (their code
+        # sits at bit 2, `_key_asm`)
+        if KBITS == 2:
+            kfac = gl.where(sc % 2 == 0, 1.0, 0.25)
+        else:
+            kfac = gl.full([KP], 1.0, gl.float32, gl.SliceLayout(0, gl.SliceLayout(0, KS)))
+        khi = gl.expand_dims(gl.expand_dims((kfac * KA_HI).to(dt), 0), 0)            # [1, 1, KP]
+        klo = gl.expand_dims(gl.expand_dims((kfac * KA_LO).to(dt), 0), 0)
+        # Value words: chunk (w, jh) of token t starts at code 16w + 8jh
         vt = gl.arange(0, BT, layout=gl.SliceLayout(1, VW))
         vw = gl.arange(0, 8, layout=gl.SliceLayout(0, VW))
-        voff = gl.expand_dims(vt, 1) * W + gl.expand_dims(vw, 0)                      # [BT, 8]
-        vsoff = gl.expand_dims(vt, 1) * 4 + gl.expand_dims(vw // 2, 0)                # [BT, 8] group w // 2
         jh = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(0, VW3)))
-        vshift = gl.expand_dims(gl.expand_dims(jh * 16, 0), 0)                         # [1, 1, 2]
+        if VBITS == 4:   # a whole word per chunk
+            voff = gl.expand_dims(gl.expand_dims(vt, 1) * VW_ + gl.expand_dims(vw * 2, 0), 2) + \
+                gl.expand_dims(gl.expand_dims(jh, 0), 0)                                     # [BT, 8, 2]
+        else:            # both chunks of w in one word, at bit 16 * VBITS * w % 32 + 8 * VBITS * jh
+            voff = gl.expand_dims(vt, 1) * VW_ + gl.expand_dims(vw * 16 * VBITS // 32, 0)    # [BT, 8]
+            if VBITS == 2:
+                vshift = gl.expand_dims(gl.expand_dims(jh * 16, 0), 0)                       # [1, 1, 2]
+            else:
+                vshift = gl.expand_dims(gl.expand_dims(vw * 16 % 32, 0), 2) + \
+                    gl.expand_dims(gl.expand_dims(jh * 8, 0), 0)                              # [1, 8, 2]
+        vsoff = gl.expand_dims(vt, 1) * 4 + gl.expand_dims(vw // 2, 0)                # [BT, 8] group w // 2
         jl = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, PV))))
         jdummy = gl.expand_dims(gl.expand_dims(gl.expand_dims(jl, 0), 0), 0)         # [1, 1, 1, 8], broadcast only
-        vhi = gl.full([BT, 8], A_HI, dt, VW)
-        vlo = gl.full([BT, 8], A_LO, dt, VW)
+        vhi = gl.full([BT, 8], VA_HI, dt, VW)
+        vlo = gl.full([BT, 8], VA_LO, dt, VW)
 
         bh64 = bh.to(gl.int64)
-        kc_base = KC + bh64 * T * W
+        kc_base = KC + bh64 * T * KW_
         ks_base = bh64 * NG_K * D
-        vc_base = VC + bh64 * T * W
+        vc_base = VC + bh64 * T * VW_
         vs_base = bh64 * T * 4
 
         # q [16, 128] in the Key mma's reduction order
@@ -298,12 +380,19 @@ if HAVE_GLUON:
             t0 = start + it * BT
             kwords, kh, kcen, vwords, vh, vcen = _load_tile(kc_base, KHALF, KCEN, vc_base, VHALF, VCEN, ks_base,
                                                             vs_base, t0, stop, S, koff, schan, kt, voff, vsoff, vt,
-                                                            BT, D, W)
+                                                            BT, D, KW_, VW_, VBITS)
+            if KBITS == 1:
+                kwords = kwords >> kshift
             ks, kz = _scale_offset(kh, kcen, khi, klo, IS_BF16)
             wb, ks4 = gl.broadcast(gl.expand_dims(kwords, 2), gl.expand_dims(ks, 3))
             wb, kz4 = gl.broadcast(wb, gl.expand_dims(kz, 3))
-            kv = _words_to_values(wb, ks4, kz4, KEY_F16, KEY_BF16, IS_BF16)
-            kv = kv.reshape([2, 2, 2, 2, 2, 2, 2, BT]).permute([0, 3, 4, 5, 1, 2, 6, 7]).reshape([128, BT])
+            kv = _unpack(wb, ks4, kz4, "k", KBITS, KP, IS_BF16)
+            # [NA, 4, KP] -> the reduction index k = 64 x4 + 32 x3 + 16 x2 + 8 x1 + 4 b1 + 2 b0 + x0, where the
+            # 5 bits x = KP * a + c (q is loaded in the same order)
+            if KP == 16:
+                kv = kv.reshape([2, 2, 2, 2, 2, 2, 2, BT]).permute([0, 3, 4, 5, 1, 2, 6, 7]).reshape([128, BT])
+            else:
+                kv = kv.reshape([2, 2, 2, 2, 2, 2, 2, BT]).permute([0, 1, 4, 5, 2, 3, 6, 7]).reshape([128, BT])
             kv = gl.convert_layout(kv, b_l)
             s = mma_v2(q, kv, gl.zeros([16, BT], gl.float32, mma)) * qscale
 
@@ -325,11 +414,14 @@ if HAVE_GLUON:
             m_i = m_new
 
             vs, vz = _scale_offset(vh, vcen, vhi, vlo, IS_BF16)
-            vw3 = gl.expand_dims(vwords, 2) >> vshift                                   # [BT, 8, 2]
+            if VBITS == 4:
+                vw3 = vwords
+            else:
+                vw3 = vwords >> vshift                                                  # [BT, 8, 2]
             wv, _ = gl.broadcast(gl.expand_dims(vw3, 3), jdummy)                      # [BT, 8, 2, 8]
             wv, vs4 = gl.broadcast(wv, gl.expand_dims(gl.expand_dims(vs, 2), 3))
             wv, vz4 = gl.broadcast(wv, gl.expand_dims(gl.expand_dims(vz, 2), 3))
-            vv = _words_to_values(wv, vs4, vz4, VAL_F16, VAL_BF16, IS_BF16)
+            vv = _unpack(wv, vs4, vz4, "v", VBITS, 16, IS_BF16)
             vv = vv.permute([0, 2, 3, 1]).reshape([BT, 128]).permute([1, 0])          # v^T [128 (n = 8j + w), BT]
             vv = gl.convert_layout(vv, a_l)
             # p^T [BT, 8]: rows 0-7 of p (the mma's rows 8-15 are padding: REP <= 8), as the B operand
@@ -354,16 +446,21 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _load_tile(kc_base, KHALF, KCEN, vc_base, VHALF, VCEN, ks_base, vs_base, t0, stop, S: gl.constexpr, koff,
-                   schan, kt, voff, vsoff, vt, BT: gl.constexpr, D: gl.constexpr, W: gl.constexpr):
-        """Packed words and raw statistics of the tile at t0 (positions >= stop load 0)."""
+                   schan, kt, voff, vsoff, vt, BT: gl.constexpr, D: gl.constexpr, KW_: gl.constexpr,
+                   VW_: gl.constexpr, VBITS: gl.constexpr):
+        """Packed words and raw statistics of the tile at t0 (positions >= stop load 0); Value words as
+        [BT, 8, 2] at 4 bits, else [BT, 8] broadcast to [BT, 8, 2] (both chunks of a word)."""
         kvalid = (t0 + kt) < stop
-        kwords = gl.load(kc_base + t0 * W + koff, mask=gl.expand_dims(gl.expand_dims(kvalid, 0), 0), other=0)
+        kwords = gl.load(kc_base + t0 * KW_ + koff, mask=gl.expand_dims(gl.expand_dims(kvalid, 0), 0), other=0)
         grow = (t0 - S) // 32
         srow = ks_base + grow * D + schan
         kh = gl.load(KHALF + srow)  # t0 < stop: the tile's group row is written
         kcen = gl.load(KCEN + srow)
         vvalid = gl.expand_dims((t0 + vt) < stop, 1)
-        vwords = gl.load(vc_base + t0 * W + voff, mask=vvalid, other=0)
+        if VBITS == 4:
+            vwords = gl.load(vc_base + t0 * VW_ + voff, mask=gl.expand_dims(vvalid, 2), other=0)
+        else:
+            vwords = gl.expand_dims(gl.load(vc_base + t0 * VW_ + voff, mask=vvalid, other=0), 2)
         vh = gl.load(VHALF + vs_base + t0 * 4 + vsoff, mask=vvalid, other=0.0)
         vcen = gl.load(VCEN + vs_base + t0 * 4 + vsoff, mask=vvalid, other=0.0)
         return kwords, kh, kcen, vwords, vh, vcen
@@ -374,10 +471,11 @@ def supports(query, rep: int, kc: dict, vc: dict, kp: dict, rope: bool, mask_kin
     """None when this kernel serves the layer's quantized region, else why not (the Triton template does)."""
     import torch
 
-    key = dict(BITS=2, AXIS=1, GS=32, SYM=0, LUT=False, NOUT=0, NORM=False, TPG=32)
-    val = dict(BITS=2, AXIS=0, GS=32, SYM=0, LUT=False, NOUT=0)
-    if any(kc[n] != v for n, v in key.items()) or any(vc[n] != v for n, v in val.items()):
-        return "the store is not in KIVI's 2-bit layout"
+    key = dict(AXIS=1, GS=32, SYM=0, LUT=False, NOUT=0, NORM=False, TPG=32)
+    val = dict(AXIS=0, GS=32, SYM=0, LUT=False, NOUT=0)
+    if kc["BITS"] not in BITS or vc["BITS"] not in BITS or any(kc[n] != v for n, v in key.items()) \
+            or any(vc[n] != v for n, v in val.items()):
+        return "the store is not in KIVI's layout at 1, 2 or 4 bits"
     if query.shape[-1] != D:
         return "needs head_dim 128"
     if rep > 8:
@@ -403,17 +501,18 @@ def enabled() -> bool:
 
 def launch(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int, m_buf, l_buf, acc_buf,
            scale: float, T: int, ng_k: int, nsplit: int, nwin: int, H: int, rep: int, sink: int, recent: int,
-           tpg_v: int):
+           tpg_v: int, kbits: int, vbits: int):
     """Run the quantized-region launch into slots [0, nsplit) of the partial buffers (grid (B * H, nsplit); each
     row has nsplit + nwin slots, the last nwin the window launch's)."""
     import torch
 
     B = query.shape[0]
     bf16 = query.dtype == torch.bfloat16
-    a_hi, a_lo = split_scale(2.0 / 3.0, bf16)
+    ka_hi, ka_lo = split_scale(2.0 / (2 ** kbits - 1), bf16)
+    va_hi, va_lo = split_scale(2.0 / (2 ** vbits - 1), bf16)
     return _kivi_decode_kernel[(B * H, nsplit)](
         query, query.stride(0), query.stride(1), kp["codes"], kp["cen"], kp["half"], vp["codes"], vp["cen"],
         vp["half"], positions, amask, smb, m_buf, l_buf, acc_buf, float(scale), T, ng_k, nsplit,
         H=H, REP=rep, S=sink, R=recent, TPG_K=32, TPG_V=tpg_v, MASK_KIND=mask_kind,
-        IS_BF16=bf16, BT=BT, A_HI=a_hi, A_LO=a_lo, NWIN=nwin, num_warps=1)
-
+        IS_BF16=bf16, BT=BT, KBITS=kbits, VBITS=vbits, KA_HI=ka_hi, KA_LO=ka_lo, VA_HI=va_hi, VA_LO=va_lo,
+        NWIN=nwin, num_warps=1)

@@ -12,6 +12,7 @@ import torch
 
 from kvq_compile import KVQConfig
 from kvq_compile import store as st
+from kvq_compile.config import Axis, QuantizerSpec
 from kvq_compile.ops import attend_cpu_reference
 
 pytest.importorskip("triton")
@@ -21,10 +22,21 @@ from kvq_compile.templates import decode_attention_gluon as dag  # noqa: E402
 CUDA = torch.cuda.is_available()
 
 
+def kivi_layout(key_bits: int, value_bits: int) -> KVQConfig:
+    """KIVI's layout at other widths: what xquant's layers store (2-bit Keys with 1-bit Values, 1 / 1)."""
+    return KVQConfig(key=QuantizerSpec(bits=key_bits, axis=Axis.CHANNEL, group_size=32),
+                     value=QuantizerSpec(bits=value_bits, axis=Axis.TOKEN, group_size=32), recent=128)
+
+
+LAYOUTS = {"kivi-2": lambda: KVQConfig.preset("kivi-2"), "kivi-4": lambda: KVQConfig.preset("kivi-4"),
+           "k2v1": lambda: kivi_layout(2, 1), "k1v1": lambda: kivi_layout(1, 1), "k4v2": lambda: kivi_layout(4, 2)}
+
+
 def _store(preset, B, H, T, n0, dtype, device, D=128, seed=0, sink=None, magnitude=1.0):
-    """A one-layer store filled through kvq::append (prefill of n0 tokens, then the token at n0)."""
+    """A one-layer store filled through kvq::append (prefill of n0 tokens, then the token at n0); preset: a
+    preset's name or one of LAYOUTS."""
     torch.manual_seed(seed)
-    cfg = KVQConfig.preset(preset)
+    cfg = LAYOUTS[preset]() if preset in LAYOUTS else KVQConfig.preset(preset)
     if sink is not None:
         cfg.sink = sink
     geo = st.Geometry(B, H, T, D, st.dtype_name(dtype))
@@ -64,13 +76,15 @@ def _reason(preset, dtype=torch.bfloat16, rep=4, D=128, mask_kind=1, mask_shared
 
 def test_where_the_kernel_applies():
     assert "KIVI" in _reason("int8")
-    assert "KIVI" in _reason("kivi-4")
+    assert "KIVI" in _reason("innerq-2")
+    assert "KIVI" in _reason("calibquant-1")
     assert "head_dim" in _reason("kivi-2", D=64)
     assert "at most 8 query heads" in _reason("kivi-2", rep=9)
     assert "per-head mask" in _reason("kivi-2", mask_shared=False)
     assert "fp16 or bf16" in _reason("kivi-2", dtype=torch.float32)
     if not CUDA:
-        assert "GPU" in _reason("kivi-2")
+        for layout in LAYOUTS:
+            assert "GPU" in _reason(layout)
         cfg, ms, lay, k, v, p = _store("kivi-2", 1, 1, 256, 200, torch.float16, "cpu")
         names, tensors = lay.attend_tensors()
         q = torch.zeros(1, 4, 1, 128, dtype=torch.float16)
@@ -86,14 +100,15 @@ SCRIPT = textwrap.dedent('''
     from kvq_compile.templates import decode_attention_gluon as dag
 
     out = []
-    for bf16, mask, bt in ((False, 0, 32), (True, 1, 32), (True, 2, 32), (False, 2, 32)):
+    for bf16, mask, kb, vb in ((False, 0, 2, 2), (True, 1, 2, 2), (True, 2, 4, 4), (False, 2, 2, 1), (True, 1, 1, 1),
+                               (False, 1, 4, 2)):
         ty = "*bf16" if bf16 else "*fp16"
         sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KCEN=ty, KHALF=ty, VC="*i32", VCEN=ty,
                    VHALF=ty, POS="*i64", AMASK="*i1" if mask == 1 else ty, stride_mb="i32", OUT_M="*fp32",
                    OUT_L="*fp32", OUT_ACC="*fp32", scale="fp32", T="i32", NG_K="i32", NSPLIT="i32")
-        a_hi, a_lo = dag.split_scale(2 / 3, bf16)
-        cx = dict(H=8, REP=4, S=0, R=128, TPG_K=32, TPG_V=1, MASK_KIND=mask, IS_BF16=bf16, BT=bt, A_HI=a_hi, A_LO=a_lo,
-                  NWIN=3)
+        ka, va = (dag.split_scale(2 / (2 ** n - 1), bf16) for n in (kb, vb))
+        cx = dict(H=8, REP=4, S=0, R=128, TPG_K=32, TPG_V=1, MASK_KIND=mask, IS_BF16=bf16, BT=32, KBITS=kb,
+                  VBITS=vb, KA_HI=ka[0], KA_LO=ka[1], VA_HI=va[0], VA_LO=va[1], NWIN=3)
         sig.update({n: "constexpr" for n in cx})
         src = GluonASTSource(fn=dag._kivi_decode_kernel, signature=sig, constexprs=cx,
                              attrs={(i,): [["tt.divisibility", 16]] for i in (0, 3, 4, 5, 6, 7, 8, 12, 13, 14)})
@@ -103,7 +118,7 @@ SCRIPT = textwrap.dedent('''
         tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
         usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
         sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
-        out.append((bf16, mask, bt, k.metadata.shared, "LOCAL:0" in usage, sass.count("HMMA"),
+        out.append((bf16, mask, kb, vb, k.metadata.shared, "LOCAL:0" in usage, sass.count("HMMA"),
                     sass.count("STS") + sass.count("LDS")))
     print(out)
 ''')
@@ -111,17 +126,17 @@ SCRIPT = textwrap.dedent('''
 
 @pytest.mark.skipif(not dag.HAVE_GLUON, reason="triton without Gluon")
 def test_compiles_for_sm90_into_registers_only():
-    """fp16 / bf16, every mask kind: tensor-core code with no shared memory and no spills (the
-    unpacked codes go from the loaded words straight into the mma operand registers)."""
+    """fp16 / bf16, every mask kind, 1 / 2 / 4-bit sides: tensor-core code with no shared memory and no spills
+    (the unpacked codes go from the loaded words straight into the mma operand registers)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = eval(r.stdout.strip().splitlines()[-1])  # noqa: S307  (our own repr of a list of tuples)
-    assert len(rows) == 4
-    for bf16, mask, bt, shared, no_local, hmma, smem_ops in rows:
+    assert len(rows) == 6
+    for bf16, mask, kb, vb, shared, no_local, hmma, smem_ops in rows:
         assert shared == 0 and smem_ops == 0, rows
         assert no_local, rows
-        assert hmma >= 3 * bt // 2, rows  # per tile: bt (q @ k^T, m16n8k16) + bt / 2 (v^T @ p^T)
+        assert hmma >= 48, rows  # per 32-token tile: 32 (q @ k^T, m16n8k16) + 16 (v^T @ p^T)
 
 
 CASES = [  # B, H, rep, T, n0, sink, magnitude of K / V
@@ -133,15 +148,19 @@ CASES = [  # B, H, rep, T, n0, sink, magnitude of K / V
 ]
 
 
+GPU_CASES = [("kivi-2", c, m) for c in CASES for m in (None, "bool", "additive", "one-row")] + \
+    [(lay, c, m) for lay in ("kivi-4", "k2v1", "k1v1", "k4v2") for c in CASES for m in (None, "bool")]
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("B,H,rep,T,n0,sink,magnitude", CASES)
-@pytest.mark.parametrize("mask", [None, "bool", "additive", "one-row"])
-def test_matches_reference_on_gpu(dtype, B, H, rep, T, n0, sink, magnitude, mask):
+@pytest.mark.parametrize("layout,case,mask", GPU_CASES)
+def test_matches_reference_on_gpu(dtype, layout, case, mask):
     """Against the reference op (relative error) and the Triton template on the same store (max difference within
     four times the template's own error: the Gluon kernel's values are rounded once more, measured at up to 2.2x
-    the template's error; larger slips at a slice, group or window boundary show)."""
-    cfg, ms, lay, k, v, p = _store("kivi-2", B, H, T, n0, dtype, "cuda", seed=B * 100 + n0, sink=sink,
+    the template's error at 2 bits; larger slips at a slice, group or window boundary show)."""
+    B, H, rep, T, n0, sink, magnitude = case
+    cfg, ms, lay, k, v, p = _store(layout, B, H, T, n0, dtype, "cuda", seed=B * 100 + n0, sink=sink,
                                    magnitude=magnitude)
     names, tensors = lay.attend_tensors()
     q = torch.randn(B, H * rep, 1, 128, device="cuda").to(dtype) / magnitude ** 0.5
@@ -220,44 +239,52 @@ def _same(got: int, want: int, bf16: bool, subnormal, where):
         assert g == w or (sub and abs(g - w) <= 12 * 2 ** -25 + abs(w) * 2 ** -10), (where, g, w)
 
 
+@pytest.mark.parametrize("bits", dag.BITS)
 @pytest.mark.parametrize("bf16", [False, True])
-def test_inline_ptx_unpacks_every_code(bf16):
+def test_inline_ptx_unpacks_every_code(bf16, bits):
     """The inline-PTX blocks, run by a small PTX interpreter (tests/ptx_emulator.py): every output register holds
     code * scale + offset of the right channel / token, rounded once, for random words and statistics (scales
-    down to fp16's subnormal range, where the scale the kernel hands over divided by 4 is itself rounded)."""
+    down to fp16's subnormal range, where a 2-bit scale the kernel hands over divided by 4 is itself rounded)."""
     from ptx_emulator import run
 
-    key_asm, value_asm, scale_asm, offset_asm = dag._C[bf16]
-    gen = torch.Generator().manual_seed(1)
-    for trial in range(60):
+    key_asm, value_asm = dag._ASM[("k", bits, bf16)], dag._ASM[("v", bits, bf16)]
+    scale_asm, offset_asm = dag._STATS[bf16]
+    P = dag.key_pack(bits)
+    div = 4 if bits == 2 else 1   # the scale of a code at bit 2 of its field (2 bits: odd channels / codes)
+    gen = torch.Generator().manual_seed(bits)
+    for trial in range(40):
         words = [int(w) & 0xFFFFFFFF for w in torch.randint(-2**31, 2**31 - 1, (2,), generator=gen)]
         mag = 10.0 ** float(torch.empty(()).uniform_(-4, 1, generator=gen))
         s = [_exact(float(x) * mag, bf16) for x in torch.rand(16, generator=gen) + 0.05]
         z = [_exact(float(x) * mag, bf16) for x in torch.randn(16, generator=gen)]
-        code = lambda w, j: (w >> 2 * j) & 3  # noqa: E731
-        # Keys: one word, 16 channels; the scale of odd channels is handed over divided by 4
-        ops = {8 + i: words[0] for i in range(16)}
-        ops.update({24 + i: _pair(s[2 * i], s[2 * i + 1] / 4, bf16) for i in range(8)})
-        ops.update({32 + i: _pair(z[2 * i], z[2 * i + 1], bf16) for i in range(8)})
-        out = run(key_asm, ops)
-        for i in range(8):
-            want = _pair(*(_exact(code(words[0], c) * s[c] + z[c], bf16) for c in (2 * i, 2 * i + 1)), bf16)
-            _same(out[f"${i}"], want, bf16, (False, s[2 * i + 1] / 4 < 2 ** -14), (trial, "key", i))
+        code = lambda w, j: (w >> bits * j) & ((1 << bits) - 1)  # noqa: E731
+        # Keys: one block of P codes (1 bit: the word's half, pre-shifted to bits 0-15), P channels
+        for shift in ((0, 16) if bits == 1 else (0,)):
+            w = words[0] >> shift
+            ops = {P // 2 + i: w for i in range(P)}
+            ops.update({3 * P // 2 + i: _pair(s[2 * i], s[2 * i + 1] / div, bf16) for i in range(P // 2)})
+            ops.update({2 * P + i: _pair(z[2 * i], z[2 * i + 1], bf16) for i in range(P // 2)})
+            out = run(key_asm, ops)
+            for i in range(P // 2):
+                want = _pair(*(_exact(code(w, c) * s[c] + z[c], bf16) for c in (2 * i, 2 * i + 1)), bf16)
+                _same(out[f"${i}"], want, bf16, (False, div > 1 and s[2 * i + 1] / 4 < 2 ** -14),
+                      (trial, "key", shift, i))
         # Values: two tokens' words (codes 0-7 of the pre-shifted word), one scale / offset per token
-        for shift in (0, 16):
+        for shift in range(0, 32, 8 * bits):
             ops = {8 + i: words[i % 2] >> shift for i in range(16)}
             ops.update({24 + i: _pair(s[0], s[1], bf16) for i in range(8)})
             ops.update({32 + i: _pair(z[0], z[1], bf16) for i in range(8)})
             out = run(value_asm, ops)
             for j in range(8):
                 want = _pair(*(_exact(code(words[t] >> shift, j) * s[t] + z[t], bf16) for t in (0, 1)), bf16)
-                _same(out[f"${j}"], want, bf16, [j % 2 == 1 and s[t] / 4 < 2 ** -14 for t in (0, 1)],
+                _same(out[f"${j}"], want, bf16, [div > 1 and j % 2 == 1 and s[t] / 4 < 2 ** -14 for t in (0, 1)],
                       (trial, "value", shift, j))
         # statistics: s = half * (hi + lo) rounded once in effect, z = center - half exactly rounded
-        hi, lo = dag.split_scale(2 / 3, bf16)
+        a = 2 / (2 ** bits - 1)
+        hi, lo = dag.split_scale(a, bf16)
         out = run(scale_asm, {1: _pair(s[0], s[1], bf16), 2: _pair(hi, hi, bf16), 3: _pair(lo, lo, bf16)})
         for k, h in enumerate(s[:2]):
             got = (out["$0"] >> 16 * k) & 0xFFFF
-            assert abs(got - _bits(_exact(h * 2 / 3, bf16), bf16)) <= 1, (trial, "scale", h, hex(got))
+            assert abs(got - _bits(_exact(h * a, bf16), bf16)) <= 1, (trial, "scale", h, hex(got))
         out = run(offset_asm, {1: _pair(s[0], s[1], bf16), 2: _pair(z[0], z[1], bf16)})
         assert out["$0"] == _pair(_exact(z[0] - s[0], bf16), _exact(z[1] - s[1], bf16), bf16)
