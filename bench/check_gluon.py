@@ -2,7 +2,7 @@
 Triton template, on stores filled by kvq::append (random K/V): relative errors of both, printed (the asserting
 version is tests/test_decode_gluon.py). --time: its time next to the Triton template's and a profile of one call.
 
-    python bench/check_gluon.py [--quick] [--time]
+    python bench/check_gluon.py [--quick] [--time] [--no-check]
 """
 from __future__ import annotations
 
@@ -52,46 +52,58 @@ def check(preset="kivi-2", quick=False):
     print(f"worst gluon/triton error ratio {worst:.2f}")
 
 
-def timing():
-    """kivi-2 decode attention, one call (CUDA-graph timed): the Triton template against the Gluon kernel at 8, 16
-    and 32 one-warp programs per SM (programs_per_sm 16 / 32 / 64), then where one call's GPU time goes."""
+def timing(presets=("kivi-2", "kivi-4", "xquant-1.38"), shapes=((32, 4096), (8, 8192), (1, 65536), (32, 16384))):
+    """Decode attention, one call (CUDA-graph timed, HF's bool mask): the Triton template, the Gluon kernel with
+    plain loads, and with the TMA ring of 2 / 3 / 4 slots; then where one call's GPU time goes (default path)."""
     from torch.profiler import ProfilerActivity, profile
+
+    from bench_decode_attention import pick_layer
+    from kvq_compile.templates import decode_attention_gluon as dag
 
     bw = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()} copy {bw / 1e12:.2f} TB/s")
-    cfg = KVQConfig.preset("kivi-2")
     dtype = torch.bfloat16
-    for B, ctx in ((32, 4096), (8, 8192), (1, 65536), (32, 16384)):
-        ms = random_store(cfg, 0, 1, B, ctx, dtype)
-        lay = ms.layers[0]
-        names, tensors = lay.attend_tensors()
-        bufs = dict(zip(names, tensors))
-        q = torch.randn(B, 32, 1, 128, device="cuda", dtype=dtype)
-        kc = torch.randn(B, 8, 1, 128, device="cuda", dtype=dtype)
-        pos = torch.tensor([ctx - 1], device="cuda")
-        nbytes = bytes_read(lay, B, ctx, dtype)
-        for var in [dict(gluon=False)] + [dict(gluon=True, programs_per_sm=p) for p in (16, 32, 64)]:
-            t = graph_time(lambda: decode_attention(q, bufs, kc, kc, pos, None, 128 ** -0.5, False, cfg, lay.spec,
-                                                    ms.geo, **var))
-            print(f"kivi-2 B={B} ctx={ctx} {var}: {t:.1f} us {nbytes / (t * 1e-6) / bw * 100:.1f}% bw", flush=True)
-        fn = lambda: decode_attention(q, bufs, kc, kc, pos, None, 128 ** -0.5, False, cfg, lay.spec,  # noqa: E731
-                                      ms.geo, gluon=True)
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(20):
+    variants = [("triton", dict(gluon=False), None, 3), ("gluon ldg", dict(gluon=True), False, 3)] + \
+        [(f"gluon tma{n}", dict(gluon=True), True, n) for n in (2, 3, 4)]
+    for preset in presets:
+        cfg = KVQConfig.preset(preset)
+        li = pick_layer(cfg)
+        for B, ctx in shapes:
+            ms = random_store(cfg, li, li + 1, B, ctx, dtype)
+            lay = ms.layers[li]
+            names, tensors = lay.attend_tensors()
+            bufs = dict(zip(names, tensors))
+            q = torch.randn(B, 32, 1, 128, device="cuda", dtype=dtype)
+            kc = torch.randn(B, 8, 1, 128, device="cuda", dtype=dtype)
+            am = torch.ones(B, 1, 1, ctx, dtype=torch.bool, device="cuda")
+            pos = torch.tensor([ctx - 1], device="cuda")
+            nbytes = bytes_read(lay, B, ctx, dtype)
+            line = []
+            for name, kw, tma, nst in variants:
+                dag.USE_TMA, dag.NSTAGES = tma, nst
+                t = graph_time(lambda: decode_attention(q, bufs, kc, kc, pos, am, 128 ** -0.5, False, cfg, lay.spec,
+                                                        ms.geo, **kw))
+                line.append(f"{name} {t:.1f} us ({nbytes / (t * 1e-6) / bw * 100:.0f}%)")
+            dag.USE_TMA, dag.NSTAGES = None, 3
+            print(f"{preset} B={B} ctx={ctx}: " + ", ".join(line), flush=True)
+            fn = lambda: decode_attention(q, bufs, kc, kc, pos, am, 128 ** -0.5, False, cfg, lay.spec,  # noqa: E731
+                                          ms.geo)
+            for _ in range(3):
                 fn()
             torch.cuda.synchronize()
-        for e in prof.key_averages():
-            if e.device_type.name == "CUDA" and e.count:
-                print(f"  profile B={B} ctx={ctx}: {e.key[:40]:40s} {e.device_time_total / e.count:8.1f} us x{e.count}")
-        del ms, bufs, tensors
-        torch.cuda.empty_cache()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(20):
+                    fn()
+                torch.cuda.synchronize()
+            print("  profile: " + ", ".join(f"{e.key[:28]} {e.device_time_total / e.count:.1f} us"
+                                            for e in prof.key_averages() if e.device_type.name == "CUDA" and e.count))
+            del ms, bufs, tensors
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
     torch.manual_seed(0)
-    check(quick="--quick" in sys.argv)
+    if "--no-check" not in sys.argv:
+        check(quick="--quick" in sys.argv)
     if "--time" in sys.argv:
         timing()

@@ -52,8 +52,14 @@ try:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
     HAVE_GLUON = True
+    try:
+        from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+        HAVE_TMA = True
+    except ImportError:
+        HAVE_TMA = False
 except ImportError:  # an older triton: the Triton template serves every layout
-    HAVE_GLUON = False
+    HAVE_GLUON = HAVE_TMA = False
 
 BT = 32      # tokens per tile: one Key group
 D = 128      # head_dim
@@ -278,7 +284,7 @@ if HAVE_GLUON:
             H: gl.constexpr, REP: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
             TPG_K: gl.constexpr, TPG_V: gl.constexpr, MASK_KIND: gl.constexpr, IS_BF16: gl.constexpr,
             BT: gl.constexpr, KBITS: gl.constexpr, VBITS: gl.constexpr, KA_HI: gl.constexpr, KA_LO: gl.constexpr,
-            VA_HI: gl.constexpr, VA_LO: gl.constexpr, NWIN: gl.constexpr):
+            VA_HI: gl.constexpr, VA_LO: gl.constexpr, NWIN: gl.constexpr, TMA: gl.constexpr, NST: gl.constexpr):
         bh = gl.program_id(0)
         split = gl.program_id(1)
         b = bh // H
@@ -354,11 +360,32 @@ if HAVE_GLUON:
         vhi = gl.full([BT, 8], VA_HI, dt, VW)
         vlo = gl.full([BT, 8], VA_LO, dt, VW)
 
-        bh64 = bh.to(gl.int64)
-        kc_base = KC + bh64 * T * KW_
-        ks_base = bh64 * NG_K * D
-        vc_base = VC + bh64 * T * VW_
-        vs_base = bh64 * T * 4
+        if TMA:  # a ring of NST tiles in shared memory, filled by the tensor-memory accelerator
+            kbuf = gl.allocate_shared_memory(gl.int32, [NST, BT, KW_], KC.layout)
+            vbuf = gl.allocate_shared_memory(gl.int32, [NST, BT, VW_], VC.layout)
+            khbuf = gl.allocate_shared_memory(dt, [NST, 1, D], KHALF.layout)
+            kzbuf = gl.allocate_shared_memory(dt, [NST, 1, D], KCEN.layout)
+            vhbuf = gl.allocate_shared_memory(dt, [NST, BT * 4], VHALF.layout)
+            vzbuf = gl.allocate_shared_memory(dt, [NST, BT * 4], VCEN.layout)
+            bars = gl.allocate_shared_memory(gl.int64, [NST, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(NST):
+                mbarrier.init(bars.index(i), count=1)
+            NBYTES: gl.constexpr = BT * (KW_ + VW_) * 4 + 4 * D + 16 * BT
+            row0 = bh * T
+            grow0 = bh * NG_K
+            for i in gl.static_range(NST):
+                _issue(KC, VC, KHALF, KCEN, VHALF, VCEN, kbuf.index(i), vbuf.index(i), khbuf.index(i),
+                       kzbuf.index(i), vhbuf.index(i), vzbuf.index(i), bars.index(i), row0, grow0, start + i * BT, S,
+                       i < n_iter, NBYTES)
+            L4: gl.constexpr = gl.DistributedLinearLayout(   # [BT, 4] as VW without w % 2 (lane bit 2 broadcasts)
+                reg_bases=[[1, 0], [8, 0], [16, 0]], lane_bases=[[2, 0], [4, 0], [0, 0], [0, 1], [0, 2]],
+                warp_bases=[], block_bases=[], shape=[BT, 4])
+        else:
+            bh64 = bh.to(gl.int64)
+            kc_base = KC + bh64 * T * KW_
+            ks_base = bh64 * NG_K * D
+            vc_base = VC + bh64 * T * VW_
+            vs_base = bh64 * T * 4
 
         # q [16, 128] in the Key mma's reduction order
         qm = gl.arange(0, 16, layout=gl.SliceLayout(1, a_l))
@@ -378,9 +405,19 @@ if HAVE_GLUON:
 
         for it in range(0, n_iter):
             t0 = start + it * BT
-            kwords, kh, kcen, vwords, vh, vcen = _load_tile(kc_base, KHALF, KCEN, vc_base, VHALF, VCEN, ks_base,
-                                                            vs_base, t0, stop, S, koff, schan, kt, voff, vsoff, vt,
-                                                            BT, D, KW_, VW_, VBITS)
+            if TMA:
+                st = it % NST
+                mbarrier.wait(bars.index(st), (it // NST) & 1)
+                kwords, kh, kcen, vwords, vh, vcen = _smem_tile(kbuf.index(st), vbuf.index(st), khbuf.index(st),
+                                                                kzbuf.index(st), vhbuf.index(st), vzbuf.index(st),
+                                                                KW, KS, VW, VW3, L4, BT, D, KBITS, VBITS, KP)
+                vvalid = gl.expand_dims((t0 + vt) < stop, 1)
+                vh = gl.where(vvalid, vh, 0.0)   # statistics past the slice may be unwritten memory
+                vcen = gl.where(vvalid, vcen, 0.0)
+            else:
+                kwords, kh, kcen, vwords, vh, vcen = _load_tile(kc_base, KHALF, KCEN, vc_base, VHALF, VCEN, ks_base,
+                                                                vs_base, t0, stop, S, koff, schan, kt, voff, vsoff,
+                                                                vt, BT, D, KW_, VW_, VBITS)
             if KBITS == 1:
                 kwords = kwords >> kshift
             ks, kz = _scale_offset(kh, kcen, khi, klo, IS_BF16)
@@ -430,6 +467,10 @@ if HAVE_GLUON:
             a_lo, a_hi = gl.split(alpha.reshape([2, 8]).permute([1, 0]))
             a8 = gl.convert_layout(a_lo, gl.SliceLayout(0, mma))
             acc = mma_v2(vv, pt, acc * gl.expand_dims(a8, 0))
+            if TMA:  # the ring slot just read takes the tile NST ahead (its registers are consumed by now)
+                _issue(KC, VC, KHALF, KCEN, VHALF, VCEN, kbuf.index(st), vbuf.index(st), khbuf.index(st),
+                       kzbuf.index(st), vhbuf.index(st), vzbuf.index(st), bars.index(st), row0, grow0,
+                       t0 + NST * BT, S, it + NST < n_iter, NBYTES)
 
         # partial results, as `_decode_kernel` writes them (rows REP..15 are never read): output channels back
         # in channel order
@@ -443,6 +484,49 @@ if HAVE_GLUON:
         o8 = (bh * 16 + r8) * (NSPLIT + NWIN) + split
         gl.store(OUT_ACC + gl.expand_dims(o8, 0) * 128 + gl.expand_dims(chan, 1), acc,
                  mask=gl.expand_dims(r8 < REP, 0))
+
+    @gluon.jit
+    def _issue(KC, VC, KHALF, KCEN, VHALF, VCEN, kb, vb, khb, kzb, vhb, vzb, bar, row0, grow0, t0, S: gl.constexpr,
+               pred, NBYTES: gl.constexpr):
+        """Start the copies of the tile at t0 into one ring slot (codes [BT, W] rows, the Key group's statistics
+        row, the Values' [BT * 4] statistics); `bar` completes when all NBYTES have landed."""
+        mbarrier.expect(bar, NBYTES, pred=pred)
+        tma.async_copy_global_to_shared(KC, [row0 + t0, 0], bar, kb, pred=pred)
+        tma.async_copy_global_to_shared(VC, [row0 + t0, 0], bar, vb, pred=pred)
+        g = grow0 + (t0 - S) // 32
+        tma.async_copy_global_to_shared(KHALF, [g, 0], bar, khb, pred=pred)
+        tma.async_copy_global_to_shared(KCEN, [g, 0], bar, kzb, pred=pred)
+        tma.async_copy_global_to_shared(VHALF, [(row0 + t0) * 4], bar, vhb, pred=pred)
+        tma.async_copy_global_to_shared(VCEN, [(row0 + t0) * 4], bar, vzb, pred=pred)
+
+    @gluon.jit
+    def _widen(x4, VW: gl.constexpr, BT: gl.constexpr):
+        """[BT, 4] -> [BT, 8] (column w reads column w // 2), in the layout VW."""
+        return gl.convert_layout(gl.join(x4, x4).reshape([BT, 8]), VW)
+
+    @gluon.jit
+    def _smem_tile(kb, vb, khb, kzb, vhb, vzb, KW: gl.constexpr, KS: gl.constexpr, VW: gl.constexpr,
+                   VW3: gl.constexpr, L4: gl.constexpr, BT: gl.constexpr, D: gl.constexpr, KBITS: gl.constexpr,
+                   VBITS: gl.constexpr, KP: gl.constexpr):
+        """One ring slot into registers, in the layouts `_load_tile` returns (Key words at 1 bit unshifted)."""
+        flat3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
+        flat2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+        if KBITS == 1:   # word b of each token; the block a is its half (shifted by the caller)
+            kwords = gl.expand_dims(kb._reinterpret(gl.int32, [BT, 4], flat2).permute([1, 0]).load(
+                gl.SliceLayout(0, KW)), 0)
+        else:            # word a + (KBITS / KBW) b, i.e. [BT, 4 (b), NA (a)]
+            kwords = kb._reinterpret(gl.int32, [BT, 4, 32 // KP], flat3).permute([2, 1, 0]).load(KW)
+        kh = khb._reinterpret(khb.dtype, [4, 32 // KP, KP], flat3).permute([1, 0, 2]).load(KS)
+        kcen = kzb._reinterpret(kzb.dtype, [4, 32 // KP, KP], flat3).permute([1, 0, 2]).load(KS)
+        if VBITS == 4:
+            vwords = vb._reinterpret(gl.int32, [BT, 8, 2], flat3).load(VW3)
+        elif VBITS == 2:
+            vwords = gl.expand_dims(vb._reinterpret(gl.int32, [BT, 8], flat2).load(VW), 2)
+        else:
+            vwords = gl.expand_dims(_widen(vb._reinterpret(gl.int32, [BT, 4], flat2).load(L4), VW, BT), 2)
+        vh = _widen(vhb._reinterpret(vhb.dtype, [BT, 4], flat2).load(L4), VW, BT)
+        vcen = _widen(vzb._reinterpret(vzb.dtype, [BT, 4], flat2).load(L4), VW, BT)
+        return kwords, kh, kcen, vwords, vh, vcen
 
     @gluon.jit
     def _load_tile(kc_base, KHALF, KCEN, vc_base, VHALF, VCEN, ks_base, vs_base, t0, stop, S: gl.constexpr, koff,
@@ -499,20 +583,51 @@ def enabled() -> bool:
     return HAVE_GLUON and os.environ.get("KVQ_GLUON", "1") != "0"
 
 
+NSTAGES = 3       # ring slots of the TMA path: tiles in flight per program
+USE_TMA = None    # the TMA path: None = on compute capability 9.0 and newer (bench/check_gluon.py flips these)
+
+
+def descriptors(kp: dict, vp: dict, kbits: int, vbits: int) -> list:
+    """Host TMA descriptors of the store, in the kernel's argument order (KC, KCEN, KHALF, VC, VCEN, VHALF): codes
+    as [rows, words per token] (a block: one tile's rows), the Keys' statistics as [group rows, 128] (one row), the
+    Values' as flat [T * 4] (one tile's 128 entries; a flat view keeps odd tile starts, e.g. after a 33-token sink,
+    addressable)."""
+    import torch
+
+    def desc(t, block, bits):
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=len(block))
+        return TensorDescriptor.from_tensor(t, block, layout)
+
+    sbits = 16 if kp["half"].dtype in (torch.float16, torch.bfloat16) else 32
+    return [desc(kp["codes"].view(-1, 4 * kbits), [BT, 4 * kbits], 32),
+            desc(kp["cen"].view(-1, D), [1, D], sbits), desc(kp["half"].view(-1, D), [1, D], sbits),
+            desc(vp["codes"].view(-1, 4 * vbits), [BT, 4 * vbits], 32),
+            desc(vp["cen"].view(-1), [BT * 4], sbits), desc(vp["half"].view(-1), [BT * 4], sbits)]
+
+
 def launch(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int, m_buf, l_buf, acc_buf,
            scale: float, T: int, ng_k: int, nsplit: int, nwin: int, H: int, rep: int, sink: int, recent: int,
-           tpg_v: int, kbits: int, vbits: int):
+           tpg_v: int, kbits: int, vbits: int, use_tma: bool | None = None):
     """Run the quantized-region launch into slots [0, nsplit) of the partial buffers (grid (B * H, nsplit); each
-    row has nsplit + nwin slots, the last nwin the window launch's)."""
+    row has nsplit + nwin slots, the last nwin the window launch's). use_tma: stream the tiles through shared memory
+    with the tensor-memory accelerator (None: `USE_TMA`)."""
     import torch
 
     B = query.shape[0]
     bf16 = query.dtype == torch.bfloat16
     ka_hi, ka_lo = split_scale(2.0 / (2 ** kbits - 1), bf16)
     va_hi, va_lo = split_scale(2.0 / (2 ** vbits - 1), bf16)
+    if use_tma is None:
+        use_tma = USE_TMA
+    if use_tma is None:
+        use_tma = HAVE_TMA and torch.cuda.get_device_capability(query.device) >= (9, 0)
+    if use_tma:
+        stores = descriptors(kp, vp, kbits, vbits)
+    else:
+        stores = [kp["codes"], kp["cen"], kp["half"], vp["codes"], vp["cen"], vp["half"]]
     return _kivi_decode_kernel[(B * H, nsplit)](
-        query, query.stride(0), query.stride(1), kp["codes"], kp["cen"], kp["half"], vp["codes"], vp["cen"],
-        vp["half"], positions, amask, smb, m_buf, l_buf, acc_buf, float(scale), T, ng_k, nsplit,
+        query, query.stride(0), query.stride(1), *stores, positions, amask, smb, m_buf, l_buf, acc_buf,
+        float(scale), T, ng_k, nsplit,
         H=H, REP=rep, S=sink, R=recent, TPG_K=32, TPG_V=tpg_v, MASK_KIND=mask_kind,
         IS_BF16=bf16, BT=BT, KBITS=kbits, VBITS=vbits, KA_HI=ka_hi, KA_LO=ka_lo, VA_HI=va_hi, VA_LO=va_lo,
-        NWIN=nwin, num_warps=1)
+        NWIN=nwin, TMA=use_tma, NST=NSTAGES, num_warps=1)
