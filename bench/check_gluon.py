@@ -84,8 +84,13 @@ def timing(presets=("kivi-2", "kivi-4", "xquant-1.38"), shapes=((32, 4096), (8, 
                 t = graph_time(lambda: decode_attention(q, bufs, kc, kc, pos, am, 128 ** -0.5, False, cfg, lay.spec,
                                                         ms.geo, **kw))
                 line.append(f"{name} {t:.1f} us ({nbytes / (t * 1e-6) / bw * 100:.0f}%)")
-            dag.USE_TMA, dag.NSTAGES = None, 3
+            dag.USE_TMA, dag.NSTAGES = None, 2
             print(f"{preset} B={B} ctx={ctx}: " + ", ".join(line), flush=True)
+            if preset == presets[0]:  # the window launch's tile (the Gluon launch ignores block_t)
+                for bt, nw in ((16, 4), (32, 4), (32, 2), (64, 4), (64, 8), (128, 8)):
+                    t = graph_time(lambda: decode_attention(q, bufs, kc, kc, pos, am, 128 ** -0.5, False, cfg,
+                                                            lay.spec, ms.geo, block_t=bt, window_warps=nw))
+                    print(f"  window block_t={bt} warps={nw}: {t:.1f} us", flush=True)
             fn = lambda: decode_attention(q, bufs, kc, kc, pos, am, 128 ** -0.5, False, cfg, lay.spec,  # noqa: E731
                                           ms.geo)
             for _ in range(3):

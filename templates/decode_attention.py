@@ -671,7 +671,7 @@ def _num_splits(bh: int, max_len: int, block_t: int, device, programs_per_sm: in
 def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale: float, is_causal: bool,
                      cfg, spec, geo, block_t: int | None = None, num_splits: int | None = None,
                      num_warps: int = 4, num_stages: int = 2, post_scaling: bool = True,
-                     programs_per_sm: int = 16, out=None, gluon: bool | None = None):
+                     programs_per_sm: int = 16, out=None, gluon: bool | None = None, window_warps: int = 4):
     """kvq::attend for one query token per sequence (decode), entirely on the device.
 
     query [B, Hq, 1, D]; bufs: the layer's attend tensors by name (store.LayerStore.attend_tensors);
@@ -683,7 +683,7 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
     gluon: run the quantized region through `decode_attention_gluon` where it supports the layout (None: unless
     KVQ_GLUON=0; False: never; True: required, ValueError where unsupported). That launch has its own fixed
     configuration (32-token tiles, one warp): block_t, num_warps and num_stages then apply to the window launch only
-    (block_t) or not at all."""
+    (block_t) or not at all. window_warps: warps of each window-launch program."""
     import torch
 
     B, Hq, n, D = query.shape
@@ -757,7 +757,7 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
         else:
             LAST_KERNELS["main"] = _decode_kernel[(B * H, nsplit)](*args, **consts, WINDOW=False,
                                                                    num_warps=num_warps, num_stages=num_stages)
-        LAST_KERNELS["window"] = _decode_kernel[(B * H, nwin)](*args, **consts, WINDOW=True, num_warps=4,
+        LAST_KERNELS["window"] = _decode_kernel[(B * H, nwin)](*args, **consts, WINDOW=True, num_warps=window_warps,
                                                                num_stages=1)
 
     if cfg.softmax_tau is not None:

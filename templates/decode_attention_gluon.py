@@ -583,7 +583,7 @@ def enabled() -> bool:
     return HAVE_GLUON and os.environ.get("KVQ_GLUON", "1") != "0"
 
 
-NSTAGES = 3       # ring slots of the TMA path: tiles in flight per program
+NSTAGES = 2       # ring slots of the TMA path: 2 was best of 2 / 3 / 4 (bench/RESULTS.md, session 10)
 USE_TMA = None    # the TMA path: None = on compute capability 9.0 and newer (bench/check_gluon.py flips these)
 
 
@@ -621,6 +621,9 @@ def launch(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int
         use_tma = USE_TMA
     if use_tma is None:
         use_tma = HAVE_TMA and torch.cuda.get_device_capability(query.device) >= (9, 0)
+    # a TMA box starts 16-byte aligned in its innermost dimension: the Values' statistics (8 bytes a token) need an
+    # even first row, i.e. an even sink and cache length (an odd start faults with an illegal instruction)
+    use_tma = use_tma and sink % 2 == 0 and T % 2 == 0
     if use_tma:
         stores = descriptors(kp, vp, kbits, vbits)
     else:

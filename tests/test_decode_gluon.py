@@ -143,7 +143,9 @@ CASES = [  # B, H, rep, T, n0, sink, magnitude of K / V
     (2, 2, 4, 640, 600, None, 1.0), (3, 1, 3, 700, 333, None, 1.0), (1, 3, 1, 512, 200, None, 1.0),
     (2, 2, 8, 1100, 1031, None, 1.0), (1, 1, 5, 300, 160, None, 1.0),
     (2, 2, 4, 700, 100, None, 1.0),    # L <= R: nothing quantized yet, every Gluon program empty
-    (2, 2, 4, 700, 650, 33, 1.0),      # a sink: the quantized region starts at 33 (groups counted from there)
+    (2, 2, 4, 700, 650, 33, 1.0),      # a sink: the quantized region starts at 33 (groups counted from there);
+                                       # an odd start: plain loads (a TMA box of Value statistics would be misaligned)
+    (1, 2, 4, 701, 600, 34, 1.0),      # an even sink (the TMA path), an odd cache length (plain loads)
     (2, 1, 4, 900, 800, None, 1e-3),   # small statistics (fp16 scales near the subnormal range)
 ]
 
@@ -155,7 +157,7 @@ GPU_CASES = [("kivi-2", c, m) for c in CASES for m in (None, "bool", "additive",
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("layout,case,mask", GPU_CASES)
-def test_matches_reference_on_gpu(dtype, layout, case, mask):
+def test_matches_reference_on_gpu(dtype, layout, case, mask, monkeypatch):
     """Against the reference op (relative error) and the Triton template on the same store (max difference within
     four times the template's own error: the Gluon kernel's values are rounded once more, measured at up to 2.2x
     the template's error at 2 bits; larger slips at a slice, group or window boundary show)."""
@@ -168,8 +170,9 @@ def test_matches_reference_on_gpu(dtype, layout, case, mask):
     bufs = dict(zip(names, tensors))
     ref = attend_cpu_reference(q, tensors, k, v, p, am, 128 ** -0.5, False, lay.descriptor(names)).float()
     tol = 1.5e-2 if dtype == torch.bfloat16 else 3e-3
-    for ns, bt in ((None, None), (1, 16), (7, 64)):
+    for ns, bt, tma in ((None, None, None), (1, 16, False), (7, 64, True)):  # tma: the Gluon launch's TMA ring
         kw = dict(num_splits=ns, block_t=bt)
+        monkeypatch.setattr(dag, "USE_TMA", tma)
         out = da.decode_attention(q, bufs, k, v, p, am, 128 ** -0.5, False, cfg, lay.spec, ms.geo, gluon=True,
                                   **kw).float()
         tri = da.decode_attention(q, bufs, k, v, p, am, 128 ** -0.5, False, cfg, lay.spec, ms.geo, gluon=False,
