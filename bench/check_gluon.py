@@ -54,7 +54,8 @@ def check(preset="kivi-2", quick=False):
 
 def timing(presets=("kivi-2", "kivi-4", "xquant-1.38"), shapes=((32, 4096), (8, 8192), (1, 65536), (32, 16384))):
     """Decode attention, one call (CUDA-graph timed, HF's bool mask): the Triton template, the Gluon kernel with
-    plain loads, and with the TMA ring of 2 / 3 / 4 slots; then where one call's GPU time goes (default path)."""
+    plain loads, with the TMA ring (2 slots) and the window launch after it or beside it (the default); then where
+    one call's GPU time goes (default path)."""
     from torch.profiler import ProfilerActivity, profile
 
     from bench_decode_attention import pick_layer
@@ -63,8 +64,9 @@ def timing(presets=("kivi-2", "kivi-4", "xquant-1.38"), shapes=((32, 4096), (8, 
     bw = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()} copy {bw / 1e12:.2f} TB/s")
     dtype = torch.bfloat16
-    variants = [("triton", dict(gluon=False), None, 3), ("gluon ldg", dict(gluon=True), False, 3)] + \
-        [(f"gluon tma{n}", dict(gluon=True), True, n) for n in (2, 3, 4)]
+    variants = [("triton", dict(gluon=False), None, 2), ("gluon ldg", dict(gluon=True), False, 2),
+                ("gluon tma2 serial", dict(gluon=True, overlap=False), True, 2),
+                ("gluon tma2 overlapped", dict(gluon=True), True, 2)]
     for preset in presets:
         cfg = KVQConfig.preset(preset)
         li = pick_layer(cfg)
@@ -86,11 +88,6 @@ def timing(presets=("kivi-2", "kivi-4", "xquant-1.38"), shapes=((32, 4096), (8, 
                 line.append(f"{name} {t:.1f} us ({nbytes / (t * 1e-6) / bw * 100:.0f}%)")
             dag.USE_TMA, dag.NSTAGES = None, 2
             print(f"{preset} B={B} ctx={ctx}: " + ", ".join(line), flush=True)
-            if preset == presets[0]:  # the window launch's tile (the Gluon launch ignores block_t)
-                for bt, nw in ((16, 4), (32, 4), (32, 2), (64, 4), (64, 8), (128, 8)):
-                    t = graph_time(lambda: decode_attention(q, bufs, kc, kc, pos, am, 128 ** -0.5, False, cfg,
-                                                            lay.spec, ms.geo, block_t=bt, window_warps=nw))
-                    print(f"  window block_t={bt} warps={nw}: {t:.1f} us", flush=True)
             fn = lambda: decode_attention(q, bufs, kc, kc, pos, am, 128 ** -0.5, False, cfg, lay.spec,  # noqa: E731
                                           ms.geo)
             for _ in range(3):
