@@ -34,7 +34,6 @@ TAU_PHASE 0 plain softmax / 1 range pass (max, min of s) / 2 calibrated pass (s 
 """
 from __future__ import annotations
 
-import contextlib
 import os
 
 import triton
@@ -669,34 +668,10 @@ def _num_splits(bh: int, max_len: int, block_t: int, device, programs_per_sm: in
     return max(1, min(-(-programs_per_sm * sms // bh), max_len // (2 * block_t), 1024))
 
 
-class _SideStream:
-    """`with _SideStream(device):` runs its body on a second stream that first waits for the current one; on exit
-    the current stream waits for it (a fork and a join: CUDA-graph capture records both as graph edges)."""
-    _streams: dict = {}
-
-    def __init__(self, device):
-        import torch
-
-        if device not in self._streams:
-            self._streams[device] = torch.cuda.Stream(device)
-        self.side = self._streams[device]
-        self.main = torch.cuda.current_stream(device)
-        self.ctx = torch.cuda.stream(self.side)
-
-    def __enter__(self):
-        self.side.wait_stream(self.main)
-        self.ctx.__enter__()
-
-    def __exit__(self, *exc):
-        self.ctx.__exit__(*exc)
-        self.main.wait_stream(self.side)
-
-
 def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale: float, is_causal: bool,
                      cfg, spec, geo, block_t: int | None = None, num_splits: int | None = None,
                      num_warps: int = 4, num_stages: int = 2, post_scaling: bool = True,
-                     programs_per_sm: int = 16, out=None, gluon: bool | None = None, window_warps: int = 4,
-                     overlap: bool = True):
+                     programs_per_sm: int = 16, out=None, gluon: bool | None = None, window_warps: int = 4):
     """kvq::attend for one query token per sequence (decode), entirely on the device.
 
     query [B, Hq, 1, D]; bufs: the layer's attend tensors by name (store.LayerStore.attend_tensors);
@@ -709,8 +684,7 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
     KVQ_GLUON=0; False: never; True: required, ValueError where unsupported). That launch has its own fixed
     configuration (32-token tiles, one warp): block_t, num_warps and num_stages then apply to the window launch only
     (block_t) or not at all; block_t None then means 32 (faster than 64 by 2-7% on an H100, session 10).
-    window_warps: warps of each window-launch program. overlap: with the Gluon launch, run the window launch on a
-    second stream beside it."""
+    window_warps: warps of each window-launch program."""
     import torch
 
     B, Hq, n, D = query.shape
@@ -770,10 +744,6 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
         raise ValueError(f"out must be a contiguous {query.dtype} tensor of shape {(B, Hq, 1, D)}, got "
                          f"{out.dtype} {tuple(out.shape)} with strides {out.stride()}")
     ieee = query.dtype == torch.float32
-    # The window launch runs beside the Gluon launch on a second stream: the two write disjoint slots, and the
-    # one-warp Gluon programs leave room on every SM. It took 10-26 us after the main launch (bench/RESULTS.md,
-    # session 10); the combine waits for both.
-    side = _SideStream(query.device) if use_gluon and overlap else contextlib.nullcontext()
 
     def launch(phase, temp):
         args = (query, query.stride(0), query.stride(1),
@@ -791,9 +761,8 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
         else:
             LAST_KERNELS["main"] = _decode_kernel[(B * H, nsplit)](*args, **consts, WINDOW=False,
                                                                    num_warps=num_warps, num_stages=num_stages)
-        with side:
-            LAST_KERNELS["window"] = _decode_kernel[(B * H, nwin)](*args, **consts, WINDOW=True,
-                                                                   num_warps=window_warps, num_stages=1)
+        LAST_KERNELS["window"] = _decode_kernel[(B * H, nwin)](*args, **consts, WINDOW=True, num_warps=window_warps,
+                                                               num_stages=1)
 
     if cfg.softmax_tau is not None:
         launch(1, query)
