@@ -584,7 +584,7 @@ def enabled() -> bool:
 
 
 NSTAGES = 2       # ring slots of the TMA path: 2 was best of 2 / 3 / 4 (bench/RESULTS.md, session 10)
-USE_TMA = None    # the TMA path: None = on compute capability 9.0 and newer (bench/check_gluon.py flips these)
+USE_TMA = None    # the TMA path: None = on compute capability 9.0+ while capturing a CUDA graph (check_gluon.py flips it)
 
 
 def descriptors(kp: dict, vp: dict, kbits: int, vbits: int) -> list:
@@ -610,7 +610,7 @@ def launch(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int
            tpg_v: int, kbits: int, vbits: int, use_tma: bool | None = None):
     """Run the quantized-region launch into slots [0, nsplit) of the partial buffers (grid (B * H, nsplit); each
     row has nsplit + nwin slots, the last nwin the window launch's). use_tma: stream the tiles through shared memory
-    with the tensor-memory accelerator (None: `USE_TMA`)."""
+    with the tensor-memory accelerator (None: `USE_TMA`, whose None means on sm_90+ inside CUDA-graph capture)."""
     import torch
 
     B = query.shape[0]
@@ -619,8 +619,11 @@ def launch(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int
     va_hi, va_lo = split_scale(2.0 / (2 ** vbits - 1), bf16)
     if use_tma is None:
         use_tma = USE_TMA
-    if use_tma is None:
-        use_tma = HAVE_TMA and torch.cuda.get_device_capability(query.device) >= (9, 0)
+    if use_tma is None:  # only where the launch is recorded into a CUDA graph: six host descriptors cost ~50 us of
+        # Python per call, plus their encoding at every launch (an 8-layer decode step without graphs went from 4.77
+        # to 5.66 ms of wall-clock, bench/RESULTS.md, session 10); a replay pays neither
+        use_tma = HAVE_TMA and torch.cuda.get_device_capability(query.device) >= (9, 0) \
+            and torch.cuda.is_current_stream_capturing()
     # a TMA box starts 16-byte aligned in its innermost dimension: the Values' statistics (8 bytes a token) need an
     # even first row, i.e. an even sink and cache length (an odd start faults with an illegal instruction)
     use_tma = use_tma and sink % 2 == 0 and T % 2 == 0
