@@ -619,9 +619,9 @@ def launch(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int
     va_hi, va_lo = split_scale(2.0 / (2 ** vbits - 1), bf16)
     if use_tma is None:
         use_tma = USE_TMA
-    if use_tma is None:  # only where the launch is recorded into a CUDA graph: six host descriptors cost ~50 us of
-        # Python per call, plus their encoding at every launch (an 8-layer decode step without graphs went from 4.77
-        # to 5.66 ms of wall-clock, bench/RESULTS.md, session 10); a replay pays neither
+    if use_tma is None:  # only where the launch is recorded into a CUDA graph: building the six host descriptors
+        # takes ~50 us of Python per call (measured on the 2-core CI machine), plus their encoding at every launch;
+        # a graph replay pays neither, a host-bound decode step would pay it per layer
         use_tma = HAVE_TMA and torch.cuda.get_device_capability(query.device) >= (9, 0) \
             and torch.cuda.is_current_stream_capturing()
     # a TMA box starts 16-byte aligned in its innermost dimension: the Values' statistics (8 bytes a token) need an
