@@ -6,19 +6,25 @@ blocked layout that Triton then converts into the mma operand layout through sha
 costs ~5 instructions per element and holds the kernel to 14-21% of copy bandwidth (bench/RESULTS.md, sessions
 3 and 8). Gluon (`triton.experimental.gluon`, shipped with triton 3.6) declares every layout, so each lane loads
 exactly the packed words its mma fragments need and one inline-PTX block per word writes the dequantized
-f16x2 / bf16x2 operand registers: `prmt` (replicate or interleave a byte), `lop3` (two code bits into the
-mantissa of the magic number M = 1024 (fp16) / 128 (bf16), at bit 0 or 2), an exact `add` of -M, one `fma` with
-the group's scale (divided by 4 for codes at bit 2) and offset. The blocks are checked bit by bit on the CPU by
-a small PTX interpreter (tests/test_decode_gluon.py); Gluon has no interpreter mode, so the kernel itself runs
-on a GPU only.
+f16x2 / bf16x2 operand registers: `prmt` (replicate or interleave a byte, or pair it with the word shifted by one
+code), `lop3` (a code into the mantissa of the magic number M = 1024 (fp16) / 128 (bf16)), an exact `add` of -M,
+one `fma` with the group's scale (at 2 bits divided by 4 for codes at bit 2) and offset. The blocks are checked
+bit by bit on the CPU by a small PTX interpreter (tests/test_decode_gluon.py); Gluon has no interpreter mode, so
+the kernel itself runs on a GPU only.
 
-Scope (`supports`): the layout of kivi-2 (and xquant's 2-bit layers): 2-bit asymmetric uniform codes, Keys
-per channel in groups of 32 tokens (statistics rows [NG, D]), Values per token in groups of 32 channels
-(statistics [T, D / 32]), head_dim 128, at most 8 query heads per KV head, fp16 or bf16, an attention mask of
-one row per sequence (HF's decode mask) or none. Everything else runs the Triton template, as do the exact
-windows (sink, ring, chunk) of every layout: this kernel writes the same (max, sum, acc) partial results into
-slots [0, NSPLIT) that `_decode_kernel` would, its window launch slots [NSPLIT, NSPLIT + NWIN), and
-`_combine_kernel` merges them.
+Scope (`supports`): KIVI's layout at 1, 2 or 4 bits per side (kivi-2, kivi-4, xquant's 2-bit / 1-bit layers,
+shared codes included): asymmetric uniform codes, Keys per channel in groups of 32 tokens (statistics rows
+[NG, D]), Values per token in groups of 32 channels (statistics [T, D / 32]), head_dim 128, at most 8 query heads
+per KV head, fp16 or bf16, an attention mask of one row per sequence (HF's decode mask) or none. Everything else
+runs the Triton template, as do the exact windows (sink, ring, chunk) of every layout: this kernel writes the
+same (max, sum, acc) partial results into slots [0, NSPLIT) that `_decode_kernel` would, its window launch slots
+[NSPLIT, NSPLIT + NWIN), and `_combine_kernel` merges them.
+
+Loads (TMA): on sm_90+ inside CUDA-graph capture (`launch`), each tile's codes and statistics are copied by the
+tensor-memory accelerator into a ring of NST shared-memory slots (one mbarrier each; the slot just read takes the
+tile NST ahead), then read into the same register layouts; 7-15% faster than plain loads at 2 and 4 bits on an
+H100 (bench/RESULTS.md, session 10). Otherwise (and for an odd sink or cache length, where a Value-statistics
+box would start misaligned) every lane loads its words from global memory.
 
 Math (one program = one KV head of one sequence and one slice of the quantized region, one warp):
     k[t, c] = s_k[g, c] * code + z_k[g, c]     s = half * 2 / (2^B - 1), z = center - half, g = (t - S) // 32
@@ -26,22 +32,23 @@ Math (one program = one KV head of one sequence and one slice of the quantized r
     per 32-token tile: logits = q @ k^T (mma m16n8k16, the <= 8 query rows padded to 16), online softmax in base
     2, acc^T = acc^T * alpha + v^T @ p^T (m16n8k16 with the 8 query rows as its columns).
     Scale and offset are rounded to the cache dtype before the multiply-add (one rounding of the value after
-    it): values can differ from the reference's fp32 dequantization by about one unit in the last place; fp16
-    scales below 2^-12 lose bits in the division by 4 (at most 3 * 2^-23 absolute).
+    it): values can differ from the reference's fp32 dequantization by about one unit in the last place; at 2
+    bits fp16 scales below 2^-12 lose bits in the division by 4 (at most 3 * 2^-23 absolute).
 
 Layouts (one warp; the mma B fragment of m16n8k16 gives lane l the reduction indices 2(l%4) + {0, 1, 8, 9}
 of every 16 and the column l/4 of every 8). The reduction index of the Key mma is a permutation of the
-channel, so that each lane's 32 channels of a token are two whole words (q is loaded in the same order):
-    k = 64a + 32c3 + 16c2 + 8c1 + 4b1 + 2b0 + c0  <->  channel 32b + 16a + c   (c = c0 + 2c1 + 4c2 + 8c3)
+channel, so that each lane's 32 channels of a token are whole asm blocks of P codes (P = 16 at 1 and 2 bits: a
+word or half of one; 8 at 4 bits: a word); q is loaded in the same order, the same at every width:
+    k = 64x4 + 32x3 + 16x2 + 8x1 + 4b1 + 2b0 + x0  <->  channel 32b + x   (x = P a + c: block a, code c)
 The row of the transposed Value mma (v^T as its A operand) is a permutation of the channel, so that each lane's
-16 rows are one word (the partial results are stored back in channel order):
+16 rows of a token are one 16-channel chunk (the partial results are stored back in channel order):
     n = 8j + w  <->  channel 16w + j.
 
 Glossary: BT tokens per tile (= the Key group, 32); REP query heads per KV head (<= 8); S sink tokens, R recent
 tokens, TPG_K / TPG_V tokens per group of each side (the fill boundary); MASK_KIND 0 none / 1 bool / 2
-additive; IS_BF16 the cache dtype; NSPLIT slices of the quantized region per KV head, NWIN programs of the
-window launch (partial-result slots per row: NSPLIT + NWIN); A_HI + A_LO the level spacing 2/3 in two terms of
-the cache dtype.
+additive; IS_BF16 the cache dtype; KBITS / VBITS the code widths; NSPLIT slices of the quantized region per KV
+head, NWIN programs of the window launch (partial-result slots per row: NSPLIT + NWIN); KA_HI + KA_LO (VA_*) the
+level spacing 2 / (2^B - 1) of each side in two terms of the cache dtype; TMA the shared-memory ring of NST slots.
 """
 from __future__ import annotations
 
