@@ -23,7 +23,7 @@ same (max, sum, acc) partial results into slots [0, NSPLIT) that `_decode_kernel
 Loads (TMA): on sm_90+ inside CUDA-graph capture (`launch`), each tile's codes and statistics are copied by the
 tensor-memory accelerator into a ring of NST shared-memory slots (one mbarrier each; the slot just read takes the
 tile NST ahead), then read into the same register layouts; 7-15% faster than plain loads at 2 and 4 bits on an
-H100 (bench/RESULTS.md, session 10). Otherwise (and for an odd sink or cache length, where a Value-statistics
+H100, no faster with 1-bit Values (bench/RESULTS.md, session 10). Used at every width. Otherwise (and for an odd sink or cache length, where a Value-statistics
 box would start misaligned) every lane loads its words from global memory.
 
 Math (one program = one KV head of one sequence and one slice of the quantized region, one warp):
@@ -597,8 +597,8 @@ USE_TMA = None    # the TMA path: None = on compute capability 9.0+ while captur
 def descriptors(kp: dict, vp: dict, kbits: int, vbits: int) -> list:
     """Host TMA descriptors of the store, in the kernel's argument order (KC, KCEN, KHALF, VC, VCEN, VHALF): codes
     as [rows, words per token] (a block: one tile's rows), the Keys' statistics as [group rows, 128] (one row), the
-    Values' as flat [T * 4] (one tile's 128 entries; a flat view keeps odd tile starts, e.g. after a 33-token sink,
-    addressable)."""
+    Values' as flat [T * 4] (one tile's 128 entries, 8 bytes a token: a box must start 16-byte aligned, so tiles
+    must start at even rows; `launch` uses plain loads for an odd sink or cache length)."""
     import torch
 
     def desc(t, block, bits):
@@ -629,8 +629,8 @@ def launch(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int
     if use_tma is None:  # only where the launch is recorded into a CUDA graph: building the six host descriptors
         # takes ~50 us of Python per call (measured on the 2-core CI machine), plus their encoding at every launch;
         # a graph replay pays neither, a host-bound decode step would pay it per layer
-        use_tma = HAVE_TMA and torch.cuda.get_device_capability(query.device) >= (9, 0) \
-            and torch.cuda.is_current_stream_capturing()
+        use_tma = torch.cuda.is_current_stream_capturing()
+    use_tma = use_tma and HAVE_TMA and torch.cuda.get_device_capability(query.device) >= (9, 0)
     # a TMA box starts 16-byte aligned in its innermost dimension: the Values' statistics (8 bytes a token) need an
     # even first row, i.e. an even sink and cache length (an odd start faults with an illegal instruction)
     use_tma = use_tma and sink % 2 == 0 and T % 2 == 0

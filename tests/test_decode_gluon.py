@@ -94,47 +94,62 @@ def test_where_the_kernel_applies():
 
 
 SCRIPT = textwrap.dedent('''
-    import os, subprocess, sys, tempfile, triton
+    import os, subprocess, sys, tempfile, torch, triton
+    from triton.runtime.jit import mangle_type
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from kvq_compile.templates import decode_attention_gluon as dag
 
     out = []
-    for bf16, mask, kb, vb in ((False, 0, 2, 2), (True, 1, 2, 2), (True, 2, 4, 4), (False, 2, 2, 1), (True, 1, 1, 1),
-                               (False, 1, 4, 2)):
+    for bf16, mask, kb, vb, tma in ((False, 0, 2, 2, False), (True, 1, 2, 2, False), (True, 2, 4, 4, False),
+                                    (False, 2, 2, 1, False), (True, 1, 1, 1, False), (False, 1, 4, 2, False),
+                                    (True, 1, 2, 2, True), (False, 1, 4, 1, True)):
         ty = "*bf16" if bf16 else "*fp16"
-        sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KCEN=ty, KHALF=ty, VC="*i32", VCEN=ty,
-                   VHALF=ty, POS="*i64", AMASK="*i1" if mask == 1 else ty, stride_mb="i32", OUT_M="*fp32",
-                   OUT_L="*fp32", OUT_ACC="*fp32", scale="fp32", T="i32", NG_K="i32", NSPLIT="i32")
+        stores = dict(KC="*i32", KCEN=ty, KHALF=ty, VC="*i32", VCEN=ty, VHALF=ty)
+        if tma:  # the host descriptors' types, from small CPU tensors of the store's shapes
+            dt = torch.bfloat16 if bf16 else torch.float16
+            kp = dict(codes=torch.zeros(2, 2, 64, 4 * kb, dtype=torch.int32), cen=torch.zeros(2, 2, 2, 128, dtype=dt),
+                      half=torch.zeros(2, 2, 2, 128, dtype=dt))
+            vp = dict(codes=torch.zeros(2, 2, 64, 4 * vb, dtype=torch.int32), cen=torch.zeros(2, 2, 64, 4, dtype=dt),
+                      half=torch.zeros(2, 2, 64, 4, dtype=dt))
+            stores = dict(zip(stores, map(mangle_type, dag.descriptors(kp, vp, kb, vb))))
+        sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", **stores, POS="*i64", AMASK="*i1" if mask == 1 else ty,
+                   stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32", OUT_ACC="*fp32", scale="fp32", T="i32",
+                   NG_K="i32", NSPLIT="i32")
         ka, va = (dag.split_scale(2 / (2 ** n - 1), bf16) for n in (kb, vb))
         cx = dict(H=8, REP=4, S=0, R=128, TPG_K=32, TPG_V=1, MASK_KIND=mask, IS_BF16=bf16, BT=32, KBITS=kb,
-                  VBITS=vb, KA_HI=ka[0], KA_LO=ka[1], VA_HI=va[0], VA_LO=va[1], NWIN=3)
+                  VBITS=vb, KA_HI=ka[0], KA_LO=ka[1], VA_HI=va[0], VA_LO=va[1], NWIN=3, TMA=tma, NST=2)
         sig.update({n: "constexpr" for n in cx})
         src = GluonASTSource(fn=dag._kivi_decode_kernel, signature=sig, constexprs=cx,
-                             attrs={(i,): [["tt.divisibility", 16]] for i in (0, 3, 4, 5, 6, 7, 8, 12, 13, 14)})
+                             attrs={(i,): [["tt.divisibility", 16]]
+                                    for i in (0, 12, 13, 14) + (() if tma else (3, 4, 5, 6, 7, 8))})
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1))
         with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
             f.write(k.asm["cubin"])
         tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
         usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
         sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
-        out.append((bf16, mask, kb, vb, k.metadata.shared, "LOCAL:0" in usage, sass.count("HMMA"),
-                    sass.count("STS") + sass.count("LDS")))
+        out.append((bf16, mask, kb, vb, tma, k.metadata.shared, "LOCAL:0" in usage, sass.count("HMMA"),
+                    sass.count("STS"), sass.count("LDS"), sass.count("UTMALDG")))
     print(out)
 ''')
 
 
 @pytest.mark.skipif(not dag.HAVE_GLUON, reason="triton without Gluon")
 def test_compiles_for_sm90_into_registers_only():
-    """fp16 / bf16, every mask kind, 1 / 2 / 4-bit sides: tensor-core code with no shared memory and no spills
-    (the unpacked codes go from the loaded words straight into the mma operand registers)."""
+    """fp16 / bf16, every mask kind, 1 / 2 / 4-bit sides: tensor-core code with no spills; the plain-load path with
+    no shared memory at all (the unpacked codes go from the loaded words straight into the mma operand registers),
+    the TMA path reading its ring with LDS only (the tensor-memory accelerator writes it)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = eval(r.stdout.strip().splitlines()[-1])  # noqa: S307  (our own repr of a list of tuples)
-    assert len(rows) == 6
-    for bf16, mask, kb, vb, shared, no_local, hmma, smem_ops in rows:
-        assert shared == 0 and smem_ops == 0, rows
+    assert len(rows) == 8
+    for bf16, mask, kb, vb, tma, shared, no_local, hmma, sts, lds, tma_loads in rows:
+        if tma:  # the ring: filled by TMA copies (six per tile, in the prologue and the loop), read by LDS
+            assert shared > 0 and sts == 0 and lds > 0 and tma_loads >= 12, rows
+        else:
+            assert shared == 0 and sts == 0 and lds == 0 and tma_loads == 0, rows
         assert no_local, rows
         assert hmma >= 48, rows  # per 32-token tile: 32 (q @ k^T, m16n8k16) + 16 (v^T @ p^T)
 
@@ -145,7 +160,8 @@ CASES = [  # B, H, rep, T, n0, sink, magnitude of K / V
     (2, 2, 4, 700, 100, None, 1.0),    # L <= R: nothing quantized yet, every Gluon program empty
     (2, 2, 4, 700, 650, 33, 1.0),      # a sink: the quantized region starts at 33 (groups counted from there);
                                        # an odd start: plain loads (a TMA box of Value statistics would be misaligned)
-    (1, 2, 4, 701, 600, 34, 1.0),      # an even sink (the TMA path), an odd cache length (plain loads)
+    (1, 2, 4, 700, 600, 34, 1.0),      # an even sink (the TMA path: groups and rows counted from 34)
+    (1, 1, 4, 701, 500, None, 1.0),    # an odd cache length (plain loads)
     (2, 1, 4, 900, 800, None, 1e-3),   # small statistics (fp16 scales near the subnormal range)
 ]
 
