@@ -757,7 +757,8 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
         if use_gluon:
             LAST_KERNELS["main"] = dag.launch(query, kp, vp, positions, amask, smb, mask_kind, m_buf, l_buf, acc_buf,
                                               scale, T, kc["NG"], nsplit, nwin, H, rep, cfg.sink, cfg.recent, vc["TPG"],
-                                              kc["BITS"], vc["BITS"])
+                                              kc["BITS"], vc["BITS"], kind=dag.layout_kind(kc, vc), phase=phase,
+                                              temp=temp if phase == 2 else None)
         else:
             LAST_KERNELS["main"] = _decode_kernel[(B * H, nsplit)](*args, **consts, WINDOW=False,
                                                                    num_warps=num_warps, num_stages=num_stages)

@@ -182,6 +182,27 @@ def _value_asm(bits: int, bf16: bool) -> str:
     return "\n".join(lines)
 
 
+def _post_key_asm(bf16: bool) -> str:
+    """Post-scaled 1-bit Keys (calibquant): one word pre-shifted by 8a -> 8 registers, register i = (M + 2^i
+    code(bit i), M + 2^i code(bit 16 + i)) by one `lop3` each: no add, no multiply. The 2^i and the per-channel
+    scale are folded into q, M (1024 fp16, 128 bf16; M + 2^7 exact in both) into a per-row constant. Operands: $0-$7
+    out, $8-$23 the word."""
+    magic = "0x43004300" if bf16 else "0x64006400"
+    return "\n".join(["{"] + [f"lop3.b32 ${i}, $8, 0x{(1 << i) | (1 << (16 + i)):08X}, {magic}, 0xea;"
+                              for i in range(8)] + ["}"])
+
+
+def _post_value_asm(bf16: bool) -> str:
+    """Post-scaled 1-bit Values: byte 0 of two tokens' pre-shifted words -> 8 registers, register j = (M + 2^j
+    code_j(t), M + 2^j code_j(t + 1)): `prmt` interleaves the bytes, one `lop3` per register. The 2^j, M and the
+    per-channel scale and offset are applied to the accumulator after the loop. Operands: $0-$7 out, $8-$23 words
+    (even: token t, odd: token t+1)."""
+    magic = "0x43004300" if bf16 else "0x64006400"
+    return "\n".join(["{ .reg .b32 y;", "prmt.b32 y, $8, $9, 0x4400;"]
+                      + [f"lop3.b32 ${j}, y, 0x{(1 << j) | (1 << (16 + j)):08X}, {magic}, 0xea;" for j in range(8)]
+                      + ["}"])
+
+
 _NEG0 = "0x80008000"  # (-0, -0): the addend of a product written as fma
 
 
@@ -206,6 +227,8 @@ BITS = (1, 2, 4)  # code widths the kernel unpacks (per side: xquant pairs 2-bit
 _ASM = {(side, bits, bf): (_key_asm if side == "k" else _value_asm)(bits, bf)
         for side in "kv" for bits in BITS for bf in (False, True)}
 _STATS = {bf: _stats_asm(bf) for bf in (False, True)}
+_ASM.update({(side + "post", 1, bf): (_post_key_asm if side == "k" else _post_value_asm)(bf)
+             for side in "kv" for bf in (False, True)})
 
 
 def _constraints(pack: int) -> str:
@@ -283,6 +306,191 @@ if HAVE_GLUON:
             x = gl.inline_asm_elementwise(_asm(SIDE, BITS, False), _cons(PACK), [words, s, z], dtype=gl.float16,
                                           is_pure=True, pack=PACK)
         return x
+
+    @gluon.jit
+    def _unpack_post(words, SIDE: gl.constexpr, IS_BF16: gl.constexpr):
+        """`M + 2^i code` pairs (cache dtype) from packed words broadcast over their codes, 16 per asm block."""
+        if IS_BF16:
+            x = gl.inline_asm_elementwise(_asm(SIDE, 1, True), _post_cons(), [words], dtype=gl.bfloat16,
+                                          is_pure=True, pack=16)
+        else:
+            x = gl.inline_asm_elementwise(_asm(SIDE, 1, False), _post_cons(), [words], dtype=gl.float16,
+                                          is_pure=True, pack=16)
+        return x
+
+    @gluon.constexpr_function
+    def _post_cons():
+        return ",".join(["=r"] * 8 + ["r"] * 16)
+
+    @gluon.jit
+    def _post_decode_kernel(
+            Q, stride_qb, stride_qh, KC, KCEN, KHALF, VC, VCEN, VHALF, POS, AMASK, stride_mb, TEMP,
+            OUT_M, OUT_L, OUT_ACC, scale, T, NSPLIT,
+            H: gl.constexpr, REP: gl.constexpr, S: gl.constexpr, R: gl.constexpr, MASK_KIND: gl.constexpr,
+            IS_BF16: gl.constexpr, BT: gl.constexpr, TAU_PHASE: gl.constexpr, NWIN: gl.constexpr):
+        """Post-scaled decode over 1-bit channel-wise Keys and Values with one static range per channel
+        (calibquant-1): k[t, c] = s_k[c] code + z_k[c], v likewise, s = 2 half, z = center - half.
+            logits = q @ k^T = (q * s_k) @ codes^T + q . z_k: the mma takes q' = q s_k / 2^i (rounded once to the
+            cache dtype, formed once per program) against M + 2^i code straight from a `lop3`, and the per-row
+            constant C = q . z_k - M sum(q') (fp32, from the rounded q') goes back in: no per-element arithmetic.
+            out = sum_t p_t v_t = s_v (acc - M l^) / 2^j + z_v l^, acc = sum_t p^_t (M + 2^j code), l^ = sum_t p^_t
+            (p^: p rounded to the cache dtype, as the mma takes it).
+        TAU_PHASE 1 writes each row's max and min logit (CalibQuant's calibration reads them), 2 scales the logits
+        by TEMP (per row) before the softmax, 0 neither. The channel of Key reduction index k (same register
+        layout as `_kivi_decode_kernel` at 1 bit, with the asm block a covering bits 8a..8a+7 and 16+8a..16+8a+7):
+            x = 16a + c, c = 2i + h  <->  channel 32b + 16h + 8a + i, factor 2^-i."""
+        bh = gl.program_id(0)
+        split = gl.program_id(1)
+        b = bh // H
+        h = bh % H
+        dt: gl.constexpr = gl.bfloat16 if IS_BF16 else gl.float16
+        M: gl.constexpr = 128.0 if IS_BF16 else 1024.0
+        D: gl.constexpr = D_
+        start, stop, n_iter = _slice(POS, split, NSPLIT, S, R, 1, 1, BT)
+
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+        gl.static_assert(BT == 32, "32-token tiles")
+        PK: gl.constexpr = _key_layout(BT, 16)
+        KW: gl.constexpr = gl.SliceLayout(2, PK)   # words [2, 4, BT]
+        PV: gl.constexpr = _value_layout(BT)
+        VW3: gl.constexpr = gl.SliceLayout(3, PV)
+        VW: gl.constexpr = gl.SliceLayout(2, VW3)
+        blk: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [1, 1], [1, 0])   # [16, 128] for the reductions
+
+        # Key words: block a of lane group b is word b shifted down by 8a
+        ka = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, KW)))
+        kb = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(0, KW)))
+        kt = gl.arange(0, BT, layout=gl.SliceLayout(0, gl.SliceLayout(0, KW)))
+        koff = gl.expand_dims(kt, 0) * 4 + gl.expand_dims(kb, 1)                                      # [4, BT]
+        kshift = gl.expand_dims(gl.expand_dims(ka * 8, 1), 2)                                          # [2, 1, 1]
+        c16 = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(3, PK))))
+        cdummy = gl.expand_dims(gl.expand_dims(gl.expand_dims(c16, 0), 0), 3)                        # [1, 1, 16, 1]
+        # Value words: chunk (w, jh) is byte 2 (w % 2) + jh of word w // 2
+        vt = gl.arange(0, BT, layout=gl.SliceLayout(1, VW))
+        vw = gl.arange(0, 8, layout=gl.SliceLayout(0, VW))
+        jh = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(0, VW3)))
+        voff = gl.expand_dims(vt, 1) * 4 + gl.expand_dims(vw // 2, 0)                                  # [BT, 8]
+        vshift = gl.expand_dims(gl.expand_dims(vw % 2 * 16, 0), 2) + gl.expand_dims(gl.expand_dims(jh * 8, 0), 0)
+        jl = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, PV))))
+        jdummy = gl.expand_dims(gl.expand_dims(gl.expand_dims(jl, 0), 0), 0)
+        bh64 = bh.to(gl.int64)
+        kc_base = KC + bh64 * T * 4
+        vc_base = VC + bh64 * T * 4
+
+        # q' = q s_k / 2^i in the Key mma's reduction order, and the per-row constant C
+        qm = gl.arange(0, 16, layout=gl.SliceLayout(1, blk))
+        qk = gl.arange(0, 128, layout=gl.SliceLayout(0, blk))
+        qi = ((qk >> 5) & 1) * 4 + ((qk >> 4) & 1) * 2 + ((qk >> 3) & 1)
+        qchan = 32 * ((qk >> 1) & 3) + 16 * (qk & 1) + 8 * ((qk >> 6) & 1) + qi
+        q = gl.load(Q + b.to(gl.int64) * stride_qb + gl.expand_dims((h * REP + qm) * stride_qh, 1)
+                    + gl.expand_dims(qchan, 0), mask=gl.expand_dims(qm < REP, 1), other=0.0).to(gl.float32)
+        khalf = gl.load(KHALF + bh64 * D + qchan).to(gl.float32)
+        kz = gl.load(KCEN + bh64 * D + qchan).to(gl.float32) - khalf
+        qp = (q * gl.expand_dims(khalf * 2.0 / (1 << qi).to(gl.float32), 0)).to(dt)
+        c_row = gl.sum(q * gl.expand_dims(kz, 0) - M * qp.to(gl.float32), 1)
+        qp = gl.convert_layout(qp, a_l)
+        c_row = gl.convert_layout(c_row, gl.SliceLayout(1, mma))
+
+        LOG2E: gl.constexpr = 1.4426950408889634
+        qscale = scale * LOG2E
+        rows = gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
+        cols = gl.arange(0, BT, layout=gl.SliceLayout(0, mma))
+        if TAU_PHASE == 2:
+            temp = gl.load(TEMP + bh * REP + rows, mask=rows < REP, other=1.0)
+        m_i = gl.full([16], float("-inf"), gl.float32, gl.SliceLayout(1, mma))
+        lo_i = gl.full([16], float("inf"), gl.float32, gl.SliceLayout(1, mma))
+        l_i = gl.zeros([16], gl.float32, gl.SliceLayout(1, mma))
+        lr_i = gl.zeros([16], gl.float32, gl.SliceLayout(1, mma))
+        acc = gl.zeros([128, 8], gl.float32, mma)   # transposed, channels n = 8j + w
+
+        for it in range(0, n_iter):
+            t0 = start + it * BT
+            kvalid = gl.expand_dims((t0 + kt) < stop, 0)
+            kwords = gl.expand_dims(gl.load(kc_base + t0 * 4 + koff, mask=kvalid, other=0), 0) >> kshift  # [2, 4, BT]
+            kw4, _ = gl.broadcast(gl.expand_dims(kwords, 2), cdummy)                                   # [2, 4, 16, BT]
+            kv = _unpack_post(kw4, "kpost", IS_BF16)
+            kv = kv.reshape([2, 2, 2, 2, 2, 2, 2, BT]).permute([0, 3, 4, 5, 1, 2, 6, 7]).reshape([128, BT])
+            kv = gl.convert_layout(kv, b_l)
+            s = (mma_v2(qp, kv, gl.zeros([16, BT], gl.float32, mma)) + gl.expand_dims(c_row, 1)) * qscale
+            s, allowed = _mask_scores(s, rows, t0 + cols, stop, AMASK, b.to(gl.int64) * stride_mb, REP, MASK_KIND)
+            if TAU_PHASE == 1:
+                m_i = gl.maximum(m_i, gl.max(gl.where(allowed, s, float("-inf")), 1))
+                lo_i = gl.minimum(lo_i, gl.min(gl.where(allowed, s, float("inf")), 1))
+            else:
+                if TAU_PHASE == 2:
+                    s = s * gl.expand_dims(temp, 1)
+                s = gl.where(allowed, s, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(s, 1))
+                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+                p = gl.exp2(s - gl.expand_dims(m_use, 1))
+                alpha = gl.exp2(m_i - m_use)
+                l_i = l_i * alpha + gl.sum(p, 1)
+                ph = p.to(dt)
+                lr_i = lr_i * alpha + gl.sum(ph.to(gl.float32), 1)
+                m_i = m_new
+
+                vvalid = gl.expand_dims((t0 + vt) < stop, 1)
+                vwords = gl.expand_dims(gl.load(vc_base + t0 * 4 + voff, mask=vvalid, other=0), 2) >> vshift
+                wv, _ = gl.broadcast(gl.expand_dims(vwords, 3), jdummy)                  # [BT, 8, 2, 8]
+                vv = _unpack_post(wv, "vpost", IS_BF16)
+                vv = vv.permute([0, 2, 3, 1]).reshape([BT, 128]).permute([1, 0])
+                vv = gl.convert_layout(vv, a_l)
+                p_lo, p_hi = gl.split(ph.reshape([2, 8, BT]).permute([1, 2, 0]))
+                pt = gl.convert_layout(p_lo.permute([1, 0]), b_l)
+                a_lo, a_hi = gl.split(alpha.reshape([2, 8]).permute([1, 0]))
+                a8 = gl.convert_layout(a_lo, gl.SliceLayout(0, mma))
+                acc = mma_v2(vv, pt, acc * gl.expand_dims(a8, 0))
+
+        o = (bh * 16 + rows) * (NSPLIT + NWIN) + split
+        LN2: gl.constexpr = 0.6931471805599453
+        gl.store(OUT_M + o, m_i * LN2, mask=rows < REP)
+        if TAU_PHASE == 1:
+            gl.store(OUT_L + o, lo_i * LN2, mask=rows < REP)
+        else:
+            gl.store(OUT_L + o, l_i, mask=rows < REP)
+            n = gl.arange(0, 128, layout=gl.SliceLayout(1, mma))
+            r8 = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
+            chan = 16 * (n & 7) + (n >> 3)
+            vhalf = gl.load(VHALF + bh64 * D + chan).to(gl.float32)
+            vz = gl.load(VCEN + bh64 * D + chan).to(gl.float32) - vhalf
+            inv = 1.0 / (1 << ((n >> 3) & 7)).to(gl.float32)
+            lr_lo, lr_hi = gl.split(lr_i.reshape([2, 8]).permute([1, 0]))
+            lr8 = gl.expand_dims(gl.convert_layout(lr_lo, gl.SliceLayout(0, mma)), 0)
+            out = gl.expand_dims(2.0 * vhalf * inv, 1) * (acc - M * lr8) + gl.expand_dims(vz, 1) * lr8
+            o8 = (bh * 16 + r8) * (NSPLIT + NWIN) + split
+            gl.store(OUT_ACC + gl.expand_dims(o8, 0) * 128 + gl.expand_dims(chan, 1), out,
+                     mask=gl.expand_dims(r8 < REP, 0))
+
+    @gluon.jit
+    def _slice(POS, split, NSPLIT, S: gl.constexpr, R: gl.constexpr, TPG_K: gl.constexpr, TPG_V: gl.constexpr,
+               BT: gl.constexpr):
+        """(start, stop, tiles) of this program's slice of [S, qend), as `_decode_kernel` computes it."""
+        p0 = gl.load(POS).to(gl.int32)
+        L = p0 + 1
+        bnd_k = S + gl.maximum(L - S - R, 0) // TPG_K * TPG_K
+        bnd_v = S + gl.maximum(L - S - R, 0) // TPG_V * TPG_V
+        qend = gl.minimum(gl.minimum(bnd_k, bnd_v), p0)
+        qlen = gl.maximum(qend - S, 0)
+        per = gl.cdiv(gl.cdiv(qlen, NSPLIT), BT) * BT
+        start = S + split * per
+        stop = gl.minimum(start + per, qend)
+        return start, stop, gl.cdiv(gl.maximum(stop - start, 0), BT)
+
+    @gluon.jit
+    def _mask_scores(s, rows, tt, stop, AMASK, moff, REP: gl.constexpr, MASK_KIND: gl.constexpr):
+        """(s, allowed) of a [16, BT] tile of base-2 logits at positions tt: real rows, positions < stop, and the
+        one-row attention mask (MASK_KIND 1 bool, 2 additive: added to s in base 2)."""
+        allowed = gl.expand_dims(rows < REP, 1) & gl.expand_dims(tt < stop, 0)
+        if MASK_KIND == 1:
+            mv = gl.load(AMASK + moff + tt, mask=tt < stop, other=0)
+            allowed = allowed & gl.expand_dims(mv != 0, 0)
+        elif MASK_KIND == 2:
+            mv = gl.load(AMASK + moff + tt, mask=tt < stop, other=0.0).to(gl.float32)
+            s = s + gl.expand_dims(mv * 1.4426950408889634, 0)
+            allowed = allowed & gl.expand_dims(mv > float("-inf"), 0)
+        return s, allowed
 
     @gluon.jit
     def _kivi_decode_kernel(
@@ -557,22 +765,37 @@ if HAVE_GLUON:
         return kwords, kh, kcen, vwords, vh, vcen
 
 
-def supports(query, rep: int, kc: dict, vc: dict, kp: dict, rope: bool, mask_kind: int, mask_shared: bool,
-             is_causal: bool, tau) -> str | None:
-    """None when this kernel serves the layer's quantized region, else why not (the Triton template does)."""
-    import torch
+_POST = dict(BITS=1, AXIS=1, GS=0, NG=1, SYM=0, LUT=False, NOUT=0, NORM=False, TPG=1)
 
+
+def layout_kind(kc: dict, vc: dict) -> str | None:
+    """"kivi": KIVI's layout at 1, 2 or 4 bits (`_kivi_decode_kernel`); "post": 1-bit channel-wise Keys and
+    Values with one static range per channel, calibquant-1 (`_post_decode_kernel`); None: neither."""
     key = dict(AXIS=1, GS=32, SYM=0, LUT=False, NOUT=0, NORM=False, TPG=32)
     val = dict(AXIS=0, GS=32, SYM=0, LUT=False, NOUT=0)
-    if kc["BITS"] not in BITS or vc["BITS"] not in BITS or any(kc[n] != v for n, v in key.items()) \
-            or any(vc[n] != v for n, v in val.items()):
-        return "the store is not in KIVI's layout at 1, 2 or 4 bits"
+    if kc["BITS"] in BITS and vc["BITS"] in BITS and all(kc[n] == v for n, v in key.items()) \
+            and all(vc[n] == v for n, v in val.items()):
+        return "kivi"
+    if all(kc[n] == v for n, v in _POST.items()) and all(vc[n] == v for n, v in _POST.items()):
+        return "post"
+    return None
+
+
+def supports(query, rep: int, kc: dict, vc: dict, kp: dict, rope: bool, mask_kind: int, mask_shared: bool,
+             is_causal: bool, tau) -> str | None:
+    """None when one of this module's kernels serves the layer's quantized region, else why not (the Triton
+    template does)."""
+    import torch
+
+    kind = layout_kind(kc, vc)
+    if kind is None:
+        return "the store is in neither KIVI's layout at 1, 2 or 4 bits nor calibquant's 1-bit channel-wise one"
     if query.shape[-1] != D:
         return "needs head_dim 128"
     if rep > 8:
         return "needs at most 8 query heads per KV head"
-    if rope or is_causal or tau is not None or (mask_kind != 0 and not mask_shared):
-        return "RoPE after dequantization, is_causal, calibrated softmax or a per-head mask"
+    if rope or is_causal or (tau is not None and kind != "post") or (mask_kind != 0 and not mask_shared):
+        return "RoPE after dequantization, is_causal, calibrated softmax (KIVI layout) or a per-head mask"
     if query.dtype not in (torch.float16, torch.bfloat16) or kp["half"].dtype != query.dtype:
         return "needs fp16 or bf16 queries and statistics of the same dtype"
     if not query.is_cuda or torch.cuda.get_device_capability(query.device) < (8, 0):
@@ -614,7 +837,8 @@ def descriptors(kp: dict, vp: dict, kbits: int, vbits: int) -> list:
 
 def launch(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int, m_buf, l_buf, acc_buf,
            scale: float, T: int, ng_k: int, nsplit: int, nwin: int, H: int, rep: int, sink: int, recent: int,
-           tpg_v: int, kbits: int, vbits: int, use_tma: bool | None = None):
+           tpg_v: int, kbits: int, vbits: int, use_tma: bool | None = None, kind: str = "kivi", phase: int = 0,
+           temp=None):
     """Run the quantized-region launch into slots [0, nsplit) of the partial buffers (grid (B * H, nsplit); each
     row has nsplit + nwin slots, the last nwin the window launch's). use_tma: stream the tiles through shared memory
     with the tensor-memory accelerator (None: `USE_TMA`, whose None means on sm_90+ inside CUDA-graph capture)."""
@@ -622,6 +846,14 @@ def launch(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int
 
     B = query.shape[0]
     bf16 = query.dtype == torch.bfloat16
+    if kind == "post":  # calibquant: plain loads (a word per token and side; no per-tile statistics)
+        return _post_decode_kernel[(B * H, nsplit)](
+            query, query.stride(0), query.stride(1), kp["codes"], kp["cen"], kp["half"], vp["codes"], vp["cen"],
+            vp["half"], positions, amask, smb, query if temp is None else temp, m_buf, l_buf, acc_buf, float(scale),
+            T, nsplit, H=H, REP=rep, S=sink, R=recent, MASK_KIND=mask_kind, IS_BF16=bf16, BT=BT, TAU_PHASE=phase,
+            NWIN=nwin, num_warps=1)
+    if phase:
+        raise ValueError("the KIVI-layout Gluon kernel has no calibrated softmax")
     ka_hi, ka_lo = split_scale(2.0 / (2 ** kbits - 1), bf16)
     va_hi, va_lo = split_scale(2.0 / (2 ** vbits - 1), bf16)
     if use_tma is None:

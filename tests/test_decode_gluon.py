@@ -29,6 +29,7 @@ def kivi_layout(key_bits: int, value_bits: int) -> KVQConfig:
 
 
 LAYOUTS = {"kivi-2": lambda: KVQConfig.preset("kivi-2"), "kivi-4": lambda: KVQConfig.preset("kivi-4"),
+           "calibquant-1": lambda: KVQConfig.preset("calibquant-1"),
            "k2v1": lambda: kivi_layout(2, 1), "k1v1": lambda: kivi_layout(1, 1), "k4v2": lambda: kivi_layout(4, 2)}
 
 
@@ -77,7 +78,7 @@ def _reason(preset, dtype=torch.bfloat16, rep=4, D=128, mask_kind=1, mask_shared
 def test_where_the_kernel_applies():
     assert "KIVI" in _reason("int8")
     assert "KIVI" in _reason("innerq-2")
-    assert "KIVI" in _reason("calibquant-1")
+    assert "KIVI" in _reason("calibquant-2")
     assert "head_dim" in _reason("kivi-2", D=64)
     assert "at most 8 query heads" in _reason("kivi-2", rep=9)
     assert "per-head mask" in _reason("kivi-2", mask_shared=False)
@@ -167,7 +168,8 @@ CASES = [  # B, H, rep, T, n0, sink, magnitude of K / V
 
 
 GPU_CASES = [("kivi-2", c, m) for c in CASES for m in (None, "bool", "additive", "one-row")] + \
-    [(lay, c, m) for lay in ("kivi-4", "k2v1", "k1v1", "k4v2") for c in CASES for m in (None, "bool")]
+    [(lay, c, m) for lay in ("kivi-4", "k2v1", "k1v1", "k4v2", "calibquant-1") for c in CASES for m in (None, "bool")] \
+    + [("calibquant-1", c, "additive") for c in CASES[:3]]
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
@@ -307,3 +309,24 @@ def test_inline_ptx_unpacks_every_code(bf16, bits):
             assert abs(got - _bits(_exact(h * a, bf16), bf16)) <= 1, (trial, "scale", h, hex(got))
         out = run(offset_asm, {1: _pair(s[0], s[1], bf16), 2: _pair(z[0], z[1], bf16)})
         assert out["$0"] == _pair(_exact(z[0] - s[0], bf16), _exact(z[1] - s[1], bf16), bf16)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_post_scaled_blocks_place_each_bit(bf16):
+    """calibquant's 1-bit blocks (`_post_decode_kernel`): register i of the Key block is (M + 2^i bit i, M + 2^i bit
+    16 + i) of its word, register j of the Value block (M + 2^j bit j) of each token's word, exactly (M = 1024 fp16,
+    128 bf16), so the kernel can fold 2^i into q and M into one constant per row."""
+    from ptx_emulator import run
+
+    M = 128.0 if bf16 else 1024.0
+    gen = torch.Generator().manual_seed(7)
+    for trial in range(50):
+        w = [int(x) & 0xFFFFFFFF for x in torch.randint(-2**31, 2**31 - 1, (2,), generator=gen)]
+        out = run(dag._ASM[("kpost", 1, bf16)], {8 + i: w[0] for i in range(16)})
+        for i in range(8):
+            want = _pair(M + 2 ** i * (w[0] >> i & 1), M + 2 ** i * (w[0] >> (16 + i) & 1), bf16)
+            assert out[f"${i}"] == want, (trial, "key", i)
+        out = run(dag._ASM[("vpost", 1, bf16)], {8 + i: w[i % 2] for i in range(16)})
+        for j in range(8):
+            want = _pair(M + 2 ** j * (w[0] >> j & 1), M + 2 ** j * (w[1] >> j & 1), bf16)
+            assert out[f"${j}"] == want, (trial, "value", j)
