@@ -333,8 +333,9 @@ if HAVE_GLUON:
             logits = q @ k^T = (q * s_k) @ codes^T + q . z_k: the mma takes q' = q s_k / 2^i (rounded once to the
             cache dtype, formed once per program) against M + 2^i code straight from a `lop3`, and the per-row
             constant C = q . z_k - M sum(q') (fp32, from the rounded q') goes back in: no per-element arithmetic.
-            out = sum_t p_t v_t = s_v (acc - M l^) / 2^j + z_v l^, acc = sum_t p^_t (M + 2^j code), l^ = sum_t p^_t
-            (p^: p rounded to the cache dtype, as the mma takes it).
+            out = sum_t p_t v_t = s_v acc / 2^j + z_v l^, acc = sum_t p^_t (M + 2^j code) - M l^, l^ = sum_t p^_t
+            (p^: p rounded to the cache dtype, as the mma takes it; each tile's M l^ is taken out as the tile's mma
+            starts from the accumulator).
         TAU_PHASE 1 writes each row's max and min logit (CalibQuant's calibration reads them), 2 scales the logits
         by TEMP (per row) before the softmax, 0 neither. The channel of Key reduction index k (same register
         layout as `_kivi_decode_kernel` at 1 bit, with the asm block a covering bits 8a..8a+7 and 16+8a..16+8a+7):
@@ -428,7 +429,8 @@ if HAVE_GLUON:
                 alpha = gl.exp2(m_i - m_use)
                 l_i = l_i * alpha + gl.sum(p, 1)
                 ph = p.to(dt)
-                lr_i = lr_i * alpha + gl.sum(ph.to(gl.float32), 1)
+                tsum = gl.sum(ph.to(gl.float32), 1)   # l^ of this tile
+                lr_i = lr_i * alpha + tsum
                 m_i = m_new
 
                 vvalid = gl.expand_dims((t0 + vt) < stop, 1)
@@ -441,7 +443,11 @@ if HAVE_GLUON:
                 pt = gl.convert_layout(p_lo.permute([1, 0]), b_l)
                 a_lo, a_hi = gl.split(alpha.reshape([2, 8]).permute([1, 0]))
                 a8 = gl.convert_layout(a_lo, gl.SliceLayout(0, mma))
-                acc = mma_v2(vv, pt, acc * gl.expand_dims(a8, 0))
+                ts_lo, ts_hi = gl.split(tsum.reshape([2, 8]).permute([1, 0]))
+                ts8 = gl.convert_layout(ts_lo, gl.SliceLayout(0, mma))
+                # M l^ of this tile leaves the accumulator as the tile enters it (fp16's M = 2^10 times a
+                # slice's l^ would otherwise swamp the 2^j code sums: up to 2% off over one 1000-token slice)
+                acc = mma_v2(vv, pt, acc * gl.expand_dims(a8, 0) - M * gl.expand_dims(ts8, 0))
 
         o = (bh * 16 + rows) * (NSPLIT + NWIN) + split
         LN2: gl.constexpr = 0.6931471805599453
@@ -458,7 +464,7 @@ if HAVE_GLUON:
             inv = 1.0 / (1 << ((n >> 3) & 7)).to(gl.float32)
             lr_lo, lr_hi = gl.split(lr_i.reshape([2, 8]).permute([1, 0]))
             lr8 = gl.expand_dims(gl.convert_layout(lr_lo, gl.SliceLayout(0, mma)), 0)
-            out = gl.expand_dims(2.0 * vhalf * inv, 1) * (acc - M * lr8) + gl.expand_dims(vz, 1) * lr8
+            out = gl.expand_dims(2.0 * vhalf * inv, 1) * acc + gl.expand_dims(vz, 1) * lr8
             o8 = (bh * 16 + r8) * (NSPLIT + NWIN) + split
             gl.store(OUT_ACC + gl.expand_dims(o8, 0) * 128 + gl.expand_dims(chan, 1), out,
                      mask=gl.expand_dims(r8 < REP, 0))

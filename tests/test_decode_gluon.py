@@ -132,6 +132,21 @@ SCRIPT = textwrap.dedent('''
         sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
         out.append((bf16, mask, kb, vb, tma, k.metadata.shared, "LOCAL:0" in usage, sass.count("HMMA"),
                     sass.count("STS"), sass.count("LDS"), sass.count("UTMALDG")))
+    for bf16, mask, phase in ((True, 1, 2), (False, 2, 1), (False, 0, 0)):   # calibquant's kernel
+        ty = "*bf16" if bf16 else "*fp16"
+        sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KCEN=ty, KHALF=ty, VC="*i32", VCEN=ty,
+                   VHALF=ty, POS="*i64", AMASK="*i1" if mask == 1 else ty, stride_mb="i32", TEMP="*fp32",
+                   OUT_M="*fp32", OUT_L="*fp32", OUT_ACC="*fp32", scale="fp32", T="i32", NSPLIT="i32")
+        cx = dict(H=8, REP=4, S=0, R=128, MASK_KIND=mask, IS_BF16=bf16, BT=32, TAU_PHASE=phase, NWIN=3)
+        sig.update({n: "constexpr" for n in cx})
+        src = GluonASTSource(fn=dag._post_decode_kernel, signature=sig, constexprs=cx,
+                             attrs={(i,): [["tt.divisibility", 16]] for i in range(0, 9) if i not in (1, 2)})
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1))
+        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+            f.write(k.asm["cubin"])
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+        out.append(("post", phase, "LOCAL:0" in usage, sass.count("HMMA"), sass.count("HFMA2"), sass.count("HADD2")))
     print(out)
 ''')
 
@@ -145,8 +160,12 @@ def test_compiles_for_sm90_into_registers_only():
     r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = eval(r.stdout.strip().splitlines()[-1])  # noqa: S307  (our own repr of a list of tuples)
-    assert len(rows) == 8
-    for bf16, mask, kb, vb, tma, shared, no_local, hmma, sts, lds, tma_loads in rows:
+    assert len(rows) == 11
+    for _, phase, no_local, hmma, hfma2, hadd2 in rows[8:]:
+        # calibquant's kernel: tensor cores for q' @ codes^T (and p @ codes in phases 0 and 2), no packed-half
+        # multiply-add (its codes leave the lop3 ready for the mma; HADD2 also converts halves to floats), no spills
+        assert no_local and hmma >= (32 if phase == 1 else 48) and hfma2 == 0, rows
+    for bf16, mask, kb, vb, tma, shared, no_local, hmma, sts, lds, tma_loads in rows[:8]:
         if tma:  # the ring: filled by TMA copies (six per tile, in the prologue and the loop), read by LDS
             assert shared > 0 and sts == 0 and lds > 0 and tma_loads >= 12, rows
         else:
