@@ -517,17 +517,7 @@ if HAVE_GLUON:
         NA: gl.constexpr = 32 // KP                    # Key asm blocks per lane and token
         D: gl.constexpr = D_
 
-        # the slice of [S, qend) this program covers, as `_decode_kernel` computes it
-        p0 = gl.load(POS).to(gl.int32)
-        L = p0 + 1
-        bnd_k = S + gl.maximum(L - S - R, 0) // TPG_K * TPG_K
-        bnd_v = S + gl.maximum(L - S - R, 0) // TPG_V * TPG_V
-        qend = gl.minimum(gl.minimum(bnd_k, bnd_v), p0)
-        qlen = gl.maximum(qend - S, 0)
-        per = gl.cdiv(gl.cdiv(qlen, NSPLIT), BT) * BT
-        start = S + split * per
-        stop = gl.minimum(start + per, qend)
-        n_iter = gl.cdiv(gl.maximum(stop - start, 0), BT)
+        start, stop, n_iter = _slice(POS, split, NSPLIT, S, R, TPG_K, TPG_V, BT)   # this program's slice
 
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -654,15 +644,7 @@ if HAVE_GLUON:
             kv = gl.convert_layout(kv, b_l)
             s = mma_v2(q, kv, gl.zeros([16, BT], gl.float32, mma)) * qscale
 
-            tt = t0 + cols
-            allowed = gl.expand_dims(rows < REP, 1) & gl.expand_dims(tt < stop, 0)
-            if MASK_KIND == 1:
-                mv = gl.load(AMASK + b.to(gl.int64) * stride_mb + tt, mask=tt < stop, other=0)
-                allowed = allowed & gl.expand_dims(mv != 0, 0)
-            elif MASK_KIND == 2:
-                mv = gl.load(AMASK + b.to(gl.int64) * stride_mb + tt, mask=tt < stop, other=0.0).to(gl.float32)
-                s = s + gl.expand_dims(mv * LOG2E, 0)
-                allowed = allowed & gl.expand_dims(mv > float("-inf"), 0)
+            s, allowed = _mask_scores(s, rows, t0 + cols, stop, AMASK, b.to(gl.int64) * stride_mb, REP, MASK_KIND)
             s = gl.where(allowed, s, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, 1))
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
