@@ -12,8 +12,13 @@ one `fma` with the group's scale (at 2 bits divided by 4 for codes at bit 2) and
 bit by bit on the CPU by a small PTX interpreter (tests/test_decode_gluon.py); Gluon has no interpreter mode, so
 the kernel itself runs on a GPU only.
 
-Scope (`supports`): KIVI's layout at 1, 2 or 4 bits per side (kivi-2, kivi-4, xquant's 2-bit / 1-bit layers,
-shared codes included): asymmetric uniform codes, Keys per channel in groups of 32 tokens (statistics rows
+calibquant-1's layout (1-bit channel-wise Keys and Values, one static range per channel) has its own kernel,
+`_post_decode_kernel`: post-scaling folds the Keys' scale into q and the Values' into the accumulator, so each code
+reaches the mma as `M + 2^i code` from one `lop3` (~490 SASS instructions per 32-token tile against ~1020 here),
+with the calibrated softmax's two phases.
+
+Scope of `_kivi_decode_kernel` (`supports`, `layout_kind`): KIVI's layout at 1, 2 or 4 bits per side (kivi-2,
+kivi-4, xquant's 2-bit / 1-bit layers, shared codes included): asymmetric uniform codes, Keys per channel in groups of 32 tokens (statistics rows
 [NG, D]), Values per token in groups of 32 channels (statistics [T, D / 32]), head_dim 128, at most 8 query heads
 per KV head, fp16 or bf16, an attention mask of one row per sequence (HF's decode mask) or none. Everything else
 runs the Triton template, as do the exact windows (sink, ring, chunk) of every layout: this kernel writes the
