@@ -20,10 +20,10 @@ with the calibrated softmax's two phases.
 Scope of `_kivi_decode_kernel` (`supports`, `layout_kind`): KIVI's layout at 1, 2 or 4 bits per side (kivi-2,
 kivi-4, xquant's 2-bit / 1-bit layers, shared codes included): asymmetric uniform codes, Keys per channel in groups of 32 tokens (statistics rows
 [NG, D]), Values per token in groups of 32 channels (statistics [T, D / 32]), head_dim 128, at most 8 query heads
-per KV head, fp16 or bf16, an attention mask of one row per sequence (HF's decode mask) or none. Everything else
-runs the Triton template, as do the exact windows (sink, ring, chunk) of every layout: this kernel writes the
-same (max, sum, acc) partial results into slots [0, NSPLIT) that `_decode_kernel` would, its window launch slots
-[NSPLIT, NSPLIT + NWIN), and `_combine_kernel` merges them.
+per KV head, fp16 or bf16, an attention mask of one row per sequence (HF's decode mask) or none. Layouts that
+neither kernel covers run the Triton template, as do the exact windows (sink, ring, chunk) of every layout: both
+kernels write the same (max, sum, acc) partial results into slots [0, NSPLIT) that `_decode_kernel` would, its
+window launch slots [NSPLIT, NSPLIT + NWIN), and `_combine_kernel` merges them.
 
 Loads (TMA): on sm_90+ inside CUDA-graph capture (`launch`), each tile's codes and statistics are copied by the
 tensor-memory accelerator into a ring of NST shared-memory slots (one mbarrier each; the slot just read takes the
@@ -830,11 +830,13 @@ def descriptors(kp: dict, vp: dict, kbits: int, vbits: int) -> list:
 
 def launch(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int, m_buf, l_buf, acc_buf,
            scale: float, T: int, ng_k: int, nsplit: int, nwin: int, H: int, rep: int, sink: int, recent: int,
-           tpg_v: int, kbits: int, vbits: int, use_tma: bool | None = None, kind: str = "kivi", phase: int = 0,
+           tpg_v: int, kbits: int, vbits: int, *, kind: str, use_tma: bool | None = None, phase: int = 0,
            temp=None):
     """Run the quantized-region launch into slots [0, nsplit) of the partial buffers (grid (B * H, nsplit); each
-    row has nsplit + nwin slots, the last nwin the window launch's). use_tma: stream the tiles through shared memory
-    with the tensor-memory accelerator (None: `USE_TMA`, whose None means on sm_90+ inside CUDA-graph capture)."""
+    row has nsplit + nwin slots, the last nwin the window launch's). kind: `layout_kind` of the store. use_tma (KIVI
+    layout only): stream the tiles through shared memory with the tensor-memory accelerator (None: `USE_TMA`, whose
+    None means on sm_90+ inside CUDA-graph capture). phase, temp: the calibrated softmax's phase (calibquant only)
+    and, in phase 2, its per-row temperatures."""
     import torch
 
     B = query.shape[0]
@@ -845,8 +847,8 @@ def launch(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int
             vp["half"], positions, amask, smb, query if temp is None else temp, m_buf, l_buf, acc_buf, float(scale),
             T, nsplit, H=H, REP=rep, S=sink, R=recent, MASK_KIND=mask_kind, IS_BF16=bf16, BT=BT, TAU_PHASE=phase,
             NWIN=nwin, num_warps=1)
-    if phase:
-        raise ValueError("the KIVI-layout Gluon kernel has no calibrated softmax")
+    if kind != "kivi" or phase:
+        raise ValueError(f"no Gluon launch for layout {kind!r} with calibrated-softmax phase {phase}")
     ka_hi, ka_lo = split_scale(2.0 / (2 ** kbits - 1), bf16)
     va_hi, va_lo = split_scale(2.0 / (2 ** vbits - 1), bf16)
     if use_tma is None:

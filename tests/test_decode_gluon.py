@@ -212,6 +212,8 @@ def test_matches_reference_on_gpu(dtype, layout, case, mask, monkeypatch):
         monkeypatch.setattr(dag, "USE_TMA", tma)
         out = da.decode_attention(q, bufs, k, v, p, am, 128 ** -0.5, False, cfg, lay.spec, ms.geo, gluon=True,
                                   **kw).float()
+        kernel = "_post_decode_kernel" if layout == "calibquant-1" else "_kivi_decode_kernel"
+        assert kernel in str(getattr(da.LAST_KERNELS["main"], "name", da.LAST_KERNELS["main"]))
         tri = da.decode_attention(q, bufs, k, v, p, am, 128 ** -0.5, False, cfg, lay.spec, ms.geo, gluon=False,
                                   **kw).float()
         assert torch.isfinite(out).all()
