@@ -702,10 +702,6 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
     kp, kc = _side_args(bufs, "k", spec.key, geo, cfg)
     vp, vc = _side_args(bufs, "v", spec.value, geo, cfg)
     rope = cfg.keys_before_rope and spec.key.quantized
-    block_t_arg = block_t
-    block_t = block_t or default_block_t(kc, vc, rope)
-    kpost = _post_mode(kc, block_t, D) if (post_scaling and not rope) else 0
-    vpost = _post_mode(vc, block_t, D) if post_scaling else 0
     cos = bufs["rope.cos"] if rope else query
     sin = bufs["rope.sin"] if rope else query
     if attn_mask is None:
@@ -726,13 +722,16 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
         if gluon and why:
             raise ValueError(f"kvq decode attention: the Gluon kernel cannot serve this layer: {why}")
         use_gluon = why is None
+    # with the Gluon launch, block_t is the window launch's tile only
+    block_t = block_t or (32 if use_gluon else default_block_t(kc, vc, rope))
+    kpost = _post_mode(kc, block_t, D) if (post_scaling and not rope) else 0
+    vpost = _post_mode(vc, block_t, D) if post_scaling else 0
     if use_gluon:  # one-warp programs, half as many per SM as four-warp ones: best of 8 / 16 / 32 at three of four
         # shapes on an H100 (bench/RESULTS.md, session 9)
         nsplit = num_splits or _num_splits(B * H, T, dag.BT, query.device, max(1, programs_per_sm // 2))
+        kind = dag.layout_kind(kc, vc)
     else:
         nsplit = num_splits or _num_splits(B * H, T, block_t, query.device, programs_per_sm)
-    if use_gluon and block_t_arg is None:  # the window launch's tile (the Gluon launch has its own)
-        block_t = 32
     nwin = _window_tiles(cfg, kc, vc, block_t)
     ns = nsplit + nwin
     m_buf = torch.empty(B * H * rep_pad * ns, dtype=torch.float32, device=query.device)
@@ -757,7 +756,7 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
         if use_gluon:
             LAST_KERNELS["main"] = dag.launch(query, kp, vp, positions, amask, smb, mask_kind, m_buf, l_buf, acc_buf,
                                               scale, T, kc["NG"], nsplit, nwin, H, rep, cfg.sink, cfg.recent, vc["TPG"],
-                                              kc["BITS"], vc["BITS"], kind=dag.layout_kind(kc, vc), phase=phase,
+                                              kc["BITS"], vc["BITS"], kind=kind, phase=phase,
                                               temp=temp if phase == 2 else None)
         else:
             LAST_KERNELS["main"] = _decode_kernel[(B * H, nsplit)](*args, **consts, WINDOW=False,

@@ -93,6 +93,19 @@ def _f16x2(lo: float, hi: float, bf16: bool) -> str:
     return f"0x{(bits(hi) << 16) | bits(lo):08X}"
 
 
+def _magic(bf16: bool) -> tuple[str, str]:
+    """(M, -M) as f16x2 / bf16x2 pairs: the magic number whose mantissa takes a code (1024 fp16, 128 bf16)."""
+    if bf16:
+        return "0x43004300", _f16x2(-128.0, -128.0, True)
+    return "0x64006400", _f16x2(-1024.0, -1024.0, False)
+
+
+def _code_mask(bits: int) -> str:
+    """The lowest code of each half: (2^bits - 1) in both 16-bit halves."""
+    m = (1 << bits) - 1
+    return f"0x{m:04X}{m:04X}"
+
+
 def _key_asm(bits: int, bf16: bool) -> str:
     """The codes of one word (16 at 1 or 2 bits, 8 at 4 bits) -> registers of (value 2i, value 2i+1). Operands:
     P = codes per block, $0..$(P/2 - 1) out, then P copies of the word, P/2 scale pairs, P/2 offset pairs
@@ -104,8 +117,7 @@ def _key_asm(bits: int, bf16: bool) -> str:
     1 bit (the word pre-shifted: its 16 codes at bits 0-15): `prmt` pairs byte i of the word with byte i of
     word >> 1, so codes (2m, 2m+1) sit at bit 2m of the halves; y >> 2 steps to the next pair."""
     ty = "bf16x2" if bf16 else "f16x2"
-    magic = "0x43004300" if bf16 else "0x64006400"
-    neg = _f16x2(-128.0, -128.0, True) if bf16 else _f16x2(-1024.0, -1024.0, False)
+    magic, neg = _magic(bf16)
     P = 8 if bits == 4 else 16
     w, sc, of = P // 2, P // 2 + P, P + P
     lines = ["{ .reg .b32 y, x, n;" if bits == 2 else "{ .reg .b32 y, x, n, h;", f"mov.b32 n, {neg};"]
@@ -121,19 +133,14 @@ def _key_asm(bits: int, bf16: bool) -> str:
                 if half:
                     lines.append("shr.b32 y, y, 4;")
                 value(2 * i + half, "0x000C0003")
-    elif bits == 4:
-        lines.append(f"shr.b32 h, ${w}, 4;")
-        for i in range(4):
+    elif bits in (1, 4):  # byte i of the word beside byte i of word >> bits; 4 / bits code pairs per byte
+        lines.append(f"shr.b32 h, ${w}, {bits};")
+        for i in range(P * bits // 8):
             lines.append(f"prmt.b32 y, ${w}, h, 0x{4 + i:x}{4 + i:x}{i:x}{i:x};")
-            value(i, "0x000F000F")
-    elif bits == 1:
-        lines.append(f"shr.b32 h, ${w}, 1;")
-        for i in range(2):
-            lines.append(f"prmt.b32 y, ${w}, h, 0x{4 + i:x}{4 + i:x}{i:x}{i:x};")
-            for m in range(4):
+            for m in range(4 // bits):
                 if m:
-                    lines.append("shr.b32 y, y, 2;")
-                value(4 * i + m, "0x00010001")
+                    lines.append(f"shr.b32 y, y, {2 * bits};")
+                value(4 // bits * i + m, _code_mask(bits))
     else:
         raise ValueError(f"no Key unpack for {bits}-bit codes")
     lines.append("}")
@@ -149,8 +156,7 @@ def _value_asm(bits: int, bf16: bool) -> str:
     2 bits: codes m = 0, 1 of the byte at bits 0 and 2 (M + 4^m code, the scale divided by 4^m); y >> 4 brings
     codes 2, 3 down. 4 bits: code 0 of the byte at bit 0, y >> 4 brings code 1 down. 1 bit: y >> 1 per code."""
     ty = "bf16x2" if bf16 else "f16x2"
-    magic = "0x43004300" if bf16 else "0x64006400"
-    neg = _f16x2(-128.0, -128.0, True) if bf16 else _f16x2(-1024.0, -1024.0, False)
+    magic, neg = _magic(bf16)
     lines = ["{ .reg .b32 y, x, n, s1, z0;", f"mov.b32 n, {neg};"]
 
     def value(r: int, mask: str, scale: str = "$24"):
@@ -169,18 +175,13 @@ def _value_asm(bits: int, bf16: bool) -> str:
                 if j == 2:
                     lines.append("shr.b32 y, y, 4;")
                 value(4 * byte + j, "0x00030003" if j % 2 == 0 else "0x000C000C", "$24" if j % 2 == 0 else "s1")
-    elif bits == 4:
-        for byte in range(4):
+    elif bits in (1, 4):  # the 8 codes fill `bits` bytes; y >> bits steps to the next code of a byte
+        for byte in range(bits):
             interleave(byte)
-            value(2 * byte, "0x000F000F")
-            lines.append("shr.b32 y, y, 4;")
-            value(2 * byte + 1, "0x000F000F")
-    elif bits == 1:
-        interleave(0)
-        for j in range(8):
-            if j:
-                lines.append("shr.b32 y, y, 1;")
-            value(j, "0x00010001")
+            for m in range(8 // bits):
+                if m:
+                    lines.append(f"shr.b32 y, y, {bits};")
+                value(8 // bits * byte + m, _code_mask(bits))
     else:
         raise ValueError(f"no Value unpack for {bits}-bit codes")
     lines.append("}")
@@ -192,7 +193,7 @@ def _post_key_asm(bf16: bool) -> str:
     code(bit i), M + 2^i code(bit 16 + i)) by one `lop3` each: no add, no multiply. The 2^i and the per-channel
     scale are folded into q, M (1024 fp16, 128 bf16; M + 2^7 exact in both) into a per-row constant. Operands: $0-$7
     out, $8-$23 the word."""
-    magic = "0x43004300" if bf16 else "0x64006400"
+    magic = _magic(bf16)[0]
     return "\n".join(["{"] + [f"lop3.b32 ${i}, $8, 0x{(1 << i) | (1 << (16 + i)):08X}, {magic}, 0xea;"
                               for i in range(8)] + ["}"])
 
@@ -202,7 +203,7 @@ def _post_value_asm(bf16: bool) -> str:
     code_j(t), M + 2^j code_j(t + 1)): `prmt` interleaves the bytes, one `lop3` per register. The 2^j, M and the
     per-channel scale and offset are applied to the accumulator after the loop. Operands: $0-$7 out, $8-$23 words
     (even: token t, odd: token t+1)."""
-    magic = "0x43004300" if bf16 else "0x64006400"
+    magic = _magic(bf16)[0]
     return "\n".join(["{ .reg .b32 y;", "prmt.b32 y, $8, $9, 0x4400;"]
                       + [f"lop3.b32 ${j}, y, 0x{(1 << j) | (1 << (16 + j)):08X}, {magic}, 0xea;" for j in range(8)]
                       + ["}"])
@@ -236,11 +237,6 @@ _ASM.update({(side + "post", 1, bf): (_post_key_asm if side == "k" else _post_va
              for side in "kv" for bf in (False, True)})
 
 
-def _constraints(pack: int) -> str:
-    """pack codes per block: pack / 2 output registers; pack word copies, pack / 2 scale and offset pairs."""
-    return ",".join(["=r"] * (pack // 2) + ["r"] * (2 * pack))
-
-
 def key_pack(bits: int) -> int:
     """Codes per Key asm block: one word at 4 bits (8 codes), 16 codes (a word or half of one) at 1 and 2 bits."""
     return 8 if bits == 4 else 16
@@ -254,9 +250,10 @@ if HAVE_GLUON:
         return _ASM[(side, bits, bf16)]
 
     @gluon.constexpr_function
-    def _cons(pack):
-        """`_constraints` (a constexpr function may not call a plain one)."""
-        return ",".join(["=r"] * (pack // 2) + ["r"] * (2 * pack))
+    def _cons(pack, stats):
+        """Operand constraints of a block of `pack` codes: pack / 2 output registers, pack word copies, and with
+        stats pack / 2 scale and pack / 2 offset pairs."""
+        return ",".join(["=r"] * (pack // 2) + ["r"] * (2 * pack if stats else pack))
 
     @gluon.constexpr_function
     def _stats(bf16, which):
@@ -305,10 +302,10 @@ if HAVE_GLUON:
     def _unpack(words, s, z, SIDE: gl.constexpr, BITS: gl.constexpr, PACK: gl.constexpr, IS_BF16: gl.constexpr):
         """Dequantized values (cache dtype) from packed words broadcast over their codes, PACK per asm block."""
         if IS_BF16:
-            x = gl.inline_asm_elementwise(_asm(SIDE, BITS, True), _cons(PACK), [words, s, z], dtype=gl.bfloat16,
+            x = gl.inline_asm_elementwise(_asm(SIDE, BITS, True), _cons(PACK, True), [words, s, z], dtype=gl.bfloat16,
                                           is_pure=True, pack=PACK)
         else:
-            x = gl.inline_asm_elementwise(_asm(SIDE, BITS, False), _cons(PACK), [words, s, z], dtype=gl.float16,
+            x = gl.inline_asm_elementwise(_asm(SIDE, BITS, False), _cons(PACK, True), [words, s, z], dtype=gl.float16,
                                           is_pure=True, pack=PACK)
         return x
 
@@ -316,16 +313,12 @@ if HAVE_GLUON:
     def _unpack_post(words, SIDE: gl.constexpr, IS_BF16: gl.constexpr):
         """`M + 2^i code` pairs (cache dtype) from packed words broadcast over their codes, 16 per asm block."""
         if IS_BF16:
-            x = gl.inline_asm_elementwise(_asm(SIDE, 1, True), _post_cons(), [words], dtype=gl.bfloat16,
+            x = gl.inline_asm_elementwise(_asm(SIDE, 1, True), _cons(16, False), [words], dtype=gl.bfloat16,
                                           is_pure=True, pack=16)
         else:
-            x = gl.inline_asm_elementwise(_asm(SIDE, 1, False), _post_cons(), [words], dtype=gl.float16,
+            x = gl.inline_asm_elementwise(_asm(SIDE, 1, False), _cons(16, False), [words], dtype=gl.float16,
                                           is_pure=True, pack=16)
         return x
-
-    @gluon.constexpr_function
-    def _post_cons():
-        return ",".join(["=r"] * 8 + ["r"] * 16)
 
     @gluon.jit
     def _post_decode_kernel(
@@ -427,16 +420,10 @@ if HAVE_GLUON:
             else:
                 if TAU_PHASE == 2:
                     s = s * gl.expand_dims(temp, 1)
-                s = gl.where(allowed, s, float("-inf"))
-                m_new = gl.maximum(m_i, gl.max(s, 1))
-                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-                p = gl.exp2(s - gl.expand_dims(m_use, 1))
-                alpha = gl.exp2(m_i - m_use)
-                l_i = l_i * alpha + gl.sum(p, 1)
+                p, alpha, m_i, l_i = _softmax_step(s, allowed, m_i, l_i)
                 ph = p.to(dt)
                 tsum = gl.sum(ph.to(gl.float32), 1)   # l^ of this tile
                 lr_i = lr_i * alpha + tsum
-                m_i = m_new
 
                 vvalid = gl.expand_dims((t0 + vt) < stop, 1)
                 vwords = gl.expand_dims(gl.load(vc_base + t0 * 4 + voff, mask=vvalid, other=0), 2) >> vshift
@@ -444,12 +431,9 @@ if HAVE_GLUON:
                 vv = _unpack_post(wv, "vpost", IS_BF16)
                 vv = vv.permute([0, 2, 3, 1]).reshape([BT, 128]).permute([1, 0])
                 vv = gl.convert_layout(vv, a_l)
-                p_lo, p_hi = gl.split(ph.reshape([2, 8, BT]).permute([1, 2, 0]))
-                pt = gl.convert_layout(p_lo.permute([1, 0]), b_l)
-                a_lo, a_hi = gl.split(alpha.reshape([2, 8]).permute([1, 0]))
-                a8 = gl.convert_layout(a_lo, gl.SliceLayout(0, mma))
-                ts_lo, ts_hi = gl.split(tsum.reshape([2, 8]).permute([1, 0]))
-                ts8 = gl.convert_layout(ts_lo, gl.SliceLayout(0, mma))
+                pt = _p_operand(ph, b_l, BT)
+                a8 = _first8(alpha, mma)
+                ts8 = _first8(tsum, mma)
                 # M l^ of this tile leaves the accumulator as the tile enters it (fp16's M = 2^10 times a
                 # slice's l^ would otherwise swamp the 2^j code sums: up to 2% off over one 1000-token slice)
                 acc = mma_v2(vv, pt, acc * gl.expand_dims(a8, 0) - M * gl.expand_dims(ts8, 0))
@@ -467,8 +451,7 @@ if HAVE_GLUON:
             vhalf = gl.load(VHALF + bh64 * D + chan).to(gl.float32)
             vz = gl.load(VCEN + bh64 * D + chan).to(gl.float32) - vhalf
             inv = 1.0 / (1 << ((n >> 3) & 7)).to(gl.float32)
-            lr_lo, lr_hi = gl.split(lr_i.reshape([2, 8]).permute([1, 0]))
-            lr8 = gl.expand_dims(gl.convert_layout(lr_lo, gl.SliceLayout(0, mma)), 0)
+            lr8 = gl.expand_dims(_first8(lr_i, mma), 0)
             out = gl.expand_dims(2.0 * vhalf * inv, 1) * acc + gl.expand_dims(vz, 1) * lr8
             o8 = (bh * 16 + r8) * (NSPLIT + NWIN) + split
             gl.store(OUT_ACC + gl.expand_dims(o8, 0) * 128 + gl.expand_dims(chan, 1), out,
@@ -502,6 +485,30 @@ if HAVE_GLUON:
             s = s + gl.expand_dims(mv * 1.4426950408889634, 0)
             allowed = allowed & gl.expand_dims(mv > float("-inf"), 0)
         return s, allowed
+
+    @gluon.jit
+    def _softmax_step(s, allowed, m_i, l_i):
+        """One tile of the online softmax in base 2: (p, alpha, new max, new sum); rows with nothing allowed yet
+        keep max -inf and p = 0."""
+        s = gl.where(allowed, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - gl.expand_dims(m_use, 1))
+        alpha = gl.exp2(m_i - m_use)
+        return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+    @gluon.jit
+    def _p_operand(p, b_l: gl.constexpr, BT: gl.constexpr):
+        """p^T [BT, 8]: rows 0-7 of p [16, BT] (the mma's rows 8-15 are padding: REP <= 8), as the B operand of
+        the transposed p @ V."""
+        p_lo, p_hi = gl.split(p.reshape([2, 8, BT]).permute([1, 2, 0]))
+        return gl.convert_layout(p_lo.permute([1, 0]), b_l)
+
+    @gluon.jit
+    def _first8(x, mma: gl.constexpr):
+        """Rows 0-7 of a per-row [16] vector, laid out along the columns of the transposed accumulator [128, 8]."""
+        lo, hi = gl.split(x.reshape([2, 8]).permute([1, 0]))
+        return gl.convert_layout(lo, gl.SliceLayout(0, mma))
 
     @gluon.jit
     def _kivi_decode_kernel(
@@ -650,13 +657,7 @@ if HAVE_GLUON:
             s = mma_v2(q, kv, gl.zeros([16, BT], gl.float32, mma)) * qscale
 
             s, allowed = _mask_scores(s, rows, t0 + cols, stop, AMASK, b.to(gl.int64) * stride_mb, REP, MASK_KIND)
-            s = gl.where(allowed, s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, 1))
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-            p = gl.exp2(s - gl.expand_dims(m_use, 1))
-            alpha = gl.exp2(m_i - m_use)
-            l_i = l_i * alpha + gl.sum(p, 1)
-            m_i = m_new
+            p, alpha, m_i, l_i = _softmax_step(s, allowed, m_i, l_i)
 
             vs, vz = _scale_offset(vh, vcen, vhi, vlo, IS_BF16)
             if VBITS == 4:
@@ -669,12 +670,7 @@ if HAVE_GLUON:
             vv = _unpack(wv, vs4, vz4, "v", VBITS, 16, IS_BF16)
             vv = vv.permute([0, 2, 3, 1]).reshape([BT, 128]).permute([1, 0])          # v^T [128 (n = 8j + w), BT]
             vv = gl.convert_layout(vv, a_l)
-            # p^T [BT, 8]: rows 0-7 of p (the mma's rows 8-15 are padding: REP <= 8), as the B operand
-            p_lo, p_hi = gl.split(p.to(dt).reshape([2, 8, BT]).permute([1, 2, 0]))
-            pt = gl.convert_layout(p_lo.permute([1, 0]), b_l)
-            a_lo, a_hi = gl.split(alpha.reshape([2, 8]).permute([1, 0]))
-            a8 = gl.convert_layout(a_lo, gl.SliceLayout(0, mma))
-            acc = mma_v2(vv, pt, acc * gl.expand_dims(a8, 0))
+            acc = mma_v2(vv, _p_operand(p.to(dt), b_l, BT), acc * gl.expand_dims(_first8(alpha, mma), 0))
             if TMA:  # the ring slot just read takes the tile NST ahead (its registers are consumed by now)
                 _issue(KC, VC, KHALF, KCEN, VHALF, VCEN, kbuf.index(st), vbuf.index(st), khbuf.index(st),
                        kzbuf.index(st), vhbuf.index(st), vzbuf.index(st), bars.index(st), row0, grow0,
