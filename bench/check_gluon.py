@@ -52,20 +52,22 @@ def check(preset="kivi-2", quick=False):
     print(f"worst gluon/triton error ratio {worst:.2f}")
 
 
-def timing(presets=("kivi-2", "kivi-4", "xquant-1.38"), shapes=((32, 4096), (8, 8192), (1, 65536), (32, 16384))):
-    """Decode attention, one call (CUDA-graph timed, HF's bool mask): the Triton template, the Gluon kernel with
-    plain loads and with the TMA ring (2 slots, the default); then where one call's GPU time goes (default path).
+def timing(presets=("kivi-2", "kivi-4", "xquant-1.38", "calibquant-1"),
+           shapes=((32, 4096), (8, 8192), (1, 65536), (32, 16384))):
+    """Decode attention, one call (CUDA-graph timed, HF's bool mask, so the KIVI-layout launch takes the TMA ring),
+    with the Gluon launch's split count chosen four ways: session 10's (about 8 programs per SM), the default (as
+    many as the SMs hold at once, `_fill_splits`), the default with the kernel capped at 128 registers (more fit),
+    and twice the default (two waves); then where one call's GPU time goes (default path).
     (A second stream for the window launch, beside the Gluon launch, gained 0-3% in session 10: not kept.)"""
     from torch.profiler import ProfilerActivity, profile
 
     from bench_decode_attention import pick_layer
+    from kvq_compile.templates import decode_attention as da
     from kvq_compile.templates import decode_attention_gluon as dag
 
     bw = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()} copy {bw / 1e12:.2f} TB/s")
     dtype = torch.bfloat16
-    variants = [("triton", dict(gluon=False), None, 2), ("gluon ldg", dict(gluon=True), False, 2),
-                ("gluon tma2", dict(gluon=True), True, 2)]
     for preset in presets:
         cfg = KVQConfig.preset(preset)
         li = pick_layer(cfg)
@@ -79,16 +81,24 @@ def timing(presets=("kivi-2", "kivi-4", "xquant-1.38"), shapes=((32, 4096), (8, 
             am = torch.ones(B, 1, 1, ctx, dtype=torch.bool, device="cuda")
             pos = torch.tensor([ctx - 1], device="cuda")
             nbytes = bytes_read(lay, B, ctx, dtype)
+
+            def fn(**kw):
+                return decode_attention(q, bufs, kc, kc, pos, am, 128 ** -0.5, False, cfg, lay.spec, ms.geo, **kw)
+
+            fn()
+            fill = da.LAST_KERNELS["splits"]
+            old = da._num_splits(B * 8, ctx, dag.BT, q.device, 8)
             line = []
-            for name, kw, tma, nst in variants:
-                dag.USE_TMA, dag.NSTAGES = tma, nst
-                t = graph_time(lambda: decode_attention(q, bufs, kc, kc, pos, am, 128 ** -0.5, False, cfg, lay.spec,
-                                                        ms.geo, **kw))
-                line.append(f"{name} {t:.1f} us ({nbytes / (t * 1e-6) / bw * 100:.0f}%)")
-            dag.USE_TMA, dag.NSTAGES = None, 2
+            for name, kw, regs in (("old", dict(num_splits=old), None), ("fill", {}, None),
+                                   ("fill r128", {}, 128), ("2x", dict(num_splits=2 * fill), None)):
+                if regs and preset.startswith("calibquant"):
+                    continue
+                dag.MAXNREG = regs
+                t = graph_time(lambda: fn(**kw))
+                split = kw.get("num_splits", da.LAST_KERNELS["splits"])
+                line.append(f"{name} ({split}) {t:.1f} us ({nbytes / (t * 1e-6) / bw * 100:.0f}%)")
+            dag.MAXNREG = None
             print(f"{preset} B={B} ctx={ctx}: " + ", ".join(line), flush=True)
-            fn = lambda: decode_attention(q, bufs, kc, kc, pos, am, 128 ** -0.5, False, cfg, lay.spec,  # noqa: E731
-                                          ms.geo)
             for _ in range(3):
                 fn()
             torch.cuda.synchronize()
@@ -96,8 +106,9 @@ def timing(presets=("kivi-2", "kivi-4", "xquant-1.38"), shapes=((32, 4096), (8, 
                 for _ in range(20):
                     fn()
                 torch.cuda.synchronize()
-            print("  profile: " + ", ".join(f"{e.key[:28]} {e.device_time_total / e.count:.1f} us"
-                                            for e in prof.key_averages() if e.device_type.name == "CUDA" and e.count))
+            print("  profile (no graph, plain loads): " + ", ".join(
+                f"{e.key[:28]} x{e.count // 20} {e.device_time_total / e.count:.1f} us"
+                for e in prof.key_averages() if e.device_type.name == "CUDA" and e.count))
             del ms, bufs, tensors
             torch.cuda.empty_cache()
 

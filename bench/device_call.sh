@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU test selections in parallel (one process each: a -k filter of tests/test_decode_gluon.py,
 # or a tests/ path), then, after the word BENCH, benchmark commands one at a time (nothing else running).
-# usage: bash bench/device_call.sh "<filter or tests/path>"... BENCH "<command>"...
+# usage: bash bench/device_call.sh "<filter | tests/path | tests/path -k filter>"... BENCH "<command>"...
 export PYTHONPATH=$PWD
 ln -sfn $PWD/passes kvq_compile/passes
 ln -sfn $PWD/templates kvq_compile/templates
@@ -10,7 +10,9 @@ python -c "import torch, triton, transformers; print('torch', torch.__version__,
 i=0
 for sel in "$@"; do
   if [ "$sel" = "BENCH" ]; then break; fi
-  if [[ "$sel" == tests/* ]]; then target="$sel"; filter=""; else target=tests/test_decode_gluon.py; filter="$sel"; fi
+  if [[ "$sel" == tests/*" -k "* ]]; then target="${sel%% -k *}"; filter="${sel#* -k }"
+  elif [[ "$sel" == tests/* ]]; then target="$sel"; filter=""
+  else target=tests/test_decode_gluon.py; filter="$sel"; fi
   (python -m pytest -q -p no:logging -p no:cacheprovider $target -k "$filter" > $OUT/t$i.log 2>&1; echo "== [$sel] $(tail -1 $OUT/t$i.log)") &
   i=$((i+1))
 done

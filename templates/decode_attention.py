@@ -533,6 +533,24 @@ def _decode_kernel(
 
 
 @triton.jit
+def _temperature_kernel(OUT_M, OUT_L, TEMP, tau_sum, REP: tl.constexpr, REP_PAD: tl.constexpr, NS: tl.constexpr,
+                        NS_PAD: tl.constexpr):
+    """CalibQuant's temperature of one row from the range pass (TAU_PHASE 1) over its NS partial results:
+    t = 1 - (tau1 + tau2) / (max - min), and 1 where the range is empty, zero or not finite (one launch where
+    torch's ops took about ten, ~20 us at batch 32 on an H100: bench/RESULTS.md, session 11)."""
+    row = tl.program_id(0)  # (b * H + h) * REP + r
+    bh = row // REP
+    r = row % REP
+    j = tl.arange(0, NS_PAD)
+    base = (bh * REP_PAD + r) * NS
+    hi = tl.max(tl.load(OUT_M + base + j, mask=j < NS, other=float("-inf")), 0)
+    lo = tl.min(tl.load(OUT_L + base + j, mask=j < NS, other=float("inf")), 0)
+    width = hi - lo
+    ok = (width > 0) & (width < float("inf"))
+    tl.store(TEMP + row, tl.where(ok, 1.0 - tau_sum / tl.where(ok, width, 1.0), 1.0))
+
+
+@triton.jit
 def _combine_kernel(OUT_M, OUT_L, OUT_ACC, O, H: tl.constexpr, REP: tl.constexpr, REP_PAD: tl.constexpr,
                     D: tl.constexpr, NS: tl.constexpr, NS_PAD: tl.constexpr):
     """out = sum_j exp(m_j - m) acc_j / sum_j exp(m_j - m) l_j over the NS partial results of one row."""
@@ -655,7 +673,7 @@ def _window_tiles(cfg, kc: dict, vc: dict, block_t: int) -> int:
     return -(-cfg.sink // block_t) + -(-max(1, cfg.recent + max(quantized) - 1) // block_t)
 
 
-LAST_KERNELS: dict = {}  # the compiled kernels of the last launch (registers, spills: see bench/)
+LAST_KERNELS: dict = {}  # the last launch's compiled kernels (registers, spills) and slices per KV head: see bench/
 
 
 def _num_splits(bh: int, max_len: int, block_t: int, device, programs_per_sm: int = 16) -> int:
@@ -666,6 +684,18 @@ def _num_splits(bh: int, max_len: int, block_t: int, device, programs_per_sm: in
 
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     return max(1, min(-(-programs_per_sm * sms // bh), max_len // (2 * block_t), 1024))
+
+
+def _fill_splits(bh: int, max_len: int, device, resident: int) -> int:
+    """Slices per KV head for the Gluon launch: as many programs as the SMs hold at once (`resident` each), in one
+    wave, never slices shorter than two tiles. Its one-warp programs each keep one tile in flight, so the more of
+    them the better, up to a second wave: with 5 slices at batch 32 (1280 programs, 12 fit per SM) Nsight Compute
+    showed 0.8 waves, 2.4 warps per scheduler and an instruction issued on 59% of cycles (bench/RESULTS.md,
+    session 11)."""
+    import torch
+
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(resident * sms // bh, max_len // (2 * dag.BT), 1024))
 
 
 def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale: float, is_causal: bool,
@@ -682,8 +712,9 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
     out: a contiguous [B, Hq, 1, D] tensor to write into (else a new one).
     gluon: run the quantized region through `decode_attention_gluon` where it supports the layout (None: unless
     KVQ_GLUON=0; False: never; True: required, ValueError where unsupported). That launch has its own fixed
-    configuration (32-token tiles, one warp): block_t, num_warps and num_stages then apply to the window launch only
-    (block_t) or not at all; block_t None then means 32 (faster than 64 by 2-7% on an H100, session 10).
+    configuration (32-token tiles, one warp, as many slices as fill the SMs once: `_fill_splits`): block_t,
+    num_warps and num_stages then apply to the window launch only (block_t) or not at all, programs_per_sm not at
+    all; block_t None then means 32 (faster than 64 by 2-7% on an H100, session 10).
     window_warps: warps of each window-launch program."""
     import torch
 
@@ -726,17 +757,27 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
     block_t = block_t or (32 if use_gluon else default_block_t(kc, vc, rope))
     kpost = _post_mode(kc, block_t, D) if (post_scaling and not rope) else 0
     vpost = _post_mode(vc, block_t, D) if post_scaling else 0
-    if use_gluon:  # one-warp programs, half as many per SM as four-warp ones: best of 8 / 16 / 32 at three of four
-        # shapes on an H100 (bench/RESULTS.md, session 9)
-        nsplit = num_splits or _num_splits(B * H, T, dag.BT, query.device, max(1, programs_per_sm // 2))
-        kind = dag.layout_kind(kc, vc)
-    else:
-        nsplit = num_splits or _num_splits(B * H, T, block_t, query.device, programs_per_sm)
     nwin = _window_tiles(cfg, kc, vc, block_t)
+    kind = dag.layout_kind(kc, vc) if use_gluon else None
+
+    def splits(phase):  # slices per KV head of the quantized-region launch in this softmax phase
+        if num_splits:
+            return num_splits
+        if use_gluon:  # the calibrated softmax's phases differ in registers, hence in programs per SM
+            return _fill_splits(B * H, T, query.device, dag.resident_programs(
+                query, kp, vp, positions, amask, smb, mask_kind, T, kc["NG"], nwin, H, rep, cfg.sink, cfg.recent,
+                vc["TPG"], kc["BITS"], vc["BITS"], kind=kind, phases=(phase,)))
+        return _num_splits(B * H, T, block_t, query.device, programs_per_sm)
+
+    def partials(nsplit, with_acc=True):  # (max, sum, acc) buffers: nsplit + nwin slots per row
+        m = torch.empty(B * H * rep_pad * (nsplit + nwin), dtype=torch.float32, device=query.device)
+        return m, torch.empty_like(m), (torch.empty(m.numel() * D, dtype=torch.float32, device=query.device)
+                                        if with_acc else m)
+
+    nsplit = splits(0 if cfg.softmax_tau is None else 2)
     ns = nsplit + nwin
-    m_buf = torch.empty(B * H * rep_pad * ns, dtype=torch.float32, device=query.device)
-    l_buf = torch.empty_like(m_buf)
-    acc_buf = torch.empty(B * H * rep_pad * ns * D, dtype=torch.float32, device=query.device)
+    LAST_KERNELS["splits"] = nsplit
+    m_buf, l_buf, acc_buf = partials(nsplit)
     if out is None:
         out = torch.empty(B, Hq, 1, D, dtype=query.dtype, device=query.device)
     elif tuple(out.shape) != (B, Hq, 1, D) or out.dtype != query.dtype or not out.is_contiguous():
@@ -744,7 +785,7 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
                          f"{out.dtype} {tuple(out.shape)} with strides {out.stride()}")
     ieee = query.dtype == torch.float32
 
-    def launch(phase, temp):
+    def launch(phase, temp, nsplit, m_buf, l_buf, acc_buf):
         args = (query, query.stride(0), query.stride(1),
                 *side_pointers(kp, True), key, key.stride(0), key.stride(1),
                 *side_pointers(vp, False), value, value.stride(0), value.stride(1),
@@ -765,16 +806,15 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
                                                                num_stages=1)
 
     if cfg.softmax_tau is not None:
-        launch(1, query)
-        hi = m_buf.view(B * H, rep_pad, ns)[:, :rep].amax(-1)
-        lo = l_buf.view(B * H, rep_pad, ns)[:, :rep].amin(-1)
-        width = hi - lo
-        ok = torch.isfinite(width) & (width > 0)
-        tau1, tau2 = cfg.softmax_tau
-        temp = torch.where(ok, 1 - (tau1 + tau2) / torch.where(ok, width, 1.0), 1.0).contiguous()
-        launch(2, temp)
+        n1 = splits(1)   # the range pass: its own slices (and buffers of max and min, no acc)
+        m1, l1, _ = partials(n1, with_acc=False)
+        launch(1, query, n1, m1, l1, acc_buf)
+        temp = torch.empty(B * Hq, dtype=torch.float32, device=query.device)
+        _temperature_kernel[(B * Hq,)](m1, l1, temp, float(sum(cfg.softmax_tau)), REP=rep, REP_PAD=rep_pad,
+                                       NS=n1 + nwin, NS_PAD=triton.next_power_of_2(n1 + nwin))
+        launch(2, temp, nsplit, m_buf, l_buf, acc_buf)
     else:
-        launch(0, query)
+        launch(0, query, nsplit, m_buf, l_buf, acc_buf)
     _combine_kernel[(B * Hq,)](m_buf, l_buf, acc_buf, out, H=H, REP=rep, REP_PAD=rep_pad, D=D, NS=ns,
                                NS_PAD=triton.next_power_of_2(ns))
     return out

@@ -802,6 +802,7 @@ def enabled() -> bool:
     return HAVE_GLUON and os.environ.get("KVQ_GLUON", "1") != "0"
 
 
+MAXNREG = None    # a cap on the KIVI-layout kernel's registers per thread (None: ptxas's choice)
 NSTAGES = 2       # ring slots of the TMA path: 2 was best of 2 / 3 / 4 (bench/RESULTS.md, session 10)
 USE_TMA = None    # the TMA path: None = on compute capability 9.0+ while capturing a CUDA graph (check_gluon.py flips it)
 
@@ -824,29 +825,10 @@ def descriptors(kp: dict, vp: dict, kbits: int, vbits: int) -> list:
             desc(vp["cen"].view(-1), [BT * 4], sbits), desc(vp["half"].view(-1), [BT * 4], sbits)]
 
 
-def launch(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int, m_buf, l_buf, acc_buf,
-           scale: float, T: int, ng_k: int, nsplit: int, nwin: int, H: int, rep: int, sink: int, recent: int,
-           tpg_v: int, kbits: int, vbits: int, *, kind: str, use_tma: bool | None = None, phase: int = 0,
-           temp=None):
-    """Run the quantized-region launch into slots [0, nsplit) of the partial buffers (grid (B * H, nsplit); each
-    row has nsplit + nwin slots, the last nwin the window launch's). kind: `layout_kind` of the store. use_tma (KIVI
-    layout only): stream the tiles through shared memory with the tensor-memory accelerator (None: `USE_TMA`, whose
-    None means on sm_90+ inside CUDA-graph capture). phase, temp: the calibrated softmax's phase (calibquant only)
-    and, in phase 2, its per-row temperatures."""
+def _use_tma(query, sink: int, T: int, use_tma: bool | None) -> bool:
+    """Whether the KIVI-layout launch streams its tiles through the TMA ring (see `launch`)."""
     import torch
 
-    B = query.shape[0]
-    bf16 = query.dtype == torch.bfloat16
-    if kind == "post":  # calibquant: plain loads (a word per token and side; no per-tile statistics)
-        return _post_decode_kernel[(B * H, nsplit)](
-            query, query.stride(0), query.stride(1), kp["codes"], kp["cen"], kp["half"], vp["codes"], vp["cen"],
-            vp["half"], positions, amask, smb, query if temp is None else temp, m_buf, l_buf, acc_buf, float(scale),
-            T, nsplit, H=H, REP=rep, S=sink, R=recent, MASK_KIND=mask_kind, IS_BF16=bf16, BT=BT, TAU_PHASE=phase,
-            NWIN=nwin, num_warps=1)
-    if kind != "kivi" or phase:
-        raise ValueError(f"no Gluon launch for layout {kind!r} with calibrated-softmax phase {phase}")
-    ka_hi, ka_lo = split_scale(2.0 / (2 ** kbits - 1), bf16)
-    va_hi, va_lo = split_scale(2.0 / (2 ** vbits - 1), bf16)
     if use_tma is None:
         use_tma = USE_TMA
     if use_tma is None:  # only where the launch is recorded into a CUDA graph: building the six host descriptors
@@ -856,14 +838,83 @@ def launch(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int
     use_tma = use_tma and HAVE_TMA and torch.cuda.get_device_capability(query.device) >= (9, 0)
     # a TMA box starts 16-byte aligned in its innermost dimension: the Values' statistics (8 bytes a token) need an
     # even first row, i.e. an even sink and cache length (an odd start faults with an illegal instruction)
-    use_tma = use_tma and sink % 2 == 0 and T % 2 == 0
+    return use_tma and sink % 2 == 0 and T % 2 == 0
+
+
+def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int, m_buf, l_buf, acc_buf,
+          scale: float, T: int, ng_k: int, nsplit: int, nwin: int, H: int, rep: int, sink: int, recent: int,
+          tpg_v: int, kbits: int, vbits: int, kind: str, use_tma: bool | None, phase: int, temp):
+    """(kernel, arguments, keywords) of the quantized-region launch (see `launch`)."""
+    import torch
+
+    bf16 = query.dtype == torch.bfloat16
+    if kind == "post":  # calibquant: plain loads (a word per token and side; no per-tile statistics)
+        return _post_decode_kernel, (
+            query, query.stride(0), query.stride(1), kp["codes"], kp["cen"], kp["half"], vp["codes"], vp["cen"],
+            vp["half"], positions, amask, smb, query if temp is None else temp, m_buf, l_buf, acc_buf, float(scale),
+            T, nsplit), dict(H=H, REP=rep, S=sink, R=recent, MASK_KIND=mask_kind, IS_BF16=bf16, BT=BT,
+                             TAU_PHASE=phase, NWIN=nwin, num_warps=1)
+    if kind != "kivi" or phase:
+        raise ValueError(f"no Gluon launch for layout {kind!r} with calibrated-softmax phase {phase}")
+    ka_hi, ka_lo = split_scale(2.0 / (2 ** kbits - 1), bf16)
+    va_hi, va_lo = split_scale(2.0 / (2 ** vbits - 1), bf16)
+    use_tma = _use_tma(query, sink, T, use_tma)
     if use_tma:
         stores = descriptors(kp, vp, kbits, vbits)
     else:
         stores = [kp["codes"], kp["cen"], kp["half"], vp["codes"], vp["cen"], vp["half"]]
-    return _kivi_decode_kernel[(B * H, nsplit)](
+    regs = {} if MAXNREG is None else dict(maxnreg=MAXNREG)
+    return _kivi_decode_kernel, (
         query, query.stride(0), query.stride(1), *stores, positions, amask, smb, m_buf, l_buf, acc_buf,
-        float(scale), T, ng_k, nsplit,
+        float(scale), T, ng_k, nsplit), dict(
         H=H, REP=rep, S=sink, R=recent, TPG_K=32, TPG_V=tpg_v, MASK_KIND=mask_kind,
         IS_BF16=bf16, BT=BT, KBITS=kbits, VBITS=vbits, KA_HI=ka_hi, KA_LO=ka_lo, VA_HI=va_hi, VA_LO=va_lo,
-        NWIN=nwin, TMA=use_tma, NST=NSTAGES, num_warps=1)
+        NWIN=nwin, TMA=use_tma, NST=NSTAGES, num_warps=1, **regs)
+
+
+def launch(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int, m_buf, l_buf, acc_buf,
+           scale: float, T: int, ng_k: int, nsplit: int, nwin: int, H: int, rep: int, sink: int, recent: int,
+           tpg_v: int, kbits: int, vbits: int, *, kind: str, use_tma: bool | None = None, phase: int = 0,
+           temp=None):
+    """Run the quantized-region launch into slots [0, nsplit) of the partial buffers (grid (B * H, nsplit); each
+    row has nsplit + nwin slots, the last nwin the window launch's). kind: `layout_kind` of the store. use_tma (KIVI
+    layout only): stream the tiles through shared memory with the tensor-memory accelerator (None: `USE_TMA`, whose
+    None means on sm_90+ inside CUDA-graph capture; never for an odd sink or cache length). phase, temp: the
+    calibrated softmax's phase (calibquant only) and, in phase 2, its per-row temperatures."""
+    fn, args, kw = _plan(query, kp, vp, positions, amask, smb, mask_kind, m_buf, l_buf, acc_buf, scale, T, ng_k,
+                         nsplit, nwin, H, rep, sink, recent, tpg_v, kbits, vbits, kind, use_tma, phase, temp)
+    return fn[(query.shape[0] * H, nsplit)](*args, **kw)
+
+
+_RESIDENT: dict = {}
+
+
+def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int, T: int, ng_k: int,
+                      nwin: int, H: int, rep: int, sink: int, recent: int, tpg_v: int, kbits: int, vbits: int, *,
+                      kind: str, use_tma: bool | None = None, phases=(0,)) -> int:
+    """How many programs of this launch one SM holds at once (the fewest over `phases`): its compiled kernel's
+    registers and shared memory against the SM's (one-warp programs, at most 32 blocks per SM). Compiles the kernel
+    if needed (Triton's warmup, no launch); cached per configuration and device."""
+    import torch
+
+    dev = query.device
+    tma = kind == "kivi" and _use_tma(query, sink, T, use_tma)
+    key = (kind, dev.index, query.dtype, amask.dtype, mask_kind, kbits, vbits, H, rep, sink, recent, tpg_v, nwin,
+           tma, MAXNREG, NSTAGES, tuple(phases))
+    if key not in _RESIDENT:
+        one = torch.empty(1, dtype=torch.float32, device=dev)   # stand-ins for the partial buffers, temperatures
+        props = torch.cuda.get_device_properties(dev)
+        regs_sm = getattr(props, "regs_per_multiprocessor", 65536)
+        smem_sm = getattr(props, "shared_memory_per_multiprocessor", 233472)
+        fewest = 32
+        for phase in phases:
+            fn, args, kw = _plan(query, kp, vp, positions, amask, smb, mask_kind, one, one, one, 1.0, T, ng_k, 2,
+                                 nwin, H, rep, sink, recent, tpg_v, kbits, vbits, kind, tma, phase,
+                                 one if phase == 2 else None)
+            k = fn.warmup(*args, grid=(1,), **kw)
+            k._init_handles()
+            per_warp = -(-k.n_regs * 32 // 256) * 256   # registers are allocated per warp in units of 256
+            by_smem = smem_sm // (k.metadata.shared + 1024) if k.metadata.shared else 32   # 1 KiB reserved a block
+            fewest = min(fewest, regs_sm // max(per_warp, 1), by_smem)
+        _RESIDENT[key] = max(1, fewest)
+    return _RESIDENT[key]
