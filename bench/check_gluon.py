@@ -2,7 +2,7 @@
 Triton template, on stores filled by kvq::append (random K/V): relative errors of both, printed (the asserting
 version is tests/test_decode_gluon.py). --time: its time next to the Triton template's and a profile of one call.
 
-    python bench/check_gluon.py [--quick] [--time] [--no-check]
+    python bench/check_gluon.py [--quick] [--time] [--sweep] [--no-check]
 """
 from __future__ import annotations
 
@@ -55,9 +55,10 @@ def check(preset="kivi-2", quick=False):
 def timing(presets=("kivi-2", "kivi-4", "xquant-1.38", "calibquant-1"),
            shapes=((32, 4096), (8, 8192), (1, 65536), (32, 16384))):
     """Decode attention, one call (CUDA-graph timed, HF's bool mask, so the KIVI-layout launch takes the TMA ring),
-    with the Gluon launch's split count chosen four ways: session 10's (about 8 programs per SM), the default (as
-    many as the SMs hold at once, `_fill_splits`), the default with the kernel capped at 128 registers (more fit),
-    and twice the default (two waves); then where one call's GPU time goes (default path).
+    with the Gluon launch's split count chosen two ways, session 10's (about 8 programs per SM) and the default (as
+    many as the SMs hold at once, `_fill_splits`), and the Keys dequantized per element or post-scaled (the default,
+    `KEY_POST`); then where one call's GPU time goes (default path). Session 11 also timed a 128-register cap (16
+    programs per SM, a few spills) and twice the default split count: both slower (bench/RESULTS.md).
     (A second stream for the window launch, beside the Gluon launch, gained 0-3% in session 10: not kept.)"""
     from torch.profiler import ProfilerActivity, profile
 
@@ -89,15 +90,15 @@ def timing(presets=("kivi-2", "kivi-4", "xquant-1.38", "calibquant-1"),
             fill = da.LAST_KERNELS["splits"]
             old = da._num_splits(B * 8, ctx, dag.BT, q.device, 8)
             line = []
-            for name, kw, regs in (("old", dict(num_splits=old), None), ("fill", {}, None),
-                                   ("fill r128", {}, 128), ("2x", dict(num_splits=2 * fill), None)):
-                if regs and preset.startswith("calibquant"):
+            for name, kw, post in (("old splits", dict(num_splits=old), False), ("fill", {}, False),
+                                   ("fill + post-scaled keys", {}, True)):
+                if post is False and preset.startswith("calibquant"):
                     continue
-                dag.MAXNREG = regs
+                dag.KEY_POST = post
                 t = graph_time(lambda: fn(**kw))
                 split = kw.get("num_splits", da.LAST_KERNELS["splits"])
                 line.append(f"{name} ({split}) {t:.1f} us ({nbytes / (t * 1e-6) / bw * 100:.0f}%)")
-            dag.MAXNREG = None
+            dag.KEY_POST = True
             print(f"{preset} B={B} ctx={ctx}: " + ", ".join(line), flush=True)
             for _ in range(3):
                 fn()
@@ -113,9 +114,47 @@ def timing(presets=("kivi-2", "kivi-4", "xquant-1.38", "calibquant-1"),
             torch.cuda.empty_cache()
 
 
+def sweep(presets=("kivi-2", "calibquant-1"), shapes=((32, 4096), (8, 8192), (1, 16384))):
+    """The launches around the Gluon kernel, CUDA-graph timed: the window launch's tile and warps, then the final
+    reduction's warps (the rest at their defaults)."""
+    from bench_decode_attention import pick_layer
+    from kvq_compile.templates import decode_attention as da
+
+    dtype = torch.bfloat16
+    for preset in presets:
+        cfg = KVQConfig.preset(preset)
+        li = pick_layer(cfg)
+        for B, ctx in shapes:
+            ms = random_store(cfg, li, li + 1, B, ctx, dtype)
+            lay = ms.layers[li]
+            names, tensors = lay.attend_tensors()
+            bufs = dict(zip(names, tensors))
+            q = torch.randn(B, 32, 1, 128, device="cuda", dtype=dtype)
+            kc = torch.randn(B, 8, 1, 128, device="cuda", dtype=dtype)
+            am = torch.ones(B, 1, 1, ctx, dtype=torch.bool, device="cuda")
+            pos = torch.tensor([ctx - 1], device="cuda")
+
+            def fn(**kw):
+                return decode_attention(q, bufs, kc, kc, pos, am, 128 ** -0.5, False, cfg, lay.spec, ms.geo, **kw)
+
+            line = []
+            for bt in (16, 32, 64):
+                for w in (1, 2, 4, 8):
+                    line.append(f"t{bt}w{w} {graph_time(lambda: fn(block_t=bt, window_warps=w)):.1f}")
+            for w in (1, 2, 4, 8):
+                da.COMBINE_WARPS = w
+                line.append(f"combine w{w} {graph_time(fn):.1f}")
+            da.COMBINE_WARPS = 4
+            print(f"{preset} B={B} ctx={ctx} us: " + ", ".join(line), flush=True)
+            del ms, bufs, tensors
+            torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
     torch.manual_seed(0)
     if "--no-check" not in sys.argv:
         check(quick="--quick" in sys.argv)
     if "--time" in sys.argv:
         timing()
+    if "--sweep" in sys.argv:
+        sweep()

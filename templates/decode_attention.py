@@ -673,6 +673,7 @@ def _window_tiles(cfg, kc: dict, vc: dict, block_t: int) -> int:
     return -(-cfg.sink // block_t) + -(-max(1, cfg.recent + max(quantized) - 1) // block_t)
 
 
+COMBINE_WARPS = 4       # warps of each program of the final reduction (bench/check_gluon.py --sweep flips it)
 LAST_KERNELS: dict = {}  # the last launch's compiled kernels (registers, spills) and slices per KV head: see bench/
 
 
@@ -816,5 +817,6 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
     else:
         launch(0, query, nsplit, m_buf, l_buf, acc_buf)
     _combine_kernel[(B * Hq,)](m_buf, l_buf, acc_buf, out, H=H, REP=rep, REP_PAD=rep_pad, D=D, NS=ns,
+                               num_warps=COMBINE_WARPS,
                                NS_PAD=triton.next_power_of_2(ns))
     return out
