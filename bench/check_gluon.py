@@ -56,9 +56,9 @@ def timing(presets=("kivi-2", "kivi-4", "xquant-1.38", "calibquant-1"),
            shapes=((32, 4096), (8, 8192), (1, 65536), (32, 16384))):
     """Decode attention, one call (CUDA-graph timed, HF's bool mask, so the KIVI-layout launch takes the TMA ring),
     with the Gluon launch's split count chosen two ways, session 10's (about 8 programs per SM) and the default (as
-    many as the SMs hold at once, `_fill_splits`), and the Keys dequantized per element or post-scaled (the default,
-    `KEY_POST`); then where one call's GPU time goes (default path). Session 11 also timed a 128-register cap (16
-    programs per SM, a few spills) and twice the default split count: both slower (bench/RESULTS.md).
+    many as the SMs hold at once, `_fill_splits`); then where one call's GPU time goes (default path). Session 11
+    also timed a 128-register cap (16 programs per SM, a few spills), twice the default split count and post-scaled
+    Keys (commit 176ac78): none faster (bench/RESULTS.md).
     (A second stream for the window launch, beside the Gluon launch, gained 0-3% in session 10: not kept.)"""
     from torch.profiler import ProfilerActivity, profile
 
@@ -90,15 +90,10 @@ def timing(presets=("kivi-2", "kivi-4", "xquant-1.38", "calibquant-1"),
             fill = da.LAST_KERNELS["splits"]
             old = da._num_splits(B * 8, ctx, dag.BT, q.device, 8)
             line = []
-            for name, kw, post in (("old splits", dict(num_splits=old), False), ("fill", {}, False),
-                                   ("fill + post-scaled keys", {}, True)):
-                if post is False and preset.startswith("calibquant"):
-                    continue
-                dag.KEY_POST = post
+            for name, kw in (("old splits", dict(num_splits=old)), ("fill", {})):
                 t = graph_time(lambda: fn(**kw))
                 split = kw.get("num_splits", da.LAST_KERNELS["splits"])
                 line.append(f"{name} ({split}) {t:.1f} us ({nbytes / (t * 1e-6) / bw * 100:.0f}%)")
-            dag.KEY_POST = True
             print(f"{preset} B={B} ctx={ctx}: " + ", ".join(line), flush=True)
             for _ in range(3):
                 fn()

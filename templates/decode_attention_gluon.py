@@ -36,14 +36,9 @@ Math (one program = one KV head of one sequence and one slice of the quantized r
     v[t, c] = s_v[t, c // 32] * code + z_v[t, c // 32]
     per 32-token tile: logits = q @ k^T (mma m16n8k16, the <= 8 query rows padded to 16), online softmax in base
     2, acc^T = acc^T * alpha + v^T @ p^T (m16n8k16 with the 8 query rows as its columns).
-    Keys post-scaled (KPOST, the default): a tile is one Key group, so its scale is constant over the tile and
-    goes into q: logits = q' @ (M + f code)^T + C, q' = q * s_k / f rounded once to the cache dtype (f = 4 for a
-    2-bit code at bit 2 of its field, else 1), C = q . z_k - M sum(q') per row (fp32, two more mma chains of
-    [16, 128] @ [128, 8] from the rounded q'), so the Key codes leave their `lop3` ready for the mma (~9% fewer
-    instructions per tile at 2 bits). Values (and Keys with KPOST off): scale and offset are rounded to the cache
-    dtype before the multiply-add (one rounding of the value after it): values can differ from the reference's
-    fp32 dequantization by about one unit in the last place; at 2 bits fp16 scales below 2^-12 lose bits in the
-    division by 4 (at most 3 * 2^-23 absolute).
+    Scale and offset are rounded to the cache dtype before the multiply-add (one rounding of the value after
+    it): values can differ from the reference's fp32 dequantization by about one unit in the last place; at 2
+    bits fp16 scales below 2^-12 lose bits in the division by 4 (at most 3 * 2^-23 absolute).
 
 Layouts (one warp; the mma B fragment of m16n8k16 gives lane l the reduction indices 2(l%4) + {0, 1, 8, 9}
 of every 16 and the column l/4 of every 8). The reduction index of the Key mma is a permutation of the
@@ -111,7 +106,7 @@ def _code_mask(bits: int) -> str:
     return f"0x{m:04X}{m:04X}"
 
 
-def _key_asm(bits: int, bf16: bool, raw: bool = False) -> str:
+def _key_asm(bits: int, bf16: bool) -> str:
     """The codes of one word (16 at 1 or 2 bits, 8 at 4 bits) -> registers of (value 2i, value 2i+1). Operands:
     P = codes per block, $0..$(P/2 - 1) out, then P copies of the word, P/2 scale pairs, P/2 offset pairs
     (channels 2i, 2i+1). `lop3` puts a code into the mantissa of the magic number M (1024 fp16, 128 bf16):
@@ -120,20 +115,14 @@ def _key_asm(bits: int, bf16: bool, raw: bool = False) -> str:
     (M + code, M + 4 code: the high scale is pre-divided by 4, `_scale_offset`); y >> 4 brings codes 2, 3 down.
     4 bits: `prmt` pairs byte i of the word (low half) with byte i of word >> 4 (high half): its two codes at bit 0.
     1 bit (the word pre-shifted: its 16 codes at bits 0-15): `prmt` pairs byte i of the word with byte i of
-    word >> 1, so codes (2m, 2m+1) sit at bit 2m of the halves; y >> 2 steps to the next pair.
-    raw (post-scaling, "kraw"): the `lop3` alone, M + code (M + 4 code for a code at bit 2); no statistics operands."""
+    word >> 1, so codes (2m, 2m+1) sit at bit 2m of the halves; y >> 2 steps to the next pair."""
     ty = "bf16x2" if bf16 else "f16x2"
     magic, neg = _magic(bf16)
     P = 8 if bits == 4 else 16
     w, sc, of = P // 2, P // 2 + P, P + P
     lines = ["{ .reg .b32 y, x, n;" if bits == 2 else "{ .reg .b32 y, x, n, h;", f"mov.b32 n, {neg};"]
-    if raw:
-        lines = ["{ .reg .b32 y;" if bits == 2 else "{ .reg .b32 y, h;"]
 
     def value(r: int, mask: str):
-        if raw:
-            lines.append(f"lop3.b32 ${r}, y, {mask}, {magic}, 0xea;")
-            return
         lines.append(f"lop3.b32 x, y, {mask}, {magic}, 0xea; add.rn.{ty} x, x, n; "
                      f"fma.rn.{ty} ${r}, x, ${sc + r}, ${of + r};")
 
@@ -246,7 +235,6 @@ _ASM = {(side, bits, bf): (_key_asm if side == "k" else _value_asm)(bits, bf)
 _STATS = {bf: _stats_asm(bf) for bf in (False, True)}
 _ASM.update({(side + "post", 1, bf): (_post_key_asm if side == "k" else _post_value_asm)(bf)
              for side in "kv" for bf in (False, True)})
-_ASM.update({("kraw", bits, bf): _key_asm(bits, bf, raw=True) for bits in BITS for bf in (False, True)})
 
 
 def key_pack(bits: int) -> int:
@@ -322,15 +310,14 @@ if HAVE_GLUON:
         return x
 
     @gluon.jit
-    def _unpack_post(words, SIDE: gl.constexpr, BITS: gl.constexpr, PACK: gl.constexpr, IS_BF16: gl.constexpr):
-        """`M + 2^i code` pairs (cache dtype) from packed words broadcast over their codes, PACK per asm block (no
-        statistics: post-scaling folds them into q or into the accumulator)."""
+    def _unpack_post(words, SIDE: gl.constexpr, IS_BF16: gl.constexpr):
+        """`M + 2^i code` pairs (cache dtype) from packed words broadcast over their codes, 16 per asm block."""
         if IS_BF16:
-            x = gl.inline_asm_elementwise(_asm(SIDE, BITS, True), _cons(PACK, False), [words], dtype=gl.bfloat16,
-                                          is_pure=True, pack=PACK)
+            x = gl.inline_asm_elementwise(_asm(SIDE, 1, True), _cons(16, False), [words], dtype=gl.bfloat16,
+                                          is_pure=True, pack=16)
         else:
-            x = gl.inline_asm_elementwise(_asm(SIDE, BITS, False), _cons(PACK, False), [words], dtype=gl.float16,
-                                          is_pure=True, pack=PACK)
+            x = gl.inline_asm_elementwise(_asm(SIDE, 1, False), _cons(16, False), [words], dtype=gl.float16,
+                                          is_pure=True, pack=16)
         return x
 
     @gluon.jit
@@ -422,7 +409,7 @@ if HAVE_GLUON:
             kvalid = gl.expand_dims((t0 + kt) < stop, 0)
             kwords = gl.expand_dims(gl.load(kc_base + t0 * 4 + koff, mask=kvalid, other=0), 0) >> kshift  # [2, 4, BT]
             kw4, _ = gl.broadcast(gl.expand_dims(kwords, 2), cdummy)                                   # [2, 4, 16, BT]
-            kv = _unpack_post(kw4, "kpost", 1, 16, IS_BF16)
+            kv = _unpack_post(kw4, "kpost", IS_BF16)
             kv = kv.reshape([2, 2, 2, 2, 2, 2, 2, BT]).permute([0, 3, 4, 5, 1, 2, 6, 7]).reshape([128, BT])
             kv = gl.convert_layout(kv, b_l)
             s = (mma_v2(qp, kv, gl.zeros([16, BT], gl.float32, mma)) + gl.expand_dims(c_row, 1)) * qscale
@@ -441,7 +428,7 @@ if HAVE_GLUON:
                 vvalid = gl.expand_dims((t0 + vt) < stop, 1)
                 vwords = gl.expand_dims(gl.load(vc_base + t0 * 4 + voff, mask=vvalid, other=0), 2) >> vshift
                 wv, _ = gl.broadcast(gl.expand_dims(vwords, 3), jdummy)                  # [BT, 8, 2, 8]
-                vv = _unpack_post(wv, "vpost", 1, 16, IS_BF16)
+                vv = _unpack_post(wv, "vpost", IS_BF16)
                 vv = vv.permute([0, 2, 3, 1]).reshape([BT, 128]).permute([1, 0])
                 vv = gl.convert_layout(vv, a_l)
                 pt = _p_operand(ph, b_l, BT)
@@ -530,8 +517,7 @@ if HAVE_GLUON:
             H: gl.constexpr, REP: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
             TPG_K: gl.constexpr, TPG_V: gl.constexpr, MASK_KIND: gl.constexpr, IS_BF16: gl.constexpr,
             BT: gl.constexpr, KBITS: gl.constexpr, VBITS: gl.constexpr, KA_HI: gl.constexpr, KA_LO: gl.constexpr,
-            VA_HI: gl.constexpr, VA_LO: gl.constexpr, NWIN: gl.constexpr, TMA: gl.constexpr, NST: gl.constexpr,
-            KPOST: gl.constexpr):
+            VA_HI: gl.constexpr, VA_LO: gl.constexpr, NWIN: gl.constexpr, TMA: gl.constexpr, NST: gl.constexpr):
         bh = gl.program_id(0)
         split = gl.program_id(1)
         b = bh // H
@@ -576,15 +562,6 @@ if HAVE_GLUON:
         else:
             kfac = gl.full([KP], 1.0, gl.float32, gl.SliceLayout(0, gl.SliceLayout(0, KS)))
         khi = gl.expand_dims(gl.expand_dims((kfac * KA_HI).to(dt), 0), 0)            # [1, 1, KP]
-        if KPOST:  # broadcast helpers: codes over a word's block [1, 1, KP, 1]; the offsets over 8 columns
-            kc_ = gl.arange(0, KP, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(3, PK))))
-            cdummy = gl.expand_dims(gl.expand_dims(gl.expand_dims(kc_, 0), 0), 3)
-            PK8: gl.constexpr = _key_layout(8, KP)
-            KS8: gl.constexpr = gl.SliceLayout(3, PK8)
-            z8 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, PK8))))
-            zdummy = gl.expand_dims(gl.expand_dims(gl.expand_dims(z8, 0), 0), 0)   # [1, 1, 1, 8]
-            M: gl.constexpr = 128.0 if IS_BF16 else 1024.0
-            mneg = gl.full([128, 8], -M, dt, b_l)
         klo = gl.expand_dims(gl.expand_dims((kfac * KA_LO).to(dt), 0), 0)
         # Value words: chunk (w, jh) of token t starts at code 16w + 8jh
         vt = gl.arange(0, BT, layout=gl.SliceLayout(1, VW))
@@ -667,22 +644,17 @@ if HAVE_GLUON:
             if KBITS == 1:
                 kwords = kwords >> kshift
             ks, kz = _scale_offset(kh, kcen, khi, klo, IS_BF16)
-            if KPOST:  # post-scaling: the group's scale (constant over the tile) goes into q, codes stay M + f code
-                kv = _unpack_post(gl.broadcast(gl.expand_dims(kwords, 2), cdummy)[0], "kraw", KBITS, KP, IS_BF16)
-                kv = gl.convert_layout(_k_order(kv, KP, BT), b_l)
-                qp = q * gl.expand_dims(gl.convert_layout(_k_order(ks, KP, 0), gl.SliceLayout(0, a_l)), 0)
-                # C = q . z - M sum(q') per row, from the rounded q' (every column of the [16, 8] product alike)
-                zb = gl.convert_layout(_k_order(gl.broadcast(gl.expand_dims(gl.convert_layout(kz, KS8), 3), zdummy)[0],
-                                                KP, 8), b_l)
-                c = mma_v2(qp, mneg, mma_v2(q, zb, gl.zeros([16, 8], gl.float32, mma)))
-                s = mma_v2(qp, kv, gl.zeros([16, BT], gl.float32, mma)) * qscale + \
-                    gl.expand_dims(gl.max(c, 1) * qscale, 1)
+            wb, ks4 = gl.broadcast(gl.expand_dims(kwords, 2), gl.expand_dims(ks, 3))
+            wb, kz4 = gl.broadcast(wb, gl.expand_dims(kz, 3))
+            kv = _unpack(wb, ks4, kz4, "k", KBITS, KP, IS_BF16)
+            # [NA, 4, KP] -> the reduction index k = 64 x4 + 32 x3 + 16 x2 + 8 x1 + 4 b1 + 2 b0 + x0, where the
+            # 5 bits x = KP * a + c (q is loaded in the same order)
+            if KP == 16:
+                kv = kv.reshape([2, 2, 2, 2, 2, 2, 2, BT]).permute([0, 3, 4, 5, 1, 2, 6, 7]).reshape([128, BT])
             else:
-                wb, ks4 = gl.broadcast(gl.expand_dims(kwords, 2), gl.expand_dims(ks, 3))
-                wb, kz4 = gl.broadcast(wb, gl.expand_dims(kz, 3))
-                kv = _unpack(wb, ks4, kz4, "k", KBITS, KP, IS_BF16)
-                kv = gl.convert_layout(_k_order(kv, KP, BT), b_l)
-                s = mma_v2(q, kv, gl.zeros([16, BT], gl.float32, mma)) * qscale
+                kv = kv.reshape([2, 2, 2, 2, 2, 2, 2, BT]).permute([0, 1, 4, 5, 2, 3, 6, 7]).reshape([128, BT])
+            kv = gl.convert_layout(kv, b_l)
+            s = mma_v2(q, kv, gl.zeros([16, BT], gl.float32, mma)) * qscale
 
             s, allowed = _mask_scores(s, rows, t0 + cols, stop, AMASK, b.to(gl.int64) * stride_mb, REP, MASK_KIND)
             p, alpha, m_i, l_i = _softmax_step(s, allowed, m_i, l_i)
@@ -716,22 +688,6 @@ if HAVE_GLUON:
         o8 = (bh * 16 + r8) * (NSPLIT + NWIN) + split
         gl.store(OUT_ACC + gl.expand_dims(o8, 0) * 128 + gl.expand_dims(chan, 1), acc,
                  mask=gl.expand_dims(r8 < REP, 0))
-
-    @gluon.jit
-    def _k_order(x, KP: gl.constexpr, N: gl.constexpr):
-        """[NA, 4, KP(, N)] Key codes or statistics of a lane group's channels -> [128(, N)] in the Key mma's
-        reduction order k = 64 x4 + 32 x3 + 16 x2 + 8 x1 + 4 b1 + 2 b0 + x0, x = KP a + c (q is loaded in the same
-        order); N = 0: no column dimension."""
-        if N == 0:
-            if KP == 16:
-                y = x.reshape([2, 2, 2, 2, 2, 2, 2]).permute([0, 3, 4, 5, 1, 2, 6]).reshape([128])
-            else:
-                y = x.reshape([2, 2, 2, 2, 2, 2, 2]).permute([0, 1, 4, 5, 2, 3, 6]).reshape([128])
-        elif KP == 16:
-            y = x.reshape([2, 2, 2, 2, 2, 2, 2, N]).permute([0, 3, 4, 5, 1, 2, 6, 7]).reshape([128, N])
-        else:
-            y = x.reshape([2, 2, 2, 2, 2, 2, 2, N]).permute([0, 1, 4, 5, 2, 3, 6, 7]).reshape([128, N])
-        return y
 
     @gluon.jit
     def _issue(KC, VC, KHALF, KCEN, VHALF, VCEN, kb, vb, khb, kzb, vhb, vzb, bar, row0, grow0, t0, S: gl.constexpr,
@@ -846,7 +802,6 @@ def enabled() -> bool:
     return HAVE_GLUON and os.environ.get("KVQ_GLUON", "1") != "0"
 
 
-KEY_POST = True   # post-scaled Keys in the KIVI-layout kernel (the scale folded into q per tile)
 NSTAGES = 2       # ring slots of the TMA path: 2 was best of 2 / 3 / 4 (bench/RESULTS.md, session 10)
 USE_TMA = None    # the TMA path: None = on compute capability 9.0+ while capturing a CUDA graph (check_gluon.py flips it)
 
@@ -912,7 +867,7 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
         float(scale), T, ng_k, nsplit), dict(
         H=H, REP=rep, S=sink, R=recent, TPG_K=32, TPG_V=tpg_v, MASK_KIND=mask_kind,
         IS_BF16=bf16, BT=BT, KBITS=kbits, VBITS=vbits, KA_HI=ka_hi, KA_LO=ka_lo, VA_HI=va_hi, VA_LO=va_lo,
-        NWIN=nwin, TMA=use_tma, NST=NSTAGES, KPOST=KEY_POST, num_warps=1)
+        NWIN=nwin, TMA=use_tma, NST=NSTAGES, num_warps=1)
 
 
 def launch(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int, m_buf, l_buf, acc_buf,
@@ -943,7 +898,7 @@ def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mas
     dev = query.device
     tma = kind == "kivi" and _use_tma(query, sink, T, use_tma)
     key = (kind, dev.index, query.dtype, amask.dtype, mask_kind, kbits, vbits, H, rep, sink, recent, tpg_v, nwin,
-           tma, NSTAGES, KEY_POST, tuple(phases))
+           tma, NSTAGES, tuple(phases))
     if key not in _RESIDENT:
         one = torch.empty(1, dtype=torch.float32, device=dev)   # stand-ins for the partial buffers, temperatures
         props = torch.cuda.get_device_properties(dev)

@@ -102,10 +102,9 @@ SCRIPT = textwrap.dedent('''
     from kvq_compile.templates import decode_attention_gluon as dag
 
     out = []
-    for bf16, mask, kb, vb, tma, kpost in ((False, 0, 2, 2, False, True), (True, 1, 2, 2, False, True),
-                                           (True, 2, 4, 4, False, True), (False, 2, 2, 1, False, True),
-                                           (True, 1, 1, 1, False, True), (False, 1, 4, 2, False, False),
-                                           (True, 1, 2, 2, True, True), (False, 1, 4, 1, True, False)):
+    for bf16, mask, kb, vb, tma in ((False, 0, 2, 2, False), (True, 1, 2, 2, False), (True, 2, 4, 4, False),
+                                    (False, 2, 2, 1, False), (True, 1, 1, 1, False), (False, 1, 4, 2, False),
+                                    (True, 1, 2, 2, True), (False, 1, 4, 1, True)):
         ty = "*bf16" if bf16 else "*fp16"
         stores = dict(KC="*i32", KCEN=ty, KHALF=ty, VC="*i32", VCEN=ty, VHALF=ty)
         if tma:  # the host descriptors' types, from small CPU tensors of the store's shapes
@@ -120,7 +119,7 @@ SCRIPT = textwrap.dedent('''
                    NG_K="i32", NSPLIT="i32")
         ka, va = (dag.split_scale(2 / (2 ** n - 1), bf16) for n in (kb, vb))
         cx = dict(H=8, REP=4, S=0, R=128, TPG_K=32, TPG_V=1, MASK_KIND=mask, IS_BF16=bf16, BT=32, KBITS=kb,
-                  VBITS=vb, KA_HI=ka[0], KA_LO=ka[1], VA_HI=va[0], VA_LO=va[1], NWIN=3, TMA=tma, NST=2, KPOST=kpost)
+                  VBITS=vb, KA_HI=ka[0], KA_LO=ka[1], VA_HI=va[0], VA_LO=va[1], NWIN=3, TMA=tma, NST=2)
         sig.update({n: "constexpr" for n in cx})
         src = GluonASTSource(fn=dag._kivi_decode_kernel, signature=sig, constexprs=cx,
                              attrs={(i,): [["tt.divisibility", 16]]
@@ -331,30 +330,6 @@ def test_inline_ptx_unpacks_every_code(bf16, bits):
             assert abs(got - _bits(_exact(h * a, bf16), bf16)) <= 1, (trial, "scale", h, hex(got))
         out = run(offset_asm, {1: _pair(s[0], s[1], bf16), 2: _pair(z[0], z[1], bf16)})
         assert out["$0"] == _pair(_exact(z[0] - s[0], bf16), _exact(z[1] - s[1], bf16), bf16)
-
-
-@pytest.mark.parametrize("bits", dag.BITS)
-@pytest.mark.parametrize("bf16", [False, True])
-def test_raw_key_blocks_leave_codes_for_post_scaling(bf16, bits):
-    """The KIVI-layout kernel's post-scaled Key blocks ("kraw"): output register i is exactly (M + f code(2i),
-    M + f code(2i + 1)) of the block's channels (f = 4 for a 2-bit code at bit 2 of its field, else 1; M = 1024
-    fp16, 128 bf16), the same channels in the same registers as the dequantizing block, so the kernel folds the
-    scale (and f) into q and M into one constant per row."""
-    from ptx_emulator import run
-
-    M = 128.0 if bf16 else 1024.0
-    P = dag.key_pack(bits)
-    gen = torch.Generator().manual_seed(11 + bits)
-    for trial in range(40):
-        words = [int(w) & 0xFFFFFFFF for w in torch.randint(-2**31, 2**31 - 1, (1,), generator=gen)]
-        code = lambda w, j: (w >> bits * j) & ((1 << bits) - 1)  # noqa: E731
-        for shift in ((0, 16) if bits == 1 else (0,)):
-            w = words[0] >> shift
-            out = run(dag._ASM[("kraw", bits, bf16)], {P // 2 + i: w for i in range(P)})
-            f = (1, 4) if bits == 2 else (1, 1)
-            for i in range(P // 2):
-                want = _pair(M + f[0] * code(w, 2 * i), M + f[1] * code(w, 2 * i + 1), bf16)
-                assert out[f"${i}"] == want, (trial, shift, i, hex(out[f"${i}"]), hex(want))
 
 
 @pytest.mark.parametrize("bf16", [False, True])
