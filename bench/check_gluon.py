@@ -52,6 +52,44 @@ def check(preset="kivi-2", quick=False):
     print(f"worst gluon/triton error ratio {worst:.2f}")
 
 
+def decode_call(preset: str, B: int, ctx: int, dtype=torch.bfloat16):
+    """(fn, bytes read): one decode-attention call over a random store of `preset` (Llama-3-8B attention shapes:
+    32 query heads, 8 KV heads, head_dim 128) holding ctx tokens, with HF's bool mask; fn(**kw) passes kw on to
+    `decode_attention` (and keeps the store alive)."""
+    from bench_decode_attention import pick_layer
+
+    cfg = KVQConfig.preset(preset)
+    li = pick_layer(cfg)
+    ms = random_store(cfg, li, li + 1, B, ctx, dtype)
+    lay = ms.layers[li]
+    bufs = dict(zip(*lay.attend_tensors()))
+    q = torch.randn(B, 32, 1, 128, device="cuda", dtype=dtype)
+    kc = torch.randn(B, 8, 1, 128, device="cuda", dtype=dtype)
+    am = torch.ones(B, 1, 1, ctx, dtype=torch.bool, device="cuda")
+    pos = torch.tensor([ctx - 1], device="cuda")
+
+    def fn(**kw):
+        return decode_attention(q, bufs, kc, kc, pos, am, 128 ** -0.5, False, cfg, lay.spec, ms.geo, **kw)
+
+    return fn, bytes_read(lay, B, ctx, dtype)
+
+
+def kernel_times(fn, calls: int = 20) -> str:
+    """Each CUDA kernel's GPU time per fn() call (torch profiler over `calls` calls, after three warm-up calls),
+    with how many times a call launches it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return ", ".join(f"{e.key[:40]} x{e.count // calls} {e.device_time_total / calls:.1f} us"
+                     for e in prof.key_averages() if e.device_type.name == "CUDA" and e.count)
+
+
 def timing(presets=("kivi-2", "kivi-4", "xquant-1.38", "calibquant-1"),
            shapes=((32, 4096), (8, 8192), (1, 65536), (32, 16384))):
     """Decode attention, one call (CUDA-graph timed, HF's bool mask, so the KIVI-layout launch takes the TMA ring),
@@ -60,78 +98,34 @@ def timing(presets=("kivi-2", "kivi-4", "xquant-1.38", "calibquant-1"),
     also timed a 128-register cap (16 programs per SM, a few spills), twice the default split count and post-scaled
     Keys (commit 176ac78): none faster (bench/RESULTS.md).
     (A second stream for the window launch, beside the Gluon launch, gained 0-3% in session 10: not kept.)"""
-    from torch.profiler import ProfilerActivity, profile
-
-    from bench_decode_attention import pick_layer
     from kvq_compile.templates import decode_attention as da
     from kvq_compile.templates import decode_attention_gluon as dag
 
     bw = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()} copy {bw / 1e12:.2f} TB/s")
-    dtype = torch.bfloat16
     for preset in presets:
-        cfg = KVQConfig.preset(preset)
-        li = pick_layer(cfg)
         for B, ctx in shapes:
-            ms = random_store(cfg, li, li + 1, B, ctx, dtype)
-            lay = ms.layers[li]
-            names, tensors = lay.attend_tensors()
-            bufs = dict(zip(names, tensors))
-            q = torch.randn(B, 32, 1, 128, device="cuda", dtype=dtype)
-            kc = torch.randn(B, 8, 1, 128, device="cuda", dtype=dtype)
-            am = torch.ones(B, 1, 1, ctx, dtype=torch.bool, device="cuda")
-            pos = torch.tensor([ctx - 1], device="cuda")
-            nbytes = bytes_read(lay, B, ctx, dtype)
-
-            def fn(**kw):
-                return decode_attention(q, bufs, kc, kc, pos, am, 128 ** -0.5, False, cfg, lay.spec, ms.geo, **kw)
-
-            fn()
-            fill = da.LAST_KERNELS["splits"]
-            old = da._num_splits(B * 8, ctx, dag.BT, q.device, 8)
+            fn, nbytes = decode_call(preset, B, ctx)
+            old = da._num_splits(B * 8, ctx, dag.BT, torch.device("cuda"), 8)
             line = []
             for name, kw in (("old splits", dict(num_splits=old)), ("fill", {})):
                 t = graph_time(lambda: fn(**kw))
                 split = kw.get("num_splits", da.LAST_KERNELS["splits"])
                 line.append(f"{name} ({split}) {t:.1f} us ({nbytes / (t * 1e-6) / bw * 100:.0f}%)")
             print(f"{preset} B={B} ctx={ctx}: " + ", ".join(line), flush=True)
-            for _ in range(3):
-                fn()
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(20):
-                    fn()
-                torch.cuda.synchronize()
-            print("  profile (no graph, plain loads): " + ", ".join(
-                f"{e.key[:28]} x{e.count // 20} {e.device_time_total / e.count:.1f} us"
-                for e in prof.key_averages() if e.device_type.name == "CUDA" and e.count))
-            del ms, bufs, tensors
+            print("  profile (no graph, plain loads): " + kernel_times(fn))
+            del fn
             torch.cuda.empty_cache()
 
 
 def sweep(presets=("kivi-2", "calibquant-1"), shapes=((32, 4096), (8, 8192), (1, 16384))):
     """The launches around the Gluon kernel, CUDA-graph timed: the window launch's tile and warps, then the final
     reduction's warps (the rest at their defaults)."""
-    from bench_decode_attention import pick_layer
     from kvq_compile.templates import decode_attention as da
 
-    dtype = torch.bfloat16
     for preset in presets:
-        cfg = KVQConfig.preset(preset)
-        li = pick_layer(cfg)
         for B, ctx in shapes:
-            ms = random_store(cfg, li, li + 1, B, ctx, dtype)
-            lay = ms.layers[li]
-            names, tensors = lay.attend_tensors()
-            bufs = dict(zip(names, tensors))
-            q = torch.randn(B, 32, 1, 128, device="cuda", dtype=dtype)
-            kc = torch.randn(B, 8, 1, 128, device="cuda", dtype=dtype)
-            am = torch.ones(B, 1, 1, ctx, dtype=torch.bool, device="cuda")
-            pos = torch.tensor([ctx - 1], device="cuda")
-
-            def fn(**kw):
-                return decode_attention(q, bufs, kc, kc, pos, am, 128 ** -0.5, False, cfg, lay.spec, ms.geo, **kw)
-
+            fn, _ = decode_call(preset, B, ctx)
             line = []
             for bt in (16, 32, 64):
                 for w in (1, 2, 4, 8):
@@ -141,7 +135,7 @@ def sweep(presets=("kivi-2", "calibquant-1"), shapes=((32, 4096), (8, 8192), (1,
                 line.append(f"combine w{w} {graph_time(fn):.1f}")
             da.COMBINE_WARPS = 4
             print(f"{preset} B={B} ctx={ctx} us: " + ", ".join(line), flush=True)
-            del ms, bufs, tensors
+            del fn
             torch.cuda.empty_cache()
 
 
