@@ -130,10 +130,12 @@ def sweep(presets=("kivi-2", "calibquant-1"), shapes=((32, 4096), (8, 8192), (1,
             for bt in (16, 32, 64):
                 for w in (1, 2, 4, 8):
                     line.append(f"t{bt}w{w} {graph_time(lambda: fn(block_t=bt, window_warps=w)):.1f}")
-            for w in (1, 2, 4, 8):
-                da.COMBINE_WARPS = w
-                line.append(f"combine w{w} {graph_time(fn):.1f}")
-            da.COMBINE_WARPS = 4
+            try:
+                for w in (1, 2, 4, 8):
+                    da.COMBINE_WARPS = w
+                    line.append(f"combine w{w} {graph_time(fn):.1f}")
+            finally:
+                da.COMBINE_WARPS = 4
             print(f"{preset} B={B} ctx={ctx} us: " + ", ".join(line), flush=True)
             del fn
             torch.cuda.empty_cache()

@@ -1,7 +1,7 @@
 """Decode-attention calls for Nsight Compute (or the torch profiler): one store per (preset, batch, context),
 each call made twice (the first warms up). Run under ncu to read where the Gluon kernel's time goes:
 
-    ncu --clock-control none -k regex:"kivi|post_decode|_decode_kernel|combine" --section ... \
+    ncu --clock-control none -k regex:"_decode_kernel|_temperature|_combine" --section ... \
         python bench/ncu_decode.py kivi-2:32x16384:tma kivi-4:32x16384:ldg ...
     python bench/ncu_decode.py --torch-profile calibquant-1:32x4096     (each kernel's time, torch profiler)
 
@@ -28,7 +28,10 @@ def call(spec: str):
 
 def main():
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    fn = None
     for spec in args:
+        del fn   # the last store goes before the next one is built
+        torch.cuda.empty_cache()
         fn = call(spec)
         if "--torch-profile" in sys.argv:
             print(f"{spec}: {kernel_times(fn)}", flush=True)

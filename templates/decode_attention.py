@@ -20,7 +20,8 @@ and each K/V tile loaded once for all REP query heads (a [REP_PAD, D] x [D, BLOC
 (WINDOW, programs (b*H + h, j < NWIN), slots NSPLIT + j) covers the exact windows (sink, ring, chunk), one tile
 each, and the stretch where only one side is quantized. Each writes its running (max, sum, acc); `_combine_kernel`
 merges them. CalibQuant's temperature needs each row's logit range first: TAU_PHASE 1 runs both launches
-without V, then TAU_PHASE 2 attends. Every length is read
+without V (with its own split count and max / min buffers), `_temperature_kernel` turns each row's range into its
+temperature, then TAU_PHASE 2 attends. Every length is read
 from `positions` on the device: no host synchronization, fixed launch shapes (CUDA-graph safe).
 
 Glossary of constants: D head_dim; REP query heads per KV head (REP_PAD: padded to >= 16 for tl.dot);
@@ -547,7 +548,7 @@ def _temperature_kernel(OUT_M, OUT_L, TEMP, tau_sum, REP: tl.constexpr, REP_PAD:
     lo = tl.min(tl.load(OUT_L + base + j, mask=j < NS, other=float("inf")), 0)
     width = hi - lo
     ok = (width > 0) & (width < float("inf"))
-    tl.store(TEMP + row, tl.where(ok, 1.0 - tau_sum / tl.where(ok, width, 1.0), 1.0))
+    tl.store(TEMP + row, tl.where(ok, 1.0 - tl.div_rn(tau_sum, tl.where(ok, width, 1.0)), 1.0))
 
 
 @triton.jit

@@ -810,7 +810,7 @@ def descriptors(kp: dict, vp: dict, kbits: int, vbits: int) -> list:
     """Host TMA descriptors of the store, in the kernel's argument order (KC, KCEN, KHALF, VC, VCEN, VHALF): codes
     as [rows, words per token] (a block: one tile's rows), the Keys' statistics as [group rows, 128] (one row), the
     Values' as flat [T * 4] (one tile's 128 entries, 8 bytes a token: a box must start 16-byte aligned, so tiles
-    must start at even rows; `launch` uses plain loads for an odd sink or cache length)."""
+    must start at even rows; `_use_tma` takes plain loads for an odd sink or cache length)."""
     import torch
 
     def desc(t, block, bits):
@@ -885,14 +885,17 @@ def launch(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int
 
 
 _RESIDENT: dict = {}
+_MAX_BLOCKS = {(8, 0): 32, (8, 6): 16, (8, 7): 16, (8, 9): 24, (9, 0): 32, (10, 0): 32, (12, 0): 24}
 
 
 def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int, T: int, ng_k: int,
                       nwin: int, H: int, rep: int, sink: int, recent: int, tpg_v: int, kbits: int, vbits: int, *,
                       kind: str, use_tma: bool | None = None, phases=(0,)) -> int:
     """How many programs of this launch one SM holds at once (the fewest over `phases`): its compiled kernel's
-    registers and shared memory against the SM's (one-warp programs, at most 32 blocks per SM). Compiles the kernel
-    if needed (Triton's warmup, no launch); cached per configuration and device."""
+    registers and shared memory against the SM's, and CUDA's blocks-per-SM limit (one-warp programs). Compiles the
+    kernel if needed (Triton's warmup, no launch); cached per configuration (the constexprs) and device. Triton also
+    specializes on argument values (a 1, multiples of 16) that the key leaves out: those variants of one
+    configuration can differ by a few registers, which moves the count only across an allocation boundary."""
     import torch
 
     dev = query.device
@@ -904,15 +907,17 @@ def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mas
         props = torch.cuda.get_device_properties(dev)
         regs_sm = getattr(props, "regs_per_multiprocessor", 65536)
         smem_sm = getattr(props, "shared_memory_per_multiprocessor", 233472)
-        fewest = 32
+        fewest = _MAX_BLOCKS.get((props.major, props.minor), 16)   # blocks per SM (CUDA's limit)
         for phase in phases:
             fn, args, kw = _plan(query, kp, vp, positions, amask, smb, mask_kind, one, one, one, 1.0, T, ng_k, 2,
                                  nwin, H, rep, sink, recent, tpg_v, kbits, vbits, kind, tma, phase,
                                  one if phase == 2 else None)
             k = fn.warmup(*args, grid=(1,), **kw)
             k._init_handles()
-            per_warp = -(-k.n_regs * 32 // 256) * 256   # registers are allocated per warp in units of 256
-            by_smem = smem_sm // (k.metadata.shared + 1024) if k.metadata.shared else 32   # 1 KiB reserved a block
-            fewest = min(fewest, regs_sm // max(per_warp, 1), by_smem)
+            per_warp = -(-k.n_regs * 32 // 256) * 256   # registers are allocated per warp in units of 256,
+            by_regs = regs_sm // 4 // max(per_warp, 1) * 4   # from each of the SM's four schedulers' files
+            shared = -(-k.metadata.shared // 128) * 128 + 1024   # 128-byte units, 1 KiB reserved per block
+            by_smem = smem_sm // shared if k.metadata.shared else fewest
+            fewest = min(fewest, by_regs, by_smem)
         _RESIDENT[key] = max(1, fewest)
     return _RESIDENT[key]

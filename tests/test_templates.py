@@ -126,6 +126,34 @@ def test_calibquant_tau_with_splits():
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("rep,ns", [(3, 7), (4, 11), (1, 2)])
+def test_temperature_kernel_matches_torch(rep, ns):
+    """`_temperature_kernel` against the torch formula it replaced, on random ranges with empty rows (max -inf, min
+    +inf), zero widths (one distinct logit) and an infinite max; padding rows and slots hold garbage it must skip."""
+    import triton
+
+    from kvq_compile.templates.decode_attention import _temperature_kernel
+
+    gen = torch.Generator().manual_seed(rep * 100 + ns)
+    BH, rep_pad, tau = 5, 16, (0.7, 2.5)
+    m = torch.randn(BH, rep_pad, ns, generator=gen) * 4 + 3
+    lo = m - torch.rand(BH, rep_pad, ns, generator=gen) * 6
+    m[0, 0], lo[0, 0] = float("-inf"), float("inf")            # nothing allowed in this row
+    m[1, 0], lo[1, 0] = 2.0, 2.0                               # one distinct logit: width 0
+    m[2, rep - 1, 0] = float("inf")                            # an infinite range
+    m[3, :, 1:], lo[3, :, 1:] = float("-inf"), float("inf")     # only slot 0 saw tokens
+    temp = torch.empty(BH * rep)
+    _temperature_kernel[(BH * rep,)](m, lo, temp, float(sum(tau)), REP=rep, REP_PAD=rep_pad, NS=ns,
+                                     NS_PAD=triton.next_power_of_2(ns))
+    width = m[:, :rep].amax(-1) - lo[:, :rep].amin(-1)
+    ok = torch.isfinite(width) & (width > 0)
+    want = torch.where(ok, 1 - sum(tau) / torch.where(ok, width, 1.0), 1.0).reshape(-1)
+    # torch's scalar / tensor is reciprocal() * scalar (two roundings), the kernel divides once (IEEE): an ulp apart
+    torch.testing.assert_close(temp, want, rtol=3e-7, atol=0)
+    assert temp[0] == 1 and temp[rep] == 1 and temp[3 * rep - 1] == 1 and (temp[4 * rep:] != 1).all()
+
+
+@pytest.mark.interpreter
 def test_split_count_does_not_change_the_result():
     cfg = small_windows("kivi-4")
     a = check(cfg, num_splits=1, seed=3)
