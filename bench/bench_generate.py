@@ -27,6 +27,38 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second) of a 2 GiB bf16 copy."""
+    import triton.testing as tt
+
+    x = torch.empty(2 ** 29, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty_like(x)
+    return 2 * x.numel() * 2 / (tt.do_bench(lambda: y.copy_(x), return_mode="median") * 1e-3)
+
+
+def weight_bytes(model) -> int:
+    """Weight bytes a decode step reads: all parameters but the input embedding table (a step gathers B of its rows;
+    until session 8 the table, 1 GiB, was counted, which put every "% of roofline" too high)."""
+    wbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    if emb is not head:
+        wbytes -= emb.numel() * emb.element_size()
+    return wbytes
+
+
+def roofline_tok_s(model, preset: str | None, layers: int, B: int, ctx: int, bw: float) -> float:
+    """Tokens/s of a step that reads the weights and the KV cache (kvq's store of `preset` at ctx tokens, or None:
+    an fp16 cache of the valid length; HF reads its whole static buffer, more) once at copy bandwidth."""
+    from kvq_compile import KVQConfig
+    from kvq_compile import store as st
+
+    if preset is not None:
+        kv_bytes = st.model_store_bytes(KVQConfig.preset(preset), layers, B, 8, ctx, 128)
+    else:
+        kv_bytes = 2 * layers * B * 8 * ctx * 128 * 2
+    return B / ((weight_bytes(model) + kv_bytes) / bw)
+
+
 def build(layers: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -128,8 +160,7 @@ def profile_step(model, preset, B: int = 8, P: int = 2048):
 def main():
     from transformers import CompileConfig
 
-    from kvq_compile import KVQConfig, kvq_backend, lowering
-    from kvq_compile import store as st
+    from kvq_compile import kvq_backend, lowering
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=8)
@@ -146,17 +177,9 @@ def main():
     ap.add_argument("--gpu-time", action="store_true",
                     help="also the GPU time of a decode step (kernels of 8 profiled steps), for compiled runs")
     args = ap.parse_args()
-    x = torch.empty(2 ** 29, dtype=torch.bfloat16, device="cuda")
-    y = torch.empty_like(x)
-    import triton.testing as tt
-
-    bw = 2 * x.numel() * 2 / (tt.do_bench(lambda: y.copy_(x), return_mode="median") * 1e-3)
-    del x, y
+    bw = copy_bandwidth()
     model = build(args.layers)
-    wbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-    if emb is not head:  # a decode step gathers B rows of the input embedding, it does not read the table
-        wbytes -= emb.numel() * emb.element_size()
+    wbytes = weight_bytes(model)
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} copy {bw / 1e12:.2f} TB/s, "
           f"{args.layers} layers, weights read per step {wbytes / 2**30:.1f} GiB", flush=True)
     rows = []
@@ -199,15 +222,11 @@ def main():
                 print(f"{kind} {preset} B={B} P={P}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
             tps = B / step
-            ctx = P + args.new // 2
             if lowering.SELECTED and kind == "kvq":
                 picks = collections.Counter(str(c) for _, c in lowering.SELECTED)
                 print(f"  autotuned kvq::attend launches: {dict(picks)}", flush=True)
-            if kind in ("kvq", "kvq-opaque", "kvqcache"):
-                kv_bytes = st.model_store_bytes(KVQConfig.preset(preset), args.layers, B, 8, ctx, 128)
-            else:  # fp16 cache of the valid length (eager/compiled HF read the whole static buffer: more)
-                kv_bytes = 2 * args.layers * B * 8 * ctx * 128 * 2
-            roof = B / ((wbytes + kv_bytes) / bw)
+            roof = roofline_tok_s(model, preset if kind in ("kvq", "kvq-opaque", "kvqcache") else None, args.layers,
+                                  B, P + args.new // 2, bw)
             row = dict(kind=kind, preset=preset, batch=B, prompt=P, tok_s=tps, ms_step=1e3 * step,
                        peak_gib=peak / 2**30, roofline_tok_s=roof, frac_roofline=tps / roof, gpu_ms_step=gpu)
             rows.append(row)

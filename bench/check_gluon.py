@@ -114,7 +114,7 @@ def timing(presets=("kivi-2", "kivi-4", "xquant-1.38", "calibquant-1"),
                 line.append(f"{name} ({split}) {t:.1f} us ({nbytes / (t * 1e-6) / bw * 100:.0f}%)")
             print(f"{preset} B={B} ctx={ctx}: " + ", ".join(line), flush=True)
             print("  profile (no graph, plain loads): " + kernel_times(fn))
-            del fn
+            fn = None   # the store goes before the next one is built
             torch.cuda.empty_cache()
 
 
@@ -137,7 +137,7 @@ def sweep(presets=("kivi-2", "calibquant-1"), shapes=((32, 4096), (8, 8192), (1,
             finally:
                 da.COMBINE_WARPS = 4
             print(f"{preset} B={B} ctx={ctx} us: " + ", ".join(line), flush=True)
-            del fn
+            fn = None   # the store goes before the next one is built
             torch.cuda.empty_cache()
 
 
