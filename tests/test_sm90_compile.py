@@ -37,8 +37,8 @@ SCRIPT = textwrap.dedent('''
                 compiled.append((self.fn.__name__, len(k.asm["cubin"])))
             return run
 
-    for mod, name in ((da, "_decode_kernel"), (da, "_combine_kernel"), (qa, "_append_kernel"),
-                      (pa, "_prefill_kernel")):
+    for mod, name in ((da, "_decode_kernel"), (da, "_combine_kernel"), (da, "_temperature_kernel"),
+                      (qa, "_append_kernel"), (pa, "_prefill_kernel")):
         setattr(mod, name, Capture(getattr(mod, name)))
     for preset in sys.argv[1:]:
         cfg = KVQConfig.preset(preset)
@@ -67,5 +67,8 @@ def test_templates_compile_for_sm90(presets):
     assert r.returncode == 0, r.stderr[-3000:]
     compiled = eval(r.stdout.strip().splitlines()[-1])  # noqa: S307  (our own repr of a list of tuples)
     kinds = {name for name, _ in compiled}
-    assert kinds == {"_decode_kernel", "_combine_kernel", "_append_kernel", "_prefill_kernel"}, compiled
+    want = {"_decode_kernel", "_combine_kernel", "_append_kernel", "_prefill_kernel"}
+    if "calibquant-1" in presets:  # its calibrated softmax: the temperature between the two passes
+        want.add("_temperature_kernel")
+    assert kinds == want, compiled
     assert all(size > 1000 for _, size in compiled), compiled
