@@ -690,14 +690,14 @@ def _num_splits(bh: int, max_len: int, block_t: int, device, programs_per_sm: in
 
 def _fill_splits(bh: int, max_len: int, device, resident: int) -> int:
     """Slices per KV head for the Gluon launch: as many programs as the SMs hold at once (`resident` each), in one
-    wave, never slices shorter than two tiles. Its one-warp programs each keep one tile in flight, so the more of
+    wave, never slices shorter than four tiles. Its one-warp programs each keep one tile in flight, so the more of
     them the better, up to a second wave: with 5 slices at batch 32 (1280 programs, 12 fit per SM) Nsight Compute
-    showed 0.8 waves, 2.4 warps per scheduler and an instruction issued on 59% of cycles (bench/RESULTS.md,
-    session 11)."""
+    showed 0.8 waves, 2.4 warps per scheduler and an instruction issued on 59% of cycles. At batch 1-4 slices of
+    four tiles beat two by 0-12% (bench/RESULTS.md, session 11)."""
     import torch
 
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(resident * sms // bh, max_len // (2 * dag.BT), 1024))
+    return max(1, min(resident * sms // bh, max_len // (4 * dag.BT), 1024))
 
 
 def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale: float, is_causal: bool,
