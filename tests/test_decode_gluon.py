@@ -94,6 +94,22 @@ def test_where_the_kernel_applies():
                                 gluon=True)
 
 
+def test_programs_per_sm_follows_the_occupancy_rules():
+    """The Gluon launch's slice count rests on this: one-warp programs per SM from registers, shared memory and the
+    blocks-per-SM limit, as Nsight Compute reported them on an H100 (bench/RESULTS.md, session 11: 157 and 168
+    registers -> 12 blocks, calibquant's 64 -> 32, 128 -> 16)."""
+    assert dag.programs_per_sm(168, 0, (9, 0)) == 12
+    assert dag.programs_per_sm(157, 7168, (9, 0)) == 12        # the TMA ring's shared memory does not bind
+    assert dag.programs_per_sm(64, 0, (9, 0)) == 32
+    assert dag.programs_per_sm(128, 0, (9, 0)) == 16
+    assert dag.programs_per_sm(184, 0, (9, 0)) == 8            # 23 units of 256 per warp: 2 warps per scheduler
+    assert dag.programs_per_sm(64, 0, (8, 6)) == 16            # sm_86 holds 16 blocks
+    assert dag.programs_per_sm(40, 0, (8, 9)) == 24
+    assert dag.programs_per_sm(40, 0, (7, 5)) == 16            # unknown capability: 16
+    assert dag.programs_per_sm(32, 100_000, (9, 0)) == 2       # shared memory binds
+    assert dag.programs_per_sm(255, 0, (9, 0)) == 8
+
+
 SCRIPT = textwrap.dedent('''
     import os, subprocess, sys, tempfile, torch, triton
     from triton.runtime.jit import mangle_type
