@@ -13,7 +13,6 @@ bandwidth measured here).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -22,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench_generate import build, copy_bandwidth, roofline_tok_s  # noqa: E402
+from bench_generate import build, copy_bandwidth, roofline_tok_s, write_rows  # noqa: E402
 
 
 @torch.no_grad()
@@ -89,9 +88,7 @@ def main():
             print(f"loop {preset:12s} B={B:2d} P={P:6d}  {B / step:9.1f} tok/s  {step * 1e3:7.2f} ms/step  "
                   f"roofline {roof:9.1f} tok/s ({100 * B / step / roof:5.1f}%)", flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bw=bw,
-                           layers=args.layers, rows=rows, date=time.strftime("%Y-%m-%d")), f, indent=1)
+        write_rows(args.out, bw, args.layers, rows)
 
 
 if __name__ == "__main__":

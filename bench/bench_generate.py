@@ -59,6 +59,13 @@ def roofline_tok_s(model, preset: str | None, layers: int, B: int, ctx: int, bw:
     return B / ((weight_bytes(model) + kv_bytes) / bw)
 
 
+def write_rows(path: str, bw: float, layers: int, rows: list) -> None:
+    """The run's rows as JSON, with the device, torch version, copy bandwidth and date."""
+    with open(path, "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bw=bw, layers=layers,
+                       rows=rows, date=time.strftime("%Y-%m-%d")), f, indent=1)
+
+
 def build(layers: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -239,9 +246,7 @@ def main():
         if preset:
             profile_step(model, preset, *map(int, args.profile_shape.split("x")))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bw=bw,
-                           layers=args.layers, rows=rows, date=time.strftime("%Y-%m-%d")), f, indent=1)
+        write_rows(args.out, bw, args.layers, rows)
 
 
 if __name__ == "__main__":

@@ -768,7 +768,7 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
         if use_gluon:  # the calibrated softmax's phases differ in registers, hence in programs per SM
             return _fill_splits(B * H, T, query.device, dag.resident_programs(
                 query, kp, vp, positions, amask, smb, mask_kind, T, kc["NG"], nwin, H, rep, cfg.sink, cfg.recent,
-                vc["TPG"], kc["BITS"], vc["BITS"], kind=kind, phases=(phase,)))
+                vc["TPG"], kc["BITS"], vc["BITS"], kind=kind, phase=phase))
         return _num_splits(B * H, T, block_t, query.device, programs_per_sm)
 
     def partials(nsplit, with_acc=True):  # (max, sum, acc) buffers: nsplit + nwin slots per row

@@ -901,8 +901,8 @@ def programs_per_sm(n_regs: int, shared: int, cc: tuple, regs_sm: int = 65536, s
 
 def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int, T: int, ng_k: int,
                       nwin: int, H: int, rep: int, sink: int, recent: int, tpg_v: int, kbits: int, vbits: int, *,
-                      kind: str, use_tma: bool | None = None, phases=(0,)) -> int:
-    """How many programs of this launch one SM holds at once (the fewest over `phases`): its compiled kernel's
+                      kind: str, use_tma: bool | None = None, phase: int = 0) -> int:
+    """How many programs of this launch (in calibrated-softmax `phase`) one SM holds at once: its compiled kernel's
     registers and shared memory against the SM's, and CUDA's blocks-per-SM limit (one-warp programs). Compiles the
     kernel if needed (Triton's warmup, no launch); cached per configuration (the constexprs) and device. Triton also
     specializes on argument values (a 1, multiples of 16) that the key leaves out: those variants of one
@@ -912,28 +912,25 @@ def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mas
     dev = query.device
     tma = kind == "kivi" and _use_tma(query, sink, T, use_tma)
     key = (kind, dev.index, query.dtype, amask.dtype, mask_kind, kbits, vbits, H, rep, sink, recent, tpg_v, nwin,
-           tma, NSTAGES, tuple(phases))
+           tma, NSTAGES, phase)
     if key not in _RESIDENT:
         one = torch.empty(1, dtype=torch.float32, device=dev)   # stand-ins for the partial buffers, temperatures
         props = torch.cuda.get_device_properties(dev)
-        fewest = None
         try:
-            for phase in phases:
-                fn, args, kw = _plan(query, kp, vp, positions, amask, smb, mask_kind, one, one, one, 1.0, T, ng_k,
-                                     2, nwin, H, rep, sink, recent, tpg_v, kbits, vbits, kind, tma, phase,
-                                     one if phase == 2 else None)
-                k = fn.warmup(*args, grid=(1,), **kw)
-                k._init_handles()   # Triton's loader: reads the kernel's register count (n_regs)
-                n = programs_per_sm(k.n_regs, k.metadata.shared, (props.major, props.minor),
-                                    getattr(props, "regs_per_multiprocessor", 65536),
-                                    getattr(props, "shared_memory_per_multiprocessor", 233472))
-                fewest = n if fewest is None else min(fewest, n)
+            fn, args, kw = _plan(query, kp, vp, positions, amask, smb, mask_kind, one, one, one, 1.0, T, ng_k, 2,
+                                 nwin, H, rep, sink, recent, tpg_v, kbits, vbits, kind, tma, phase,
+                                 one if phase == 2 else None)
+            k = fn.warmup(*args, grid=(1,), **kw)
+            k._init_handles()   # Triton's loader: reads the kernel's register count (n_regs)
+            n = programs_per_sm(k.n_regs, k.metadata.shared, (props.major, props.minor),
+                                getattr(props, "regs_per_multiprocessor", 65536),
+                                getattr(props, "shared_memory_per_multiprocessor", 233472))
         except Exception as e:  # noqa: BLE001  a Triton without these internals: session 10's 8 per SM
             import logging
 
             logging.getLogger("kvq_compile").warning("kvq: could not size the Gluon launch from its compiled "
                                                      "kernel (%s: %s); assuming 8 programs per SM",
                                                      type(e).__name__, e)
-            fewest = 8
-        _RESIDENT[key] = fewest
+            n = 8
+        _RESIDENT[key] = n
     return _RESIDENT[key]
