@@ -1,7 +1,8 @@
 #!/bin/bash
 # One device call: GPU test selections in parallel (one process each: a -k filter of tests/test_decode_gluon.py,
 # or a tests/ path), then, after the word BENCH, benchmark commands one at a time (nothing else running).
-# usage: bash bench/device_call.sh "<filter | tests/path | tests/path -k filter>"... BENCH "<command>"...
+# usage: [TEST_TIMEOUT=seconds] bash bench/device_call.sh "<filter | tests/path | tests/path -k filter>"... BENCH "<command>"...
+# TEST_TIMEOUT: stop each test selection after that long (0, the default: no limit), so the benchmarks still run
 export PYTHONPATH=$PWD
 ln -sfn $PWD/passes kvq_compile/passes
 ln -sfn $PWD/templates kvq_compile/templates
@@ -13,7 +14,7 @@ for sel in "$@"; do
   if [[ "$sel" == tests/*" -k "* ]]; then target="${sel%% -k *}"; filter="${sel#* -k }"
   elif [[ "$sel" == tests/* ]]; then target="$sel"; filter=""
   else target=tests/test_decode_gluon.py; filter="$sel"; fi
-  (python -m pytest -q -p no:logging -p no:cacheprovider $target -k "$filter" > $OUT/t$i.log 2>&1; echo "== [$sel] $(tail -1 $OUT/t$i.log)") &
+  (timeout ${TEST_TIMEOUT:-0} python -m pytest -q -p no:logging -p no:cacheprovider $target -k "$filter" > $OUT/t$i.log 2>&1; echo "== [$sel] $(tail -1 $OUT/t$i.log)") &
   i=$((i+1))
 done
 wait

@@ -212,6 +212,76 @@ def _post_value_asm(bf16: bool) -> str:
 _NEG0 = "0x80008000"  # (-0, -0): the addend of a product written as fma
 
 
+def _lut_lines(y: str, tab: list[str]) -> list[str]:
+    """The 16-level codebook lookup of four 4-bit codes: y holds them as the nibbles of its low 16 bits; tab names
+    the 8 table registers (lo0..lo3, hi0..hi3: byte k of lo_i / hi_i is the low / high byte of level 4i + k in the
+    cache dtype). Writes lo, hi (byte k: the low / high byte of code k's level) in 9 instructions: `prmt` picks
+    byte (code & 7) of a table pair for levels 0-7 and 8-15 (4 codes at once), a second `prmt` keeps per byte the
+    one that bit 3 of its code names (selector nibble k + 4 bit3)."""
+    lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3 = tab
+    return [f"lop3.b32 s, {y}, 0x00007777, 0, 0xc0;",
+            f"prmt.b32 la, {lo0}, {lo1}, s; prmt.b32 lb, {lo2}, {lo3}, s;",
+            f"prmt.b32 ha, {hi0}, {hi1}, s; prmt.b32 hb, {hi2}, {hi3}, s;",
+            f"shr.b32 m, {y}, 1; lop3.b32 m, m, 0x00004444, 0x00003210, 0xea;",
+            "prmt.b32 lo, la, lb, m; prmt.b32 hi, ha, hb, m;"]
+
+
+_LUT_REGS = "{ .reg .b32 y, s, m, la, lb, ha, hb, lo, hi, x;"
+
+
+def _lut_key_asm(bf16: bool) -> str:
+    """A word of 8 4-bit Key codes (channels 0-7 of a block) -> 4 registers (level(2r) * s + z, level(2r + 1) * s +
+    z) of the codebook's levels: `_lut_lines` per half word, a `prmt` pairs codes (2r, 2r + 1), one `fma` applies
+    the channels' scale (half-range) and offset (center). Operands: $0-$3 out, $4-$11 copies of the word, $12-$15
+    scale pairs, $16-$19 offset pairs, $20-$27 the table (lo0..lo3, hi0..hi3)."""
+    ty = "bf16x2" if bf16 else "f16x2"
+    lines = [_LUT_REGS]
+    for half in range(2):
+        lines.append("mov.b32 y, $4;" if half == 0 else "shr.b32 y, $4, 16;")
+        lines += _lut_lines("y", [f"${20 + i}" for i in range(8)])
+        for i, sel in enumerate(("0x5140", "0x7362")):
+            r = 2 * half + i
+            lines.append(f"prmt.b32 x, lo, hi, {sel}; fma.rn.{ty} ${r}, x, ${12 + r}, ${16 + r};")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def _lut_value_asm(bf16: bool) -> str:
+    """Two tokens' words of 8 4-bit Value codes -> 8 registers (token t, token t+1) of code j = 0..7: level * s + z.
+    Per byte i, a `prmt` puts byte i of each word side by side (codes 2i, 2i + 1 of t, then of t+1), `_lut_lines`
+    looks the four up, a `prmt` pairs the two tokens' levels of one code, one `fma` applies each token's scale and
+    offset. Operands: $0-$7 out, $8-$23 words (even: token t, odd: token t+1), $24-$31 scale pairs, $32-$39 offset
+    pairs (t, t+1), $40-$55 the table (operand 40 + e holds table register e // 2: lo0..lo3, hi0..hi3)."""
+    ty = "bf16x2" if bf16 else "f16x2"
+    lines = [_LUT_REGS]
+    for i in range(4):
+        lines.append(f"prmt.b32 y, $8, $9, 0x{4 + i:x}{i:x};")
+        lines += _lut_lines("y", [f"${40 + 2 * e}" for e in range(8)])
+        for j, sel in enumerate(("0x6240", "0x7351")):
+            r = 2 * i + j
+            lines.append(f"prmt.b32 x, lo, hi, {sel}; fma.rn.{ty} ${r}, x, ${24 + r}, ${32 + r};")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def _rope_asm(bf16: bool, sign: int) -> str:
+    """RoPE on packed pairs: $0 = $1 * $3 + sign * $2 * $4 (sign -1 for channels below D / 2: x cos - partner sin;
+    +1 above: x cos + partner sin); the product with the partner is rounded once, then the sum."""
+    ty = "bf16x2" if bf16 else "f16x2"
+    neg = f" lop3.b32 t, t, {_NEG0}, 0, 0x3c;" if sign < 0 else ""
+    return f"{{ .reg .b32 t, z; mov.b32 z, {_NEG0}; fma.rn.{ty} t, $2, $4, z;{neg} fma.rn.{ty} $0, $1, $3, t; }}"
+
+
+def lut_table(levels, bf16: bool) -> list[int]:
+    """The 8 table registers `_lut_lines` reads (lo0..lo3, hi0..hi3) from 16 levels, each rounded to the cache
+    dtype (the kernel builds the same from the store's fp32 levels; tests use this)."""
+    import torch
+
+    bits = [int(x) & 0xFFFF for x in torch.tensor(list(levels), dtype=torch.float64).to(
+        torch.bfloat16 if bf16 else torch.float16).view(torch.int16)]
+    return [sum(((bits[4 * i + k] >> 8 * hi) & 0xFF) << 8 * k for k in range(4)) for hi in (0, 1) for i in range(4)]
+
+
 def _stats_asm(bf16: bool) -> tuple[str, str]:
     """(s = fma(half, hi, half * lo), z = center - half) on packed pairs. Operands of s: $0 out, $1 half, $2 hi,
     $3 lo (the scale split in two terms of the cache dtype, so s is rounded once in effect); of z: $0 out,
@@ -235,6 +305,9 @@ _ASM = {(side, bits, bf): (_key_asm if side == "k" else _value_asm)(bits, bf)
 _STATS = {bf: _stats_asm(bf) for bf in (False, True)}
 _ASM.update({(side + "post", 1, bf): (_post_key_asm if side == "k" else _post_value_asm)(bf)
              for side in "kv" for bf in (False, True)})
+_ASM.update({(side, "lut", bf): (_lut_key_asm if side == "k" else _lut_value_asm)(bf) for side in "kv"
+             for bf in (False, True)})
+_ASM.update({("rope", sign, bf): _rope_asm(bf, sign) for sign in (-1, 1) for bf in (False, True)})
 
 
 def key_pack(bits: int) -> int:
@@ -254,6 +327,12 @@ if HAVE_GLUON:
         """Operand constraints of a block of `pack` codes: pack / 2 output registers, pack word copies, and with
         stats pack / 2 scale and pack / 2 offset pairs."""
         return ",".join(["=r"] * (pack // 2) + ["r"] * (2 * pack if stats else pack))
+
+    @gluon.constexpr_function
+    def _lut_cons(pack):
+        """Operand constraints of a codebook block of `pack` codes: pack / 2 outputs, pack word copies, pack / 2
+        scale and offset pairs, pack table registers."""
+        return ",".join(["=r"] * (pack // 2) + ["r"] * (3 * pack))
 
     @gluon.constexpr_function
     def _stats(bf16, which):
@@ -753,13 +832,201 @@ if HAVE_GLUON:
         vcen = gl.load(VCEN + vs_base + t0 * 4 + vsoff, mask=vvalid, other=0.0)
         return kwords, kh, kcen, vwords, vh, vcen
 
+    @gluon.jit
+    def _lut_regs(LEV, e, IS_BF16: gl.constexpr):
+        """Table register e (0-7, any layout) of `lut_table`, built from the store's 16 fp32 levels rounded to the
+        cache dtype: byte k of register e is the low (e < 4) or high byte of level 4 (e % 4) + k."""
+        dt: gl.constexpr = gl.bfloat16 if IS_BF16 else gl.float16
+        tab = e * 0
+        for k in gl.static_range(4):
+            bits = gl.load(LEV + 4 * (e % 4) + k).to(dt).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+            tab = tab | (gl.where(e < 4, bits & 0xFF, bits >> 8) << (8 * k))
+        return tab
+
+    @gluon.jit
+    def _lut_unpack(words, s, z, tab, SIDE: gl.constexpr, IS_BF16: gl.constexpr):
+        """level(code) * s + z (cache dtype) from packed 4-bit words broadcast over their codes and the table
+        registers (`_lut_key_asm`: 8 codes per block, `_lut_value_asm`: 16, two tokens)."""
+        PACK: gl.constexpr = 8 if SIDE == "k" else 16
+        if IS_BF16:
+            x = gl.inline_asm_elementwise(_asm(SIDE, "lut", True), _lut_cons(PACK), [words, s, z, tab],
+                                          dtype=gl.bfloat16, is_pure=True, pack=PACK)
+        else:
+            x = gl.inline_asm_elementwise(_asm(SIDE, "lut", False), _lut_cons(PACK), [words, s, z, tab],
+                                          dtype=gl.float16, is_pure=True, pack=PACK)
+        return x
+
+    @gluon.jit
+    def _rope_pairs(x, y, c, s, SIGN: gl.constexpr, IS_BF16: gl.constexpr):
+        """x * c + SIGN * y * s on packed pairs (`_rope_asm`)."""
+        if IS_BF16:
+            r = gl.inline_asm_elementwise(_asm("rope", SIGN, True), "=r,r,r,r,r", [x, y, c, s], dtype=gl.bfloat16,
+                                          is_pure=True, pack=2)
+        else:
+            r = gl.inline_asm_elementwise(_asm("rope", SIGN, False), "=r,r,r,r,r", [x, y, c, s], dtype=gl.float16,
+                                          is_pure=True, pack=2)
+        return r
+
+    @gluon.jit
+    def _halves(x, BT: gl.constexpr):
+        """[4 (a), 4, 8, BT] -> the blocks a < 2 and a >= 2 (channels c and their RoPE partners c + 64)."""
+        return gl.split(x.reshape([2, 2, 4, 8, BT]).permute([1, 2, 3, 4, 0]))
+
+    @gluon.jit
+    def _rotate(k, cos, sin, IS_BF16: gl.constexpr, BT: gl.constexpr):
+        """RoPE after dequantization on Keys laid out as `_lut_chan` with ROPE: k * cos + rotate_half(k) * sin,
+        rotate_half(k)[c] = -k[c + 64] (c < 64), k[c - 64] (c >= 64); partners sit in blocks a and a + 2."""
+        klo, khi = _halves(k, BT)
+        clo, chi = _halves(cos, BT)
+        slo, shi = _halves(sin, BT)
+        lo = _rope_pairs(klo, khi, clo, slo, -1, IS_BF16)
+        hi = _rope_pairs(khi, klo, chi, shi, 1, IS_BF16)
+        return gl.join(lo, hi).permute([4, 0, 1, 2, 3]).reshape([4, 4, 8, BT])
+
+    @gluon.jit
+    def _lut_chan(a, b, c, ROPE: gl.constexpr):
+        """Key channel of code c of asm block a of lane group b: 32 b + 8 a + c; with RoPE 64 (a // 2) + 16 b +
+        8 (a % 2) + c, so that a lane holds every channel's rotation partner (c + 64) in block a + 2."""
+        if ROPE:
+            return 64 * (a // 2) + 16 * b + 8 * (a % 2) + c
+        return 32 * b + 8 * a + c
+
+    @gluon.jit
+    def _lut_decode_kernel(
+            Q, stride_qb, stride_qh, KC, KCEN, KHALF, KLEV, VC, VCEN, VHALF, VLEV, COS, SIN, POS, AMASK, stride_mb,
+            OUT_M, OUT_L, OUT_ACC, scale, T, NSPLIT,
+            H: gl.constexpr, REP: gl.constexpr, S: gl.constexpr, R: gl.constexpr, MASK_KIND: gl.constexpr,
+            IS_BF16: gl.constexpr, BT: gl.constexpr, ROPE: gl.constexpr, NWIN: gl.constexpr):
+        """Decode over kvquant's layout: 4-bit codebook Keys with one static range per channel (optionally stored
+        before RoPE) and 4-bit codebook Values with one range per token (kvquant-4):
+            k[t, c] = RoPE_t(lev_k[code] * half_k[c] + center_k[c])    v[t, c] = lev_v[code] * half_v[t] + center_v[t]
+        The KIVI kernel's structure at 4 bits (one warp, 32-token tiles, the same mma layouts and online softmax),
+        with the codebook looked up in registers (`_lut_key_asm` / `_lut_value_asm`: two `prmt` from 8 table
+        registers per 4 codes) and RoPE applied to the dequantized pairs (c, c + 64) in registers, with the tile's
+        cos / sin rows of the model-level table [B, T, 128]."""
+        bh = gl.program_id(0)
+        split = gl.program_id(1)
+        b = bh // H
+        h = bh % H
+        dt: gl.constexpr = gl.bfloat16 if IS_BF16 else gl.float16
+        D: gl.constexpr = D_
+        start, stop, n_iter = _slice(POS, split, NSPLIT, S, R, 1, 1, BT)
+
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+        PK: gl.constexpr = _key_layout(BT, 8)      # [4 (a), 4 (b), 8 (c), BT]
+        KW: gl.constexpr = gl.SliceLayout(2, PK)   # words [4, 4, BT]
+        KS: gl.constexpr = gl.SliceLayout(3, PK)   # per channel [4, 4, 8]
+        PV: gl.constexpr = _value_layout(BT)       # [BT, 8 (w), 2 (jh), 8 (jl)]
+        VW3: gl.constexpr = gl.SliceLayout(3, PV)  # words [BT, 8, 2]
+        VW: gl.constexpr = gl.SliceLayout(2, VW3)  # per token [BT, 8]
+        bh64 = bh.to(gl.int64)
+
+        # Key words: block a of lane group b is word (its channel) // 8; the static per-channel statistics and
+        # the table registers (8, one per code of a block) are loaded once
+        ka = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, KW)))
+        kb = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, KW)))
+        kt = gl.arange(0, BT, layout=gl.SliceLayout(0, gl.SliceLayout(0, KW)))
+        kword = _lut_chan(gl.expand_dims(ka, 1), gl.expand_dims(kb, 0), 0, ROPE) // 8
+        koff = gl.expand_dims(gl.expand_dims(kt, 0), 0) * 16 + gl.expand_dims(kword, 2)             # [4, 4, BT]
+        sa = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, KS)))
+        sb = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, KS)))
+        sc = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, KS)))
+        schan = _lut_chan(gl.expand_dims(gl.expand_dims(sa, 1), 2), gl.expand_dims(gl.expand_dims(sb, 0), 2),
+                          gl.expand_dims(gl.expand_dims(sc, 0), 0), ROPE)                           # [4, 4, 8]
+        ksoff = bh64 * D + schan
+        ktab = gl.expand_dims(gl.expand_dims(gl.expand_dims(_lut_regs(KLEV, sc, IS_BF16), 0), 0), 3)  # [1, 1, 8, 1]
+        kc_base = KC + bh64 * T * 16
+        if ROPE:
+            rt = gl.expand_dims(gl.expand_dims(gl.expand_dims(kt, 0), 0), 2)                         # [1, 1, 1, BT]
+            roff = rt * D + gl.expand_dims(schan, 3)                                                 # [4, 4, 8, BT]
+            rbase = b.to(gl.int64) * T * D
+        # Value words: chunk (w, jh) of token t is word 2w + jh (channels 16w + 8jh + jl); one range per token
+        vt = gl.arange(0, BT, layout=gl.SliceLayout(1, VW))
+        vw = gl.arange(0, 8, layout=gl.SliceLayout(0, VW))
+        jh = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(0, VW3)))
+        voff = gl.expand_dims(gl.expand_dims(vt, 1) * 16 + gl.expand_dims(vw * 2, 0), 2) + \
+            gl.expand_dims(gl.expand_dims(jh, 0), 0)                                                 # [BT, 8, 2]
+        vsoff = gl.expand_dims(vt, 1) + gl.expand_dims(vw * 0, 0)                                    # [BT, 8]
+        jl = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, PV))))
+        vtab = gl.expand_dims(gl.expand_dims(gl.expand_dims(_lut_regs(VLEV, jl, IS_BF16), 0), 0), 0)  # [1, 1, 1, 8]
+        vc_base = VC + bh64 * T * 16
+        vs_base = bh64 * T
+
+        # q [16, 128] in the Key mma's reduction order k = 64 a1 + 32 a0 + 16 c2 + 8 c1 + 4 b1 + 2 b0 + c0
+        qm = gl.arange(0, 16, layout=gl.SliceLayout(1, a_l))
+        qk = gl.arange(0, 128, layout=gl.SliceLayout(0, a_l))
+        qchan = _lut_chan((qk >> 5) & 3, (qk >> 1) & 3, ((qk >> 3) & 3) * 2 + (qk & 1), ROPE)
+        q = gl.load(Q + b.to(gl.int64) * stride_qb + gl.expand_dims((h * REP + qm) * stride_qh, 1)
+                    + gl.expand_dims(qchan, 0), mask=gl.expand_dims(qm < REP, 1), other=0.0)
+
+        LOG2E: gl.constexpr = 1.4426950408889634
+        qscale = scale * LOG2E
+        rows = gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
+        cols = gl.arange(0, BT, layout=gl.SliceLayout(0, mma))
+        m_i = gl.full([16], float("-inf"), gl.float32, gl.SliceLayout(1, mma))
+        l_i = gl.zeros([16], gl.float32, gl.SliceLayout(1, mma))
+        acc = gl.zeros([128, 8], gl.float32, mma)   # transposed: out^T = v^T @ p^T, channels n = 8j + w
+
+        for it in range(0, n_iter):
+            t0 = start + it * BT
+            kvalid = gl.expand_dims(gl.expand_dims((t0 + kt) < stop, 0), 0)
+            kwords = gl.load(kc_base + t0 * 16 + koff, mask=kvalid, other=0)
+            # the static statistics are read per tile (L1 hits): held across the loop they cost 32 registers
+            wb, ks4 = gl.broadcast(gl.expand_dims(kwords, 2), gl.expand_dims(gl.load(KHALF + ksoff), 3))
+            wb, kz4 = gl.broadcast(wb, gl.expand_dims(gl.load(KCEN + ksoff), 3))
+            wb, kt4 = gl.broadcast(wb, ktab)
+            kv = _lut_unpack(wb, ks4, kz4, kt4, "k", IS_BF16)                                       # [4, 4, 8, BT]
+            if ROPE:
+                rmask = gl.expand_dims(kvalid, 2)
+                cos = gl.load(COS + rbase + t0 * D + roff, mask=rmask, other=0.0)
+                sin = gl.load(SIN + rbase + t0 * D + roff, mask=rmask, other=0.0)
+                kv = _rotate(kv, cos, sin, IS_BF16, BT)
+            kv = kv.reshape([2, 2, 2, 2, 2, 2, 2, BT]).permute([0, 1, 4, 5, 2, 3, 6, 7]).reshape([128, BT])
+            kv = gl.convert_layout(kv, b_l)
+            s = mma_v2(q, kv, gl.zeros([16, BT], gl.float32, mma)) * qscale
+            s, allowed = _mask_scores(s, rows, t0 + cols, stop, AMASK, b.to(gl.int64) * stride_mb, REP, MASK_KIND)
+            p, alpha, m_i, l_i = _softmax_step(s, allowed, m_i, l_i)
+
+            vvalid = gl.expand_dims((t0 + vt) < stop, 1)
+            vwords = gl.load(vc_base + t0 * 16 + voff, mask=gl.expand_dims(vvalid, 2), other=0)      # [BT, 8, 2]
+            vh = gl.load(VHALF + vs_base + t0 + vsoff, mask=vvalid, other=0.0)                       # [BT, 8]
+            vcen = gl.load(VCEN + vs_base + t0 + vsoff, mask=vvalid, other=0.0)
+            wv, vt4 = gl.broadcast(gl.expand_dims(vwords, 3), vtab)                                 # [BT, 8, 2, 8]
+            wv, vs4 = gl.broadcast(wv, gl.expand_dims(gl.expand_dims(vh, 2), 3))
+            wv, vz4 = gl.broadcast(wv, gl.expand_dims(gl.expand_dims(vcen, 2), 3))
+            vv = _lut_unpack(wv, vs4, vz4, vt4, "v", IS_BF16)
+            vv = vv.permute([0, 2, 3, 1]).reshape([BT, 128]).permute([1, 0])          # v^T [128 (n = 8j + w), BT]
+            vv = gl.convert_layout(vv, a_l)
+            acc = mma_v2(vv, _p_operand(p.to(dt), b_l, BT), acc * gl.expand_dims(_first8(alpha, mma), 0))
+
+        o = (bh * 16 + rows) * (NSPLIT + NWIN) + split
+        LN2: gl.constexpr = 0.6931471805599453
+        gl.store(OUT_M + o, m_i * LN2, mask=rows < REP)
+        gl.store(OUT_L + o, l_i, mask=rows < REP)
+        n = gl.arange(0, 128, layout=gl.SliceLayout(1, mma))
+        r8 = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
+        chan = 16 * (n & 7) + (n >> 3)
+        o8 = (bh * 16 + r8) * (NSPLIT + NWIN) + split
+        gl.store(OUT_ACC + gl.expand_dims(o8, 0) * 128 + gl.expand_dims(chan, 1), acc,
+                 mask=gl.expand_dims(r8 < REP, 0))
+
 
 _POST = dict(BITS=1, AXIS=1, GS=0, NG=1, SYM=0, LUT=False, NOUT=0, NORM=False, TPG=1)
 
 
+_LUT_K = dict(BITS=4, AXIS=1, GS=0, NG=1, SYM=0, LUT=True, NOUT=0, NORM=False, TPG=1)
+_LUT_V = dict(BITS=4, AXIS=0, GS=D, SYM=0, LUT=True, NOUT=0, TPG=1)
+LUT_BT = 16   # tokens per tile of `_lut_decode_kernel`: 199 registers with RoPE (8 programs per SM, as 32-token
+              # tiles at 252) and ~13% fewer instructions per token than 32-token tiles (sm_90 SASS)
+
+
 def layout_kind(kc: dict, vc: dict) -> str | None:
     """"kivi": KIVI's layout at 1, 2 or 4 bits (`_kivi_decode_kernel`); "post": 1-bit channel-wise Keys and
-    Values with one static range per channel, calibquant-1 (`_post_decode_kernel`); None: neither."""
+    Values with one static range per channel, calibquant-1 (`_post_decode_kernel`); "lut": kvquant's 4-bit
+    codebooks, Keys with one static range per channel, Values one range per token, no outliers (kvquant-4,
+    `_lut_decode_kernel`); None: none of them."""
     key = dict(AXIS=1, GS=32, SYM=0, LUT=False, NOUT=0, NORM=False, TPG=32)
     val = dict(AXIS=0, GS=32, SYM=0, LUT=False, NOUT=0)
     if kc["BITS"] in BITS and vc["BITS"] in BITS and all(kc[n] == v for n, v in key.items()) \
@@ -767,6 +1034,8 @@ def layout_kind(kc: dict, vc: dict) -> str | None:
         return "kivi"
     if all(kc[n] == v for n, v in _POST.items()) and all(vc[n] == v for n, v in _POST.items()):
         return "post"
+    if all(kc[n] == v for n, v in _LUT_K.items()) and all(vc[n] == v for n, v in _LUT_V.items()):
+        return "lut"
     return None
 
 
@@ -778,13 +1047,16 @@ def supports(query, rep: int, kc: dict, vc: dict, kp: dict, rope: bool, mask_kin
 
     kind = layout_kind(kc, vc)
     if kind is None:
-        return "the store is in neither KIVI's layout at 1, 2 or 4 bits nor calibquant's 1-bit channel-wise one"
+        return ("the store is in none of KIVI's layout at 1, 2 or 4 bits, calibquant's 1-bit channel-wise one and "
+                "kvquant's 4-bit codebooks without outliers")
     if query.shape[-1] != D:
         return "needs head_dim 128"
     if rep > 8:
         return "needs at most 8 query heads per KV head"
-    if rope or is_causal or (tau is not None and kind != "post") or (mask_kind != 0 and not mask_shared):
-        return "RoPE after dequantization, is_causal, calibrated softmax (KIVI layout) or a per-head mask"
+    if (rope and kind != "lut") or is_causal or (tau is not None and kind != "post") or \
+            (mask_kind != 0 and not mask_shared):
+        return ("RoPE after dequantization (but kvquant's layout), is_causal, calibrated softmax (but calibquant's "
+                "layout) or a per-head mask")
     if query.dtype not in (torch.float16, torch.bfloat16) or kp["half"].dtype != query.dtype:
         return "needs fp16 or bf16 queries and statistics of the same dtype"
     if not query.is_cuda or torch.cuda.get_device_capability(query.device) < (8, 0):
@@ -842,11 +1114,18 @@ def _use_tma(query, sink: int, T: int, use_tma: bool | None) -> bool:
 
 def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int, m_buf, l_buf, acc_buf,
           scale: float, T: int, ng_k: int, nsplit: int, nwin: int, H: int, rep: int, sink: int, recent: int,
-          tpg_v: int, kbits: int, vbits: int, kind: str, use_tma: bool | None, phase: int, temp):
+          tpg_v: int, kbits: int, vbits: int, kind: str, use_tma: bool | None, phase: int, temp, rope):
     """(kernel, arguments, keywords) of the quantized-region launch (see `launch`)."""
     import torch
 
     bf16 = query.dtype == torch.bfloat16
+    if kind == "lut":  # kvquant: plain loads; rope = (cos, sin) tables [B, T, 128] or None
+        cos, sin = rope if rope is not None else (query, query)
+        return _lut_decode_kernel, (
+            query, query.stride(0), query.stride(1), kp["codes"], kp["cen"], kp["half"], kp["lev"], vp["codes"],
+            vp["cen"], vp["half"], vp["lev"], cos, sin, positions, amask, smb, m_buf, l_buf, acc_buf, float(scale), T,
+            nsplit), dict(H=H, REP=rep, S=sink, R=recent, MASK_KIND=mask_kind, IS_BF16=bf16, BT=LUT_BT,
+                          ROPE=rope is not None, NWIN=nwin, num_warps=1)
     if kind == "post":  # calibquant: plain loads (a word per token and side; no per-tile statistics)
         return _post_decode_kernel, (
             query, query.stride(0), query.stride(1), kp["codes"], kp["cen"], kp["half"], vp["codes"], vp["cen"],
@@ -873,14 +1152,15 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
 def launch(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int, m_buf, l_buf, acc_buf,
            scale: float, T: int, ng_k: int, nsplit: int, nwin: int, H: int, rep: int, sink: int, recent: int,
            tpg_v: int, kbits: int, vbits: int, *, kind: str, use_tma: bool | None = None, phase: int = 0,
-           temp=None):
+           temp=None, rope=None):
     """Run the quantized-region launch into slots [0, nsplit) of the partial buffers (grid (B * H, nsplit); each
     row has nsplit + nwin slots, the last nwin the window launch's). kind: `layout_kind` of the store. use_tma (KIVI
     layout only): stream the tiles through shared memory with the tensor-memory accelerator (None: `USE_TMA`, whose
     None means on sm_90+ inside CUDA-graph capture; never for an odd sink or cache length). phase, temp: the
-    calibrated softmax's phase (calibquant only) and, in phase 2, its per-row temperatures."""
+    calibrated softmax's phase (calibquant only) and, in phase 2, its per-row temperatures. rope (kvquant's layout
+    only): the (cos, sin) tables [B, T, 128] of Keys stored before RoPE, else None."""
     fn, args, kw = _plan(query, kp, vp, positions, amask, smb, mask_kind, m_buf, l_buf, acc_buf, scale, T, ng_k,
-                         nsplit, nwin, H, rep, sink, recent, tpg_v, kbits, vbits, kind, use_tma, phase, temp)
+                         nsplit, nwin, H, rep, sink, recent, tpg_v, kbits, vbits, kind, use_tma, phase, temp, rope)
     return fn[(query.shape[0] * H, nsplit)](*args, **kw)
 
 
@@ -901,7 +1181,7 @@ def programs_per_sm(n_regs: int, shared: int, cc: tuple, regs_sm: int = 65536, s
 
 def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int, T: int, ng_k: int,
                       nwin: int, H: int, rep: int, sink: int, recent: int, tpg_v: int, kbits: int, vbits: int, *,
-                      kind: str, use_tma: bool | None = None, phase: int = 0) -> int:
+                      kind: str, use_tma: bool | None = None, phase: int = 0, rope=None) -> int:
     """How many programs of this launch (in calibrated-softmax `phase`) one SM holds at once: its compiled kernel's
     registers and shared memory against the SM's, and CUDA's blocks-per-SM limit (one-warp programs). Compiles the
     kernel if needed (Triton's warmup, no launch); cached per configuration (the constexprs) and device. Triton also
@@ -912,14 +1192,14 @@ def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mas
     dev = query.device
     tma = kind == "kivi" and _use_tma(query, sink, T, use_tma)
     key = (kind, dev.index, query.dtype, amask.dtype, mask_kind, kbits, vbits, H, rep, sink, recent, tpg_v, nwin,
-           tma, NSTAGES, phase)
+           tma, NSTAGES, phase, rope is not None)
     if key not in _RESIDENT:
         one = torch.empty(1, dtype=torch.float32, device=dev)   # stand-ins for the partial buffers, temperatures
         props = torch.cuda.get_device_properties(dev)
         try:
             fn, args, kw = _plan(query, kp, vp, positions, amask, smb, mask_kind, one, one, one, 1.0, T, ng_k, 2,
                                  nwin, H, rep, sink, recent, tpg_v, kbits, vbits, kind, tma, phase,
-                                 one if phase == 2 else None)
+                                 one if phase == 2 else None, rope)
             k = fn.warmup(*args, grid=(1,), **kw)
             k._init_handles()   # Triton's loader: reads the kernel's register count (n_regs)
             n = programs_per_sm(k.n_regs, k.metadata.shared, (props.major, props.minor),

@@ -45,6 +45,8 @@ def run(asm: str, operands: dict[int, int]) -> dict[int, int]:
         elif op == "prmt.b32":
             src = val(a[1]).to_bytes(4, "little") + val(a[2]).to_bytes(4, "little")
             sel = val(a[3])
+            if sel & 0x8888:
+                raise NotImplementedError(f"prmt's sign-replicate mode (selector {sel:#x}) in {ins}")
             out = int.from_bytes(bytes(src[(sel >> 4 * k) & 7] for k in range(4)), "little")
         elif op == "lop3.b32":
             x, y, z, lut = val(a[1]), val(a[2]), val(a[3]), val(a[4])

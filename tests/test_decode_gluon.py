@@ -28,8 +28,16 @@ def kivi_layout(key_bits: int, value_bits: int) -> KVQConfig:
                      value=QuantizerSpec(bits=value_bits, axis=Axis.TOKEN, group_size=32), recent=128)
 
 
+def kvquant_after_rope() -> KVQConfig:
+    """kvquant-4 with its Keys stored after RoPE (no rotation in the kernel)."""
+    cfg = KVQConfig.preset("kvquant-4")
+    cfg.keys_before_rope = False
+    return cfg
+
+
 LAYOUTS = {"kivi-2": lambda: KVQConfig.preset("kivi-2"), "kivi-4": lambda: KVQConfig.preset("kivi-4"),
-           "calibquant-1": lambda: KVQConfig.preset("calibquant-1"),
+           "calibquant-1": lambda: KVQConfig.preset("calibquant-1"), "kvquant-4": lambda: KVQConfig.preset("kvquant-4"),
+           "kvquant-4-after-rope": kvquant_after_rope,
            "k2v1": lambda: kivi_layout(2, 1), "k1v1": lambda: kivi_layout(1, 1), "k4v2": lambda: kivi_layout(4, 2)}
 
 
@@ -79,6 +87,7 @@ def test_where_the_kernel_applies():
     assert "KIVI" in _reason("int8")
     assert "KIVI" in _reason("innerq-2")
     assert "KIVI" in _reason("calibquant-2")
+    assert "KIVI" in _reason("kvquant-4-1%")   # outliers: the Triton template
     assert "head_dim" in _reason("kivi-2", D=64)
     assert "at most 8 query heads" in _reason("kivi-2", rep=9)
     assert "per-head mask" in _reason("kivi-2", mask_shared=False)
@@ -163,21 +172,42 @@ SCRIPT = textwrap.dedent('''
         usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
         sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
         out.append(("post", phase, "LOCAL:0" in usage, sass.count("HMMA"), sass.count("HFMA2"), sass.count("HADD2")))
+    for bf16, mask, rope in ((False, 1, True), (True, 2, True), (False, 0, False)):   # kvquant's kernel
+        ty = "*bf16" if bf16 else "*fp16"
+        sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KCEN=ty, KHALF=ty, KLEV="*fp32", VC="*i32",
+                   VCEN=ty, VHALF=ty, VLEV="*fp32", COS=ty, SIN=ty, POS="*i64", AMASK="*i1" if mask == 1 else ty,
+                   stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32", OUT_ACC="*fp32", scale="fp32", T="i32",
+                   NSPLIT="i32")
+        cx = dict(H=8, REP=4, S=1, R=0, MASK_KIND=mask, IS_BF16=bf16, BT=dag.LUT_BT, ROPE=rope, NWIN=2)
+        sig.update({n: "constexpr" for n in cx})
+        src = GluonASTSource(fn=dag._lut_decode_kernel, signature=sig, constexprs=cx,
+                             attrs={(i,): [["tt.divisibility", 16]] for i in range(0, 13) if i not in (1, 2)})
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1))
+        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+            f.write(k.asm["cubin"])
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+        out.append(("lut", rope, k.metadata.shared, "LOCAL:0" in usage, sass.count("HMMA"), sass.count("STS"),
+                    sass.count("LDS"), sass.count("PRMT")))
     print(out)
 ''')
 
 
 @pytest.mark.skipif(not dag.HAVE_GLUON, reason="triton without Gluon")
 def test_compiles_for_sm90_into_registers_only():
-    """fp16 / bf16, every mask kind, 1 / 2 / 4-bit sides: tensor-core code with no spills; the plain-load path with
-    no shared memory at all (the unpacked codes go from the loaded words straight into the mma operand registers),
+    """fp16 / bf16, every mask kind, 1 / 2 / 4-bit sides, kvquant's codebooks with and without RoPE: tensor-core code
+    with no spills; the plain-load path with no shared memory at all (the unpacked codes go from the loaded words straight into the mma operand registers),
     the TMA path reading its ring with LDS only (the tensor-memory accelerator writes it)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = eval(r.stdout.strip().splitlines()[-1])  # noqa: S307  (our own repr of a list of tuples)
-    assert len(rows) == 11
-    for _, phase, no_local, hmma, hfma2, hadd2 in rows[8:]:
+    assert len(rows) == 14
+    for _, rope, shared, no_local, hmma, sts, lds, prmt in rows[11:]:
+        # kvquant's kernel: per 16-token tile 16 HMMA (q @ k^T) + 8 (v^T @ p^T); no shared memory, no spills; the
+        # codebook lookups are byte permutes (8 per 4 codes, 128 codes per lane and tile)
+        assert shared == 0 and sts == 0 and lds == 0 and no_local and hmma >= 24 and prmt >= 256, rows
+    for _, phase, no_local, hmma, hfma2, hadd2 in rows[8:11]:
         # calibquant's kernel: tensor cores for q' @ codes^T (and p @ codes in phases 0 and 2), no packed-half
         # multiply-add (its codes leave the lop3 ready for the mma; HADD2 also converts halves to floats), no spills
         assert no_local and hmma >= (32 if phase == 1 else 48) and hfma2 == 0, rows
@@ -204,7 +234,10 @@ CASES = [  # B, H, rep, T, n0, sink, magnitude of K / V
 
 GPU_CASES = [("kivi-2", c, m) for c in CASES for m in (None, "bool", "additive", "one-row")] + \
     [(lay, c, m) for lay in ("kivi-4", "k2v1", "k1v1", "k4v2", "calibquant-1") for c in CASES for m in (None, "bool")] \
-    + [("calibquant-1", c, "additive") for c in CASES[:3]]
+    + [("calibquant-1", c, "additive") for c in CASES[:3]] \
+    + [(lay, c, m) for lay in ("kvquant-4", "kvquant-4-after-rope") for c in CASES for m in (None, "bool")]
+KERNELS = {"calibquant-1": "_post_decode_kernel", "kvquant-4": "_lut_decode_kernel",
+           "kvquant-4-after-rope": "_lut_decode_kernel"}
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
@@ -228,7 +261,7 @@ def test_matches_reference_on_gpu(dtype, layout, case, mask, monkeypatch):
         monkeypatch.setattr(dag, "USE_TMA", tma)
         out = da.decode_attention(q, bufs, k, v, p, am, 128 ** -0.5, False, cfg, lay.spec, ms.geo, gluon=True,
                                   **kw).float()
-        kernel = "_post_decode_kernel" if layout == "calibquant-1" else "_kivi_decode_kernel"
+        kernel = KERNELS.get(layout, "_kivi_decode_kernel")
         assert kernel in str(getattr(da.LAST_KERNELS["main"], "name", da.LAST_KERNELS["main"]))
         tri = da.decode_attention(q, bufs, k, v, p, am, 128 ** -0.5, False, cfg, lay.spec, ms.geo, gluon=False,
                                   **kw).float()
@@ -367,3 +400,42 @@ def test_post_scaled_blocks_place_each_bit(bf16):
         for j in range(8):
             want = _pair(M + 2 ** j * (w[0] >> j & 1), M + 2 ** j * (w[1] >> j & 1), bf16)
             assert out[f"${j}"] == want, (trial, "value", j)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_codebook_blocks_look_up_every_level(bf16):
+    """kvquant's 4-bit codebook blocks (`_lut_decode_kernel`): every output register holds level(code) * s + z of
+    the right channel / token, rounded once, for random codebooks (16 levels, rounded to the cache dtype), random
+    words (every code) and statistics; and the RoPE blocks x cos -/+ partner sin with the product rounded first."""
+    from ptx_emulator import run
+
+    gen = torch.Generator().manual_seed(11)
+    key_asm, value_asm = dag._ASM[("k", "lut", bf16)], dag._ASM[("v", "lut", bf16)]
+    for trial in range(40):
+        lev = [_exact(float(x), bf16) for x in torch.randn(16, generator=gen)]
+        tab = dag.lut_table(lev, bf16)
+        words = [int(w) & 0xFFFFFFFF for w in torch.randint(-2**31, 2**31 - 1, (2,), generator=gen)]
+        s = [_exact(float(x), bf16) for x in torch.rand(8, generator=gen) + 0.05]
+        z = [_exact(float(x), bf16) for x in torch.randn(8, generator=gen)]
+        code = lambda w, j: (w >> 4 * j) & 15  # noqa: E731
+        ops = {4 + i: words[0] for i in range(8)}
+        ops.update({12 + r: _pair(s[2 * r], s[2 * r + 1], bf16) for r in range(4)})
+        ops.update({16 + r: _pair(z[2 * r], z[2 * r + 1], bf16) for r in range(4)})
+        ops.update({20 + e: tab[e] for e in range(8)})
+        out = run(key_asm, ops)
+        for r in range(4):
+            want = _pair(*(_exact(lev[code(words[0], c)] * s[c] + z[c], bf16) for c in (2 * r, 2 * r + 1)), bf16)
+            assert out[f"${r}"] == want, (trial, "key", r)
+        ops = {8 + i: words[i % 2] for i in range(16)}
+        ops.update({24 + r: _pair(s[0], s[1], bf16) for r in range(8)})
+        ops.update({32 + r: _pair(z[0], z[1], bf16) for r in range(8)})
+        ops.update({40 + e: tab[e // 2] for e in range(16)})
+        out = run(value_asm, ops)
+        for j in range(8):
+            want = _pair(*(_exact(lev[code(words[t], j)] * s[t] + z[t], bf16) for t in (0, 1)), bf16)
+            assert out[f"${j}"] == want, (trial, "value", j)
+        x, p, c, sn = ([_exact(float(v), bf16) for v in torch.randn(2, generator=gen)] for _ in range(4))
+        for sign in (-1, 1):
+            out = run(dag._ASM[("rope", sign, bf16)], {i + 1: _pair(*v, bf16) for i, v in enumerate((x, p, c, sn))})
+            want = _pair(*(_exact(x[i] * c[i] + _exact(sign * p[i] * sn[i], bf16), bf16) for i in range(2)), bf16)
+            assert out["$0"] == want, (trial, "rope", sign)
