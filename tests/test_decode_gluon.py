@@ -182,7 +182,7 @@ SCRIPT = textwrap.dedent('''
         sig.update({n: "constexpr" for n in cx})
         src = GluonASTSource(fn=dag._lut_decode_kernel, signature=sig, constexprs=cx,
                              attrs={(i,): [["tt.divisibility", 16]] for i in range(0, 13) if i not in (1, 2)})
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1))
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, maxnreg=dag.LUT_MAXNREG))
         with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
             f.write(k.asm["cubin"])
         usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
