@@ -768,7 +768,8 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
         if use_gluon:  # the calibrated softmax's phases differ in registers, hence in programs per SM
             return _fill_splits(B * H, T, query.device, dag.resident_programs(
                 query, kp, vp, positions, amask, smb, mask_kind, T, kc["NG"], nwin, H, rep, cfg.sink, cfg.recent,
-                vc["TPG"], kc["BITS"], vc["BITS"], kind=kind, phase=phase, rope=(cos, sin) if rope else None))
+                vc["TPG"], kc["BITS"], vc["BITS"], kind=kind, phase=phase, rope=(cos, sin) if rope else None,
+                nout=(kc["NOUT"], vc["NOUT"])))
         return _num_splits(B * H, T, block_t, query.device, programs_per_sm)
 
     def partials(nsplit, with_acc=True):  # (max, sum, acc) buffers: nsplit + nwin slots per row
@@ -800,7 +801,8 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
             LAST_KERNELS["main"] = dag.launch(query, kp, vp, positions, amask, smb, mask_kind, m_buf, l_buf, acc_buf,
                                               scale, T, kc["NG"], nsplit, nwin, H, rep, cfg.sink, cfg.recent, vc["TPG"],
                                               kc["BITS"], vc["BITS"], kind=kind, phase=phase,
-                                              temp=temp if phase == 2 else None, rope=(cos, sin) if rope else None)
+                                              temp=temp if phase == 2 else None, rope=(cos, sin) if rope else None,
+                                              nout=(kc["NOUT"], vc["NOUT"]))
         else:
             LAST_KERNELS["main"] = _decode_kernel[(B * H, nsplit)](*args, **consts, WINDOW=False,
                                                                    num_warps=num_warps, num_stages=num_stages)

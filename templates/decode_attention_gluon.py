@@ -893,13 +893,16 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _lut_decode_kernel(
-            Q, stride_qb, stride_qh, KC, KCEN, KHALF, KLEV, VC, VCEN, VHALF, VLEV, COS, SIN, POS, AMASK, stride_mb,
-            OUT_M, OUT_L, OUT_ACC, scale, T, NSPLIT,
+            Q, stride_qb, stride_qh, KC, KCEN, KHALF, KLEV, KOIDX, KOVAL, VC, VCEN, VHALF, VLEV, VOIDX, VOVAL, COS, SIN,
+            POS, AMASK, stride_mb, OUT_M, OUT_L, OUT_ACC, scale, T, NSPLIT,
             H: gl.constexpr, REP: gl.constexpr, S: gl.constexpr, R: gl.constexpr, MASK_KIND: gl.constexpr,
-            IS_BF16: gl.constexpr, BT: gl.constexpr, ROPE: gl.constexpr, NWIN: gl.constexpr):
+            IS_BF16: gl.constexpr, BT: gl.constexpr, ROPE: gl.constexpr, KNOUT: gl.constexpr, VNOUT: gl.constexpr,
+            NWIN: gl.constexpr):
         """Decode over kvquant's layout: 4-bit codebook Keys with one static range per channel (optionally stored
-        before RoPE) and 4-bit codebook Values with one range per token (kvquant-4):
-            k[t, c] = RoPE_t(lev_k[code] * half_k[c] + center_k[c])    v[t, c] = lev_v[code] * half_v[t] + center_v[t]
+        before RoPE) and 4-bit codebook Values with one range per token, each with KNOUT / VNOUT dense-and-sparse
+        outliers per token (exact values at stored channel indices; kvquant-4, kvquant-4-1%):
+            k[t, c] = RoPE_t(lev_k[code] * half_k[c] + center_k[c], or the outlier value at its channel)
+            v[t, c] = lev_v[code] * half_v[t] + center_v[t], or the outlier value at its channel
         The KIVI kernel's structure at 4 bits (one warp, 32-token tiles, the same mma layouts and online softmax),
         with the codebook looked up in registers (`_lut_key_asm` / `_lut_value_asm`: two `prmt` from 8 table
         registers per 4 codes) and RoPE applied to the dequantized pairs (c, c + 64) in registers, with the tile's
@@ -938,8 +941,9 @@ if HAVE_GLUON:
         ksoff = bh64 * D + schan
         ktab = gl.expand_dims(gl.expand_dims(gl.expand_dims(_lut_regs(KLEV, sc, IS_BF16), 0), 0), 3)  # [1, 1, 8, 1]
         kc_base = KC + bh64 * T * 16
+        kchan4 = gl.expand_dims(schan, 3)                                                            # [4, 4, 8, 1]
         if ROPE:
-            rchan = gl.expand_dims(schan, 3)                                                         # [4, 4, 8, 1]
+            rchan = kchan4
             rbase = b.to(gl.int64) * T * D
         # Value words: chunk (w, jh) of token t is word 2w + jh (channels 16w + 8jh + jl); one range per token
         vt = gl.arange(0, BT, layout=gl.SliceLayout(1, VW))
@@ -952,6 +956,9 @@ if HAVE_GLUON:
         vtab = gl.expand_dims(gl.expand_dims(gl.expand_dims(_lut_regs(VLEV, jl, IS_BF16), 0), 0), 0)  # [1, 1, 1, 8]
         vc_base = VC + bh64 * T * 16
         vs_base = bh64 * T
+        vchan4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(vw * 16, 0), 2), 3) + \
+            gl.expand_dims(gl.expand_dims(gl.expand_dims(jh * 8, 0), 0), 3) + \
+            gl.expand_dims(gl.expand_dims(gl.expand_dims(jl, 0), 0), 0)                               # [1, 8, 2, 8]
 
         # q [16, 128] in the Key mma's reduction order k = 64 a1 + 32 a0 + 16 c2 + 8 c1 + 4 b1 + 2 b0 + c0
         qm = gl.arange(0, 16, layout=gl.SliceLayout(1, a_l))
@@ -979,6 +986,10 @@ if HAVE_GLUON:
             wb, kz4 = gl.broadcast(wb, gl.expand_dims(gl.load(KCEN + ksoff), 3))
             wb, kt4 = gl.broadcast(wb, ktab)
             kv = _lut_unpack(wb, ks4, kz4, kt4, "k", IS_BF16)                                       # [4, 4, 8, BT]
+            for j in gl.static_range(KNOUT):   # outliers replace their channels (before RoPE)
+                orow = gl.expand_dims(krow, 2) * KNOUT + j                                           # [1, 1, 1, BT]
+                oidx = gl.load(KOIDX + bh64 * T * KNOUT + orow).to(gl.int32)
+                kv = gl.where(kchan4 == oidx, gl.load(KOVAL + bh64 * T * KNOUT + orow), kv)
             if ROPE:
                 rrow = gl.expand_dims(krow, 2) * D
                 cos = gl.load(COS + rbase + rrow + rchan)
@@ -992,12 +1003,18 @@ if HAVE_GLUON:
 
             vvalid = gl.expand_dims((t0 + vt) < stop, 1)
             vwords = gl.load(vc_base + t0 * 16 + voff, mask=gl.expand_dims(vvalid, 2), other=0)      # [BT, 8, 2]
+            if VNOUT > 0:
+                vrow4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.minimum(t0 + vt, stop - 1), 1), 2), 3)
             vh = gl.load(VHALF + vs_base + t0 + vsoff, mask=vvalid, other=0.0)                       # [BT, 8]
             vcen = gl.load(VCEN + vs_base + t0 + vsoff, mask=vvalid, other=0.0)
             wv, vt4 = gl.broadcast(gl.expand_dims(vwords, 3), vtab)                                 # [BT, 8, 2, 8]
             wv, vs4 = gl.broadcast(wv, gl.expand_dims(gl.expand_dims(vh, 2), 3))
             wv, vz4 = gl.broadcast(wv, gl.expand_dims(gl.expand_dims(vcen, 2), 3))
             vv = _lut_unpack(wv, vs4, vz4, vt4, "v", IS_BF16)
+            for j in gl.static_range(VNOUT):   # rows past the slice: the slice's last (finite; their p is 0)
+                orow = vrow4 * VNOUT + j                                                              # [BT, 1, 1, 1]
+                oidx = gl.load(VOIDX + bh64 * T * VNOUT + orow).to(gl.int32)
+                vv = gl.where(vchan4 == oidx, gl.load(VOVAL + bh64 * T * VNOUT + orow), vv)
             vv = vv.permute([0, 2, 3, 1]).reshape([BT, 128]).permute([1, 0])          # v^T [128 (n = 8j + w), BT]
             vv = gl.convert_layout(vv, a_l)
             acc = mma_v2(vv, _p_operand(p.to(dt), b_l, BT), acc * gl.expand_dims(_first8(alpha, mma), 0))
@@ -1017,8 +1034,9 @@ if HAVE_GLUON:
 _POST = dict(BITS=1, AXIS=1, GS=0, NG=1, SYM=0, LUT=False, NOUT=0, NORM=False, TPG=1)
 
 
-_LUT_K = dict(BITS=4, AXIS=1, GS=0, NG=1, SYM=0, LUT=True, NOUT=0, NORM=False, TPG=1)
-_LUT_V = dict(BITS=4, AXIS=0, GS=D, SYM=0, LUT=True, NOUT=0, TPG=1)
+_LUT_K = dict(BITS=4, AXIS=1, GS=0, NG=1, SYM=0, LUT=True, NORM=False, TPG=1)
+_LUT_V = dict(BITS=4, AXIS=0, GS=D, SYM=0, LUT=True, TPG=1)
+_LUT_BUFFERS = ("codes", "cen", "half", "lev", "oidx", "oval")   # per side, in `_lut_decode_kernel`'s order
 LUT_BT = 16        # tokens per tile of `_lut_decode_kernel`: ~13% fewer instructions per token than 32-token tiles
 LUT_MAXNREG = 168  # its register cap: 12 programs per SM instead of 8 (199 registers uncapped), no spills at 16-token
                    # tiles (18 at 32); 1.06-1.33x faster on an H100 at batch >= 8 (bench/RESULTS.md, session 12)
@@ -1027,8 +1045,8 @@ LUT_MAXNREG = 168  # its register cap: 12 programs per SM instead of 8 (199 regi
 def layout_kind(kc: dict, vc: dict) -> str | None:
     """"kivi": KIVI's layout at 1, 2 or 4 bits (`_kivi_decode_kernel`); "post": 1-bit channel-wise Keys and
     Values with one static range per channel, calibquant-1 (`_post_decode_kernel`); "lut": kvquant's 4-bit
-    codebooks, Keys with one static range per channel, Values one range per token, no outliers (kvquant-4,
-    `_lut_decode_kernel`); None: none of them."""
+    codebooks, Keys with one static range per channel, Values one range per token, with or without outliers
+    (kvquant-4, kvquant-4-1%: `_lut_decode_kernel`); None: none of them."""
     key = dict(AXIS=1, GS=32, SYM=0, LUT=False, NOUT=0, NORM=False, TPG=32)
     val = dict(AXIS=0, GS=32, SYM=0, LUT=False, NOUT=0)
     if kc["BITS"] in BITS and vc["BITS"] in BITS and all(kc[n] == v for n, v in key.items()) \
@@ -1050,7 +1068,7 @@ def supports(query, rep: int, kc: dict, vc: dict, kp: dict, rope: bool, mask_kin
     kind = layout_kind(kc, vc)
     if kind is None:
         return ("the store is in none of KIVI's layout at 1, 2 or 4 bits, calibquant's 1-bit channel-wise one and "
-                "kvquant's 4-bit codebooks without outliers")
+                "kvquant's 4-bit codebooks")
     if query.shape[-1] != D:
         return "needs head_dim 128"
     if rep > 8:
@@ -1116,7 +1134,8 @@ def _use_tma(query, sink: int, T: int, use_tma: bool | None) -> bool:
 
 def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int, m_buf, l_buf, acc_buf,
           scale: float, T: int, ng_k: int, nsplit: int, nwin: int, H: int, rep: int, sink: int, recent: int,
-          tpg_v: int, kbits: int, vbits: int, kind: str, use_tma: bool | None, phase: int, temp, rope):
+          tpg_v: int, kbits: int, vbits: int, kind: str, use_tma: bool | None, phase: int, temp, rope,
+          nout: tuple = (0, 0)):
     """(kernel, arguments, keywords) of the quantized-region launch (see `launch`)."""
     import torch
 
@@ -1124,10 +1143,10 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
     if kind == "lut":  # kvquant: plain loads; rope = (cos, sin) tables [B, T, 128] or None
         cos, sin = rope if rope is not None else (query, query)
         return _lut_decode_kernel, (
-            query, query.stride(0), query.stride(1), kp["codes"], kp["cen"], kp["half"], kp["lev"], vp["codes"],
-            vp["cen"], vp["half"], vp["lev"], cos, sin, positions, amask, smb, m_buf, l_buf, acc_buf, float(scale), T,
-            nsplit), dict(H=H, REP=rep, S=sink, R=recent, MASK_KIND=mask_kind, IS_BF16=bf16, BT=LUT_BT,
-                          ROPE=rope is not None, NWIN=nwin, num_warps=1, maxnreg=LUT_MAXNREG)
+            query, query.stride(0), query.stride(1), *(p[n] for p in (kp, vp) for n in _LUT_BUFFERS), cos, sin,
+            positions, amask, smb, m_buf, l_buf, acc_buf, float(scale), T, nsplit), dict(
+            H=H, REP=rep, S=sink, R=recent, MASK_KIND=mask_kind, IS_BF16=bf16, BT=LUT_BT, ROPE=rope is not None,
+            KNOUT=nout[0], VNOUT=nout[1], NWIN=nwin, num_warps=1, maxnreg=LUT_MAXNREG)
     if kind == "post":  # calibquant: plain loads (a word per token and side; no per-tile statistics)
         return _post_decode_kernel, (
             query, query.stride(0), query.stride(1), kp["codes"], kp["cen"], kp["half"], vp["codes"], vp["cen"],
@@ -1154,15 +1173,17 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
 def launch(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int, m_buf, l_buf, acc_buf,
            scale: float, T: int, ng_k: int, nsplit: int, nwin: int, H: int, rep: int, sink: int, recent: int,
            tpg_v: int, kbits: int, vbits: int, *, kind: str, use_tma: bool | None = None, phase: int = 0,
-           temp=None, rope=None):
+           temp=None, rope=None, nout: tuple = (0, 0)):
     """Run the quantized-region launch into slots [0, nsplit) of the partial buffers (grid (B * H, nsplit); each
     row has nsplit + nwin slots, the last nwin the window launch's). kind: `layout_kind` of the store. use_tma (KIVI
     layout only): stream the tiles through shared memory with the tensor-memory accelerator (None: `USE_TMA`, whose
     None means on sm_90+ inside CUDA-graph capture; never for an odd sink or cache length). phase, temp: the
     calibrated softmax's phase (calibquant only) and, in phase 2, its per-row temperatures. rope (kvquant's layout
-    only): the (cos, sin) tables [B, T, 128] of Keys stored before RoPE, else None."""
+    only): the (cos, sin) tables [B, T, 128] of Keys stored before RoPE, else None; nout (the same): outliers per
+    token of the Keys and the Values."""
     fn, args, kw = _plan(query, kp, vp, positions, amask, smb, mask_kind, m_buf, l_buf, acc_buf, scale, T, ng_k,
-                         nsplit, nwin, H, rep, sink, recent, tpg_v, kbits, vbits, kind, use_tma, phase, temp, rope)
+                         nsplit, nwin, H, rep, sink, recent, tpg_v, kbits, vbits, kind, use_tma, phase, temp, rope,
+                         nout)
     return fn[(query.shape[0] * H, nsplit)](*args, **kw)
 
 
@@ -1183,7 +1204,8 @@ def programs_per_sm(n_regs: int, shared: int, cc: tuple, regs_sm: int = 65536, s
 
 def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int, T: int, ng_k: int,
                       nwin: int, H: int, rep: int, sink: int, recent: int, tpg_v: int, kbits: int, vbits: int, *,
-                      kind: str, use_tma: bool | None = None, phase: int = 0, rope=None) -> int:
+                      kind: str, use_tma: bool | None = None, phase: int = 0, rope=None,
+                      nout: tuple = (0, 0)) -> int:
     """How many programs of this launch (in calibrated-softmax `phase`) one SM holds at once: its compiled kernel's
     registers and shared memory against the SM's, and CUDA's blocks-per-SM limit (one-warp programs). Compiles the
     kernel if needed (Triton's warmup, no launch); cached per configuration (the constexprs) and device. Triton also
@@ -1194,14 +1216,14 @@ def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mas
     dev = query.device
     tma = kind == "kivi" and _use_tma(query, sink, T, use_tma)
     key = (kind, dev.index, query.dtype, amask.dtype, mask_kind, kbits, vbits, H, rep, sink, recent, tpg_v, nwin,
-           tma, NSTAGES, phase, rope is not None, LUT_BT, LUT_MAXNREG)
+           tma, NSTAGES, phase, rope is not None, tuple(nout), LUT_BT, LUT_MAXNREG)
     if key not in _RESIDENT:
         one = torch.empty(1, dtype=torch.float32, device=dev)   # stand-ins for the partial buffers, temperatures
         props = torch.cuda.get_device_properties(dev)
         try:
             fn, args, kw = _plan(query, kp, vp, positions, amask, smb, mask_kind, one, one, one, 1.0, T, ng_k, 2,
                                  nwin, H, rep, sink, recent, tpg_v, kbits, vbits, kind, tma, phase,
-                                 one if phase == 2 else None, rope)
+                                 one if phase == 2 else None, rope, nout)
             k = fn.warmup(*args, grid=(1,), **kw)
             k._init_handles()   # Triton's loader: reads the kernel's register count (n_regs)
             n = programs_per_sm(k.n_regs, k.metadata.shared, (props.major, props.minor),

@@ -87,7 +87,7 @@ def test_where_the_kernel_applies():
     assert "KIVI" in _reason("int8")
     assert "KIVI" in _reason("innerq-2")
     assert "KIVI" in _reason("calibquant-2")
-    assert "KIVI" in _reason("kvquant-4-1%")   # outliers: the Triton template
+    assert "KIVI" in _reason("kvquant-3-1%")   # 3-bit codebooks: the Triton template
     assert "head_dim" in _reason("kivi-2", D=64)
     assert "at most 8 query heads" in _reason("kivi-2", rep=9)
     assert "per-head mask" in _reason("kivi-2", mask_shared=False)
@@ -172,16 +172,17 @@ SCRIPT = textwrap.dedent('''
         usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
         sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
         out.append(("post", phase, "LOCAL:0" in usage, sass.count("HMMA"), sass.count("HFMA2"), sass.count("HADD2")))
-    for bf16, mask, rope in ((False, 1, True), (True, 2, True), (False, 0, False)):   # kvquant's kernel
+    for bf16, mask, rope, nout in ((False, 1, True, 0), (True, 2, True, 1), (False, 0, False, 0)):   # kvquant's
         ty = "*bf16" if bf16 else "*fp16"
-        sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KCEN=ty, KHALF=ty, KLEV="*fp32", VC="*i32",
-                   VCEN=ty, VHALF=ty, VLEV="*fp32", COS=ty, SIN=ty, POS="*i64", AMASK="*i1" if mask == 1 else ty,
-                   stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32", OUT_ACC="*fp32", scale="fp32", T="i32",
-                   NSPLIT="i32")
-        cx = dict(H=8, REP=4, S=1, R=0, MASK_KIND=mask, IS_BF16=bf16, BT=dag.LUT_BT, ROPE=rope, NWIN=2)
+        sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KCEN=ty, KHALF=ty, KLEV="*fp32", KOIDX="*u8",
+                   KOVAL=ty, VC="*i32", VCEN=ty, VHALF=ty, VLEV="*fp32", VOIDX="*u8", VOVAL=ty, COS=ty, SIN=ty,
+                   POS="*i64", AMASK="*i1" if mask == 1 else ty, stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32",
+                   OUT_ACC="*fp32", scale="fp32", T="i32", NSPLIT="i32")
+        cx = dict(H=8, REP=4, S=1, R=0, MASK_KIND=mask, IS_BF16=bf16, BT=dag.LUT_BT, ROPE=rope, KNOUT=nout,
+                  VNOUT=nout, NWIN=2)
         sig.update({n: "constexpr" for n in cx})
         src = GluonASTSource(fn=dag._lut_decode_kernel, signature=sig, constexprs=cx,
-                             attrs={(i,): [["tt.divisibility", 16]] for i in range(0, 13) if i not in (1, 2)})
+                             attrs={(i,): [["tt.divisibility", 16]] for i in range(0, 17) if i not in (1, 2)})
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, maxnreg=dag.LUT_MAXNREG))
         with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
             f.write(k.asm["cubin"])
@@ -195,7 +196,8 @@ SCRIPT = textwrap.dedent('''
 
 @pytest.mark.skipif(not dag.HAVE_GLUON, reason="triton without Gluon")
 def test_compiles_for_sm90_into_registers_only():
-    """fp16 / bf16, every mask kind, 1 / 2 / 4-bit sides, kvquant's codebooks with and without RoPE: tensor-core code
+    """fp16 / bf16, every mask kind, 1 / 2 / 4-bit sides, kvquant's codebooks with and without RoPE and outliers:
+    tensor-core code
     with no spills; the plain-load path with no shared memory at all (the unpacked codes go from the loaded words straight into the mma operand registers),
     the TMA path reading its ring with LDS only (the tensor-memory accelerator writes it)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -235,9 +237,10 @@ CASES = [  # B, H, rep, T, n0, sink, magnitude of K / V
 GPU_CASES = [("kivi-2", c, m) for c in CASES for m in (None, "bool", "additive", "one-row")] + \
     [(lay, c, m) for lay in ("kivi-4", "k2v1", "k1v1", "k4v2", "calibquant-1") for c in CASES for m in (None, "bool")] \
     + [("calibquant-1", c, "additive") for c in CASES[:3]] \
-    + [(lay, c, m) for lay in ("kvquant-4", "kvquant-4-after-rope") for c in CASES for m in (None, "bool")]
+    + [(lay, c, m) for lay in ("kvquant-4", "kvquant-4-after-rope", "kvquant-4-1%") for c in CASES
+       for m in (None, "bool")]
 KERNELS = {"calibquant-1": "_post_decode_kernel", "kvquant-4": "_lut_decode_kernel",
-           "kvquant-4-after-rope": "_lut_decode_kernel"}
+           "kvquant-4-after-rope": "_lut_decode_kernel", "kvquant-4-1%": "_lut_decode_kernel"}
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
@@ -276,8 +279,10 @@ def test_matches_reference_on_gpu(dtype, layout, case, mask, monkeypatch):
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
 @pytest.mark.gpu
-def test_reduce_overhead_generate_in_half_precision():
-    """kivi-2 with its 32-token groups (a short recent window so that most of the prompt is quantized), fp16
+@pytest.mark.parametrize("preset", ["kivi-2", "kvquant-4-1%"])
+def test_reduce_overhead_generate_in_half_precision(preset):
+    """kivi-2 with its 32-token groups (a short recent window so that most of the prompt is quantized), and
+    kvquant-4-1% (codebooks, outliers, Keys stored before RoPE: the model's rotation tables reach the kernel), fp16
     model: compiled generate with CUDA graphs runs the Gluon kernel, with no cudagraph skip, and agrees with the
     eager simulation of the same cache."""
     from torch._dynamo.utils import counters
@@ -288,8 +293,9 @@ def test_reduce_overhead_generate_in_half_precision():
     from models import hf_model, prompts
 
     model = hf_model("llama", kv_heads=2, gqa=4, head_dim=128, layers=2, dtype=torch.float16).cuda()
-    cfg = KVQConfig.preset("kivi-2")
-    cfg.recent = 32
+    cfg = KVQConfig.preset(preset)
+    if preset == "kivi-2":
+        cfg.recent = 32
     ids, mask = prompts(3, 109, pad=(0, 5, 2))
     ids, mask = ids.cuda(), mask.cuda()
     gen = dict(do_sample=False, output_logits=True, return_dict_in_generate=True, max_new_tokens=10)
@@ -299,7 +305,8 @@ def test_reduce_overhead_generate_in_half_precision():
     cc = CompileConfig(backend=kvq_backend(cfg), fullgraph=True, mode="reduce-overhead")
     out = model.generate(ids, attention_mask=mask, cache_implementation="static", compile_config=cc, **gen)
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
-    assert "_kivi_decode_kernel" in str(getattr(da.LAST_KERNELS.get("main"), "name", da.LAST_KERNELS.get("main")))
+    assert KERNELS.get(preset, "_kivi_decode_kernel") in str(getattr(da.LAST_KERNELS.get("main"), "name",
+                                                                     da.LAST_KERNELS.get("main")))
     for a, b in zip(sim.logits, out.logits):
         torch.testing.assert_close(b.float(), a.float(), atol=3e-2, rtol=3e-2)
 
