@@ -43,8 +43,10 @@ def decode_loop(model, ids, step_fn, warmup: int, steps: int) -> float:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
         torch.compiler.cudagraph_mark_step_begin()
+        # position ids passed in ([B, 1]): the kvq pass recomputes the rotation tables of the eagerly written
+        # prefix from them for Keys stored before RoPE (kvquant), and declines the rewrite without them
         logits = step_fn(tok, attention_mask=mask, past_key_values=cache, cache_position=pos[P + i:P + i + 1],
-                         use_cache=True).logits
+                         position_ids=pos[P + i:P + i + 1].expand(B, 1), use_cache=True).logits
         tok = logits[:, -1:].argmax(-1)
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / steps
@@ -52,6 +54,7 @@ def decode_loop(model, ids, step_fn, warmup: int, steps: int) -> float:
 
 def main():
     from kvq_compile import kvq_backend
+    from kvq_compile.templates import decode_attention as da
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=8)
@@ -76,10 +79,15 @@ def main():
                 fn = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
             else:
                 fn = torch.compile(model.forward, backend=kvq_backend(preset), mode="reduce-overhead", fullgraph=True)
+            da.LAST_KERNELS.clear()
             try:
                 step = decode_loop(model, ids, fn, args.warmup, args.steps)
             except Exception as e:  # noqa: BLE001  report and go on
                 print(f"{preset} B={B} P={P}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                continue
+            if preset != "hf-compiled" and "main" not in da.LAST_KERNELS:   # the pass declined: not a kvq number
+                print(f"{preset} B={B} P={P}: no kvq decode kernel ran (the pass left the graph unchanged: see the "
+                      f"kvq_compile log); not reported", flush=True)
                 continue
             roof = roofline_tok_s(model, None if preset == "hf-compiled" else preset, args.layers, B,
                                   P + (args.warmup + args.steps) // 2, bw)
