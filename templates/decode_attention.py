@@ -757,6 +757,11 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
         use_gluon = why is None
     # with the Gluon launch, block_t is the window launch's tile only
     block_t = block_t or (32 if use_gluon else default_block_t(kc, vc, rope))
+    if block_t < 32 and query.is_cuda and (kc["NOUT"] or vc["NOUT"]):
+        # 16-token tiles over outliers compute wrong results on an H100 with triton 3.6 (relative error 0.13-1.8 for
+        # kvquant-4-1%, in both launches; right under the interpreter): bench/RESULTS.md, session 12
+        raise ValueError(f"kvq decode attention: block_t={block_t} with outliers is not supported on the GPU "
+                         "(use 32 or more)")
     kpost = _post_mode(kc, block_t, D) if (post_scaling and not rope) else 0
     vpost = _post_mode(vc, block_t, D) if post_scaling else 0
     nwin = _window_tiles(cfg, kc, vc, block_t)
