@@ -35,9 +35,16 @@ def kvquant_after_rope() -> KVQConfig:
     return cfg
 
 
+def kvquant_recent() -> KVQConfig:
+    """kvquant-4-1% with a 64-token exact recent window (a ring beside the sink: the window launch covers both)."""
+    cfg = KVQConfig.preset("kvquant-4-1%")
+    cfg.recent = 64
+    return cfg
+
+
 LAYOUTS = {"kivi-2": lambda: KVQConfig.preset("kivi-2"), "kivi-4": lambda: KVQConfig.preset("kivi-4"),
            "calibquant-1": lambda: KVQConfig.preset("calibquant-1"), "kvquant-4": lambda: KVQConfig.preset("kvquant-4"),
-           "kvquant-4-after-rope": kvquant_after_rope,
+           "kvquant-4-after-rope": kvquant_after_rope, "kvquant-4-1%-recent": kvquant_recent,
            "k2v1": lambda: kivi_layout(2, 1), "k1v1": lambda: kivi_layout(1, 1), "k4v2": lambda: kivi_layout(4, 2)}
 
 
@@ -238,9 +245,10 @@ GPU_CASES = [("kivi-2", c, m) for c in CASES for m in (None, "bool", "additive",
     [(lay, c, m) for lay in ("kivi-4", "k2v1", "k1v1", "k4v2", "calibquant-1") for c in CASES for m in (None, "bool")] \
     + [("calibquant-1", c, "additive") for c in CASES[:3]] \
     + [(lay, c, m) for lay in ("kvquant-4", "kvquant-4-after-rope", "kvquant-4-1%") for c in CASES
-       for m in (None, "bool")]
+       for m in (None, "bool")] + [("kvquant-4-1%-recent", c, "bool") for c in CASES]
 KERNELS = {"calibquant-1": "_post_decode_kernel", "kvquant-4": "_lut_decode_kernel",
-           "kvquant-4-after-rope": "_lut_decode_kernel", "kvquant-4-1%": "_lut_decode_kernel"}
+           "kvquant-4-after-rope": "_lut_decode_kernel", "kvquant-4-1%": "_lut_decode_kernel",
+           "kvquant-4-1%-recent": "_lut_decode_kernel"}
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
