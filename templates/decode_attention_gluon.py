@@ -537,6 +537,39 @@ if HAVE_GLUON:
                      mask=gl.expand_dims(r8 < REP, 0))
 
     @gluon.jit
+    def _softmax_state(BT: gl.constexpr, mma: gl.constexpr):
+        """(rows, columns of a [16, BT] logits tile, running max -inf, running sum 0, accumulator 0): the
+        accumulator transposed, out^T [128 (n = 8j + w: channel 16w + j), 8] = v^T @ p^T."""
+        rows = gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
+        cols = gl.arange(0, BT, layout=gl.SliceLayout(0, mma))
+        m_i = gl.full([16], float("-inf"), gl.float32, gl.SliceLayout(1, mma))
+        l_i = gl.zeros([16], gl.float32, gl.SliceLayout(1, mma))
+        return rows, cols, m_i, l_i, gl.zeros([128, 8], gl.float32, mma)
+
+    @gluon.jit
+    def _load_q(Q, b, h, stride_qb, stride_qh, qm, qchan, REP: gl.constexpr):
+        """q [16, 128] of the REP query heads of KV head h (rows past REP zero), column k = channel qchan[k]."""
+        return gl.load(Q + b.to(gl.int64) * stride_qb + gl.expand_dims((h * REP + qm) * stride_qh, 1)
+                       + gl.expand_dims(qchan, 0), mask=gl.expand_dims(qm < REP, 1), other=0.0)
+
+    @gluon.jit
+    def _store_partials(OUT_M, OUT_L, OUT_ACC, bh, split, NSPLIT, NWIN: gl.constexpr, m_i, l_i, acc,
+                        REP: gl.constexpr, mma: gl.constexpr):
+        """This program's (max in base e, sum, acc) into slot `split` of each real row, as `_decode_kernel` writes
+        them (rows REP..15 are never read); the accumulator's channels back in channel order."""
+        rows = gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
+        o = (bh * 16 + rows) * (NSPLIT + NWIN) + split
+        LN2: gl.constexpr = 0.6931471805599453
+        gl.store(OUT_M + o, m_i * LN2, mask=rows < REP)
+        gl.store(OUT_L + o, l_i, mask=rows < REP)
+        n = gl.arange(0, 128, layout=gl.SliceLayout(1, mma))
+        r8 = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
+        chan = 16 * (n & 7) + (n >> 3)
+        o8 = (bh * 16 + r8) * (NSPLIT + NWIN) + split
+        gl.store(OUT_ACC + gl.expand_dims(o8, 0) * 128 + gl.expand_dims(chan, 1), acc,
+                 mask=gl.expand_dims(r8 < REP, 0))
+
+    @gluon.jit
     def _slice(POS, split, NSPLIT, S: gl.constexpr, R: gl.constexpr, TPG_K: gl.constexpr, TPG_V: gl.constexpr,
                BT: gl.constexpr):
         """(start, stop, tiles) of this program's slice of [S, qend), as `_decode_kernel` computes it."""
@@ -694,16 +727,10 @@ if HAVE_GLUON:
         qk = gl.arange(0, 128, layout=gl.SliceLayout(0, a_l))
         qc = (qk & 1) + ((qk >> 3) & 1) * 2 + ((qk >> 4) & 1) * 4 + ((qk >> 5) & 1) * 8
         qchan = 16 * ((qk >> 6) & 1) + 32 * ((qk >> 1) & 3) + qc
-        q = gl.load(Q + b.to(gl.int64) * stride_qb + gl.expand_dims((h * REP + qm) * stride_qh, 1)
-                    + gl.expand_dims(qchan, 0), mask=gl.expand_dims(qm < REP, 1), other=0.0)
+        q = _load_q(Q, b, h, stride_qb, stride_qh, qm, qchan, REP)
 
-        LOG2E: gl.constexpr = 1.4426950408889634
-        qscale = scale * LOG2E
-        rows = gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
-        cols = gl.arange(0, BT, layout=gl.SliceLayout(0, mma))
-        m_i = gl.full([16], float("-inf"), gl.float32, gl.SliceLayout(1, mma))
-        l_i = gl.zeros([16], gl.float32, gl.SliceLayout(1, mma))
-        acc = gl.zeros([128, 8], gl.float32, mma)   # transposed: out^T = v^T @ p^T, channels n = 8j + w
+        qscale = scale * 1.4426950408889634   # log2(e): the softmax runs in base 2
+        rows, cols, m_i, l_i, acc = _softmax_state(BT, mma)
 
         for it in range(0, n_iter):
             t0 = start + it * BT
@@ -755,18 +782,7 @@ if HAVE_GLUON:
                        kzbuf.index(st), vhbuf.index(st), vzbuf.index(st), bars.index(st), row0, grow0,
                        t0 + NST * BT, S, it + NST < n_iter, NBYTES)
 
-        # partial results, as `_decode_kernel` writes them (rows REP..15 are never read): output channels back
-        # in channel order
-        o = (bh * 16 + rows) * (NSPLIT + NWIN) + split
-        LN2: gl.constexpr = 0.6931471805599453
-        gl.store(OUT_M + o, m_i * LN2, mask=rows < REP)
-        gl.store(OUT_L + o, l_i, mask=rows < REP)
-        n = gl.arange(0, 128, layout=gl.SliceLayout(1, mma))
-        r8 = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
-        chan = 16 * (n & 7) + (n >> 3)
-        o8 = (bh * 16 + r8) * (NSPLIT + NWIN) + split
-        gl.store(OUT_ACC + gl.expand_dims(o8, 0) * 128 + gl.expand_dims(chan, 1), acc,
-                 mask=gl.expand_dims(r8 < REP, 0))
+        _store_partials(OUT_M, OUT_L, OUT_ACC, bh, split, NSPLIT, NWIN, m_i, l_i, acc, REP, mma)
 
     @gluon.jit
     def _issue(KC, VC, KHALF, KCEN, VHALF, VCEN, kb, vb, khb, kzb, vhb, vzb, bar, row0, grow0, t0, S: gl.constexpr,
@@ -964,16 +980,10 @@ if HAVE_GLUON:
         qm = gl.arange(0, 16, layout=gl.SliceLayout(1, a_l))
         qk = gl.arange(0, 128, layout=gl.SliceLayout(0, a_l))
         qchan = _lut_chan((qk >> 5) & 3, (qk >> 1) & 3, ((qk >> 3) & 3) * 2 + (qk & 1), ROPE)
-        q = gl.load(Q + b.to(gl.int64) * stride_qb + gl.expand_dims((h * REP + qm) * stride_qh, 1)
-                    + gl.expand_dims(qchan, 0), mask=gl.expand_dims(qm < REP, 1), other=0.0)
+        q = _load_q(Q, b, h, stride_qb, stride_qh, qm, qchan, REP)
 
-        LOG2E: gl.constexpr = 1.4426950408889634
-        qscale = scale * LOG2E
-        rows = gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
-        cols = gl.arange(0, BT, layout=gl.SliceLayout(0, mma))
-        m_i = gl.full([16], float("-inf"), gl.float32, gl.SliceLayout(1, mma))
-        l_i = gl.zeros([16], gl.float32, gl.SliceLayout(1, mma))
-        acc = gl.zeros([128, 8], gl.float32, mma)   # transposed: out^T = v^T @ p^T, channels n = 8j + w
+        qscale = scale * 1.4426950408889634   # log2(e): the softmax runs in base 2
+        rows, cols, m_i, l_i, acc = _softmax_state(BT, mma)
 
         for it in range(0, n_iter):
             t0 = start + it * BT
@@ -1019,16 +1029,7 @@ if HAVE_GLUON:
             vv = gl.convert_layout(vv, a_l)
             acc = mma_v2(vv, _p_operand(p.to(dt), b_l, BT), acc * gl.expand_dims(_first8(alpha, mma), 0))
 
-        o = (bh * 16 + rows) * (NSPLIT + NWIN) + split
-        LN2: gl.constexpr = 0.6931471805599453
-        gl.store(OUT_M + o, m_i * LN2, mask=rows < REP)
-        gl.store(OUT_L + o, l_i, mask=rows < REP)
-        n = gl.arange(0, 128, layout=gl.SliceLayout(1, mma))
-        r8 = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
-        chan = 16 * (n & 7) + (n >> 3)
-        o8 = (bh * 16 + r8) * (NSPLIT + NWIN) + split
-        gl.store(OUT_ACC + gl.expand_dims(o8, 0) * 128 + gl.expand_dims(chan, 1), acc,
-                 mask=gl.expand_dims(r8 < REP, 0))
+        _store_partials(OUT_M, OUT_L, OUT_ACC, bh, split, NSPLIT, NWIN, m_i, l_i, acc, REP, mma)
 
 
 _POST = dict(BITS=1, AXIS=1, GS=0, NG=1, SYM=0, LUT=False, NOUT=0, NORM=False, TPG=1)
