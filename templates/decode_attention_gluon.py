@@ -17,11 +17,17 @@ calibquant-1's layout (1-bit channel-wise Keys and Values, one static range per 
 reaches the mma as `M + 2^i code` from one `lop3` (~490 SASS instructions per 32-token tile against ~1020 here),
 with the calibrated softmax's two phases.
 
+kvquant's layout (4-bit codebook Keys with one static range per channel, stored before or after RoPE; 4-bit codebook
+Values with one range per token; optional dense-and-sparse outliers) has `_lut_decode_kernel`: the same structure
+with 16-token tiles, each code looked up in 8 table registers by byte permutes (`_lut_key_asm`, `_lut_value_asm`),
+outliers replacing their channels, and RoPE applied to the dequantized Keys in registers (every lane holds each
+channel's rotation partner c + 64), under a 168-register cap (12 programs per SM).
+
 Scope of `_kivi_decode_kernel` (`supports`, `layout_kind`): KIVI's layout at 1, 2 or 4 bits per side (kivi-2,
 kivi-4, xquant's 2-bit / 1-bit layers, shared codes included): asymmetric uniform codes, Keys per channel in groups of 32 tokens (statistics rows
 [NG, D]), Values per token in groups of 32 channels (statistics [T, D / 32]), head_dim 128, at most 8 query heads
 per KV head, fp16 or bf16, an attention mask of one row per sequence (HF's decode mask) or none. Layouts that
-neither kernel covers run the Triton template, as do the exact windows (sink, ring, chunk) of every layout: both
+none of the kernels covers run the Triton template, as do the exact windows (sink, ring, chunk) of every layout: the
 kernels write the same (max, sum, acc) partial results into slots [0, NSPLIT) that `_decode_kernel` would, its
 window launch slots [NSPLIT, NSPLIT + NWIN), and `_combine_kernel` merges them.
 
