@@ -23,7 +23,7 @@ from kvq_compile.templates import decode_attention_gluon as dag  # noqa: E402
 def main(shapes=((1, 16384), (8, 8192), (32, 4096), (32, 16384))):
     bw = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()} copy {bw / 1e12:.2f} TB/s")
-    plan, bt0, cap0 = dag._plan, dag.LUT_BT, dag.LUT_MAXNREG
+    plan, bt0 = dag._plan, dag.LUT_BT
 
     def capped(maxnreg):
         def p(*a, **k):
@@ -52,7 +52,7 @@ def main(shapes=((1, 16384), (8, 8192), (32, 4096), (32, 16384))):
                 except Exception as e:  # noqa: BLE001
                     line.append(f"tile {bt} cap {cap}: {type(e).__name__}: {str(e)[:300]}")
         finally:
-            dag.LUT_BT, dag._plan, dag.LUT_MAXNREG = bt0, plan, cap0
+            dag.LUT_BT, dag._plan = bt0, plan
             dag._RESIDENT.clear()
         t = graph_time(lambda: fn(gluon=False))
         line.append(f"triton {t:.1f} us")

@@ -690,8 +690,8 @@ def _num_splits(bh: int, max_len: int, block_t: int, device, programs_per_sm: in
 
 def _fill_splits(bh: int, max_len: int, device, resident: int) -> int:
     """Slices per KV head for the Gluon launch: as many programs as the SMs hold at once (`resident` each), in one
-    wave, never slices shorter than four tiles. Its one-warp programs each keep one tile in flight, so the more of
-    them the better, up to a second wave: with 5 slices at batch 32 (1280 programs, 12 fit per SM) Nsight Compute
+    wave, never slices shorter than 128 tokens (four 32-token tiles, eight of kvquant's 16-token ones). Its one-warp
+    programs each keep one tile in flight, so the more of them the better, up to a second wave: with 5 slices at batch 32 (1280 programs, 12 fit per SM) Nsight Compute
     showed 0.8 waves, 2.4 warps per scheduler and an instruction issued on 59% of cycles. At batch 1-4 slices of
     four tiles beat two by 0-12% (bench/RESULTS.md, session 11)."""
     import torch
@@ -714,9 +714,9 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
     out: a contiguous [B, Hq, 1, D] tensor to write into (else a new one).
     gluon: run the quantized region through `decode_attention_gluon` where it supports the layout (None: unless
     KVQ_GLUON=0; False: never; True: required, ValueError where unsupported). That launch has its own fixed
-    configuration (32-token tiles, one warp, as many slices as fill the SMs once: `_fill_splits`): block_t,
-    num_warps and num_stages then apply to the window launch only (block_t) or not at all, programs_per_sm not at
-    all; block_t None then means 32 (faster than 64 by 2-7% on an H100, session 10).
+    configuration (one warp, 32-token tiles (16 for kvquant's layout), as many slices as fill the SMs once:
+    `_fill_splits`): block_t, num_warps and num_stages then apply to the window launch only (block_t) or not at
+    all, programs_per_sm not at all; block_t None then means 32 (faster than 64 by 2-7% on an H100, session 10).
     window_warps: warps of each window-launch program."""
     import torch
 
@@ -765,7 +765,7 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
     kpost = _post_mode(kc, block_t, D) if (post_scaling and not rope) else 0
     vpost = _post_mode(vc, block_t, D) if post_scaling else 0
     nwin = _window_tiles(cfg, kc, vc, block_t)
-    kind = dag.layout_kind(kc, vc) if use_gluon else None
+    kind = dag.layout_kind(kc, vc, D) if use_gluon else None
 
     def splits(phase):  # slices per KV head of the quantized-region launch in this softmax phase
         if num_splits:

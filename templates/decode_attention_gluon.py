@@ -232,7 +232,7 @@ def _lut_lines(y: str, tab: list[str]) -> list[str]:
             "prmt.b32 lo, la, lb, m; prmt.b32 hi, ha, hb, m;"]
 
 
-_LUT_REGS = "{ .reg .b32 y, s, m, la, lb, ha, hb, lo, hi, x;"
+_LUT_DECLS = "{ .reg .b32 y, s, m, la, lb, ha, hb, lo, hi, x;"  # the codebook blocks' scratch registers
 
 
 def _lut_key_asm(bf16: bool) -> str:
@@ -241,7 +241,7 @@ def _lut_key_asm(bf16: bool) -> str:
     the channels' scale (half-range) and offset (center). Operands: $0-$3 out, $4-$11 copies of the word, $12-$15
     scale pairs, $16-$19 offset pairs, $20-$27 the table (lo0..lo3, hi0..hi3)."""
     ty = "bf16x2" if bf16 else "f16x2"
-    lines = [_LUT_REGS]
+    lines = [_LUT_DECLS]
     for half in range(2):
         lines.append("mov.b32 y, $4;" if half == 0 else "shr.b32 y, $4, 16;")
         lines += _lut_lines("y", [f"${20 + i}" for i in range(8)])
@@ -259,7 +259,7 @@ def _lut_value_asm(bf16: bool) -> str:
     offset. Operands: $0-$7 out, $8-$23 words (even: token t, odd: token t+1), $24-$31 scale pairs, $32-$39 offset
     pairs (t, t+1), $40-$55 the table (operand 40 + e holds table register e // 2: lo0..lo3, hi0..hi3)."""
     ty = "bf16x2" if bf16 else "f16x2"
-    lines = [_LUT_REGS]
+    lines = [_LUT_DECLS]
     for i in range(4):
         lines.append(f"prmt.b32 y, $8, $9, 0x{4 + i:x}{i:x};")
         lines += _lut_lines("y", [f"${40 + 2 * e}" for e in range(8)])
@@ -346,8 +346,8 @@ if HAVE_GLUON:
 
     @gluon.constexpr_function
     def _key_layout(bt, pack):
-        """Keys as [a(32 / pack), b(4), c(pack), t(bt)]: code c of asm block a of lane group b, token t (channel
-        32b + pack * a + c); registers c first (one asm block), then a, lanes (b, t % 8), registers t // 8: the mma
+        """Keys as [a(32 / pack), b(4), c(pack), t(bt)]: code c of asm block a of lane group b, token t (the
+        kernel picks the channel: 32b + pack * a + c in the KIVI kernel, `_lut_chan` in kvquant's); registers c first (one asm block), then a, lanes (b, t % 8), registers t // 8: the mma
         B fragment after the reshape."""
         na = 32 // pack
         return gl.DistributedLinearLayout(
@@ -925,7 +925,8 @@ if HAVE_GLUON:
         outliers per token (exact values at stored channel indices; kvquant-4, kvquant-4-1%):
             k[t, c] = RoPE_t(lev_k[code] * half_k[c] + center_k[c], or the outlier value at its channel)
             v[t, c] = lev_v[code] * half_v[t] + center_v[t], or the outlier value at its channel
-        The KIVI kernel's structure at 4 bits (one warp, 32-token tiles, the same mma layouts and online softmax),
+        The KIVI kernel's structure at 4 bits (one warp, the same mma layouts and online softmax) with BT-token
+        tiles (`LUT_BT`),
         with the codebook looked up in registers (`_lut_key_asm` / `_lut_value_asm`: two `prmt` from 8 table
         registers per 4 codes) and RoPE applied to the dequantized pairs (c, c + 64) in registers, with the tile's
         cos / sin rows of the model-level table [B, T, 128]."""
@@ -965,7 +966,6 @@ if HAVE_GLUON:
         kc_base = KC + bh64 * T * 16
         kchan4 = gl.expand_dims(schan, 3)                                                            # [4, 4, 8, 1]
         if ROPE:
-            rchan = kchan4
             rbase = b.to(gl.int64) * T * D
         # Value words: chunk (w, jh) of token t is word 2w + jh (channels 16w + 8jh + jl); one range per token
         vt = gl.arange(0, BT, layout=gl.SliceLayout(1, VW))
@@ -1008,8 +1008,8 @@ if HAVE_GLUON:
                 kv = gl.where(kchan4 == oidx, gl.load(KOVAL + bh64 * T * KNOUT + orow), kv)
             if ROPE:
                 rrow = gl.expand_dims(krow, 2) * D
-                cos = gl.load(COS + rbase + rrow + rchan)
-                sin = gl.load(SIN + rbase + rrow + rchan)
+                cos = gl.load(COS + rbase + rrow + kchan4)
+                sin = gl.load(SIN + rbase + rrow + kchan4)
                 kv = _rotate(kv, cos, sin, IS_BF16, BT)
             kv = kv.reshape([2, 2, 2, 2, 2, 2, 2, BT]).permute([0, 1, 4, 5, 2, 3, 6, 7]).reshape([128, BT])
             kv = gl.convert_layout(kv, b_l)
@@ -1042,18 +1042,20 @@ _POST = dict(BITS=1, AXIS=1, GS=0, NG=1, SYM=0, LUT=False, NOUT=0, NORM=False, T
 
 
 _LUT_K = dict(BITS=4, AXIS=1, GS=0, NG=1, SYM=0, LUT=True, NORM=False, TPG=1)
-_LUT_V = dict(BITS=4, AXIS=0, GS=D, SYM=0, LUT=True, TPG=1)
+_LUT_V = dict(BITS=4, AXIS=0, SYM=0, LUT=True, TPG=1)   # and one range per token vector: GS = head_dim
 _LUT_BUFFERS = ("codes", "cen", "half", "lev", "oidx", "oval")   # per side, in `_lut_decode_kernel`'s order
-LUT_BT = 16        # tokens per tile of `_lut_decode_kernel`: ~13% fewer instructions per token than 32-token tiles
-LUT_MAXNREG = 168  # its register cap: 12 programs per SM instead of 8 (199 registers uncapped), no spills at 16-token
-                   # tiles (18 at 32); 1.06-1.33x faster on an H100 at batch >= 8 (bench/RESULTS.md, session 12)
+LUT_BT = 16        # tokens per tile of `_lut_decode_kernel`: faster than 32 at every shape of session 12 (at the cap,
+                   # 6-14%; bench/RESULTS.md), which spills twice as much there (48 bytes against 24)
+LUT_MAXNREG = 168  # its register cap: 12 programs per SM instead of 8 (178 registers uncapped), 6 spills (16 at 32-token
+                   # tiles); 1.26-1.35x faster than uncapped at batch >= 8 on an H100, even at batch 1
 
 
-def layout_kind(kc: dict, vc: dict) -> str | None:
+def layout_kind(kc: dict, vc: dict, head_dim: int = D) -> str | None:
     """"kivi": KIVI's layout at 1, 2 or 4 bits (`_kivi_decode_kernel`); "post": 1-bit channel-wise Keys and
     Values with one static range per channel, calibquant-1 (`_post_decode_kernel`); "lut": kvquant's 4-bit
     codebooks, Keys with one static range per channel, Values one range per token, with or without outliers
-    (kvquant-4, kvquant-4-1%: `_lut_decode_kernel`); None: none of them."""
+    (kvquant-4, kvquant-4-1%: `_lut_decode_kernel`); None: none of them. head_dim: the store's (the kernels
+    themselves take 128 only, `supports`)."""
     key = dict(AXIS=1, GS=32, SYM=0, LUT=False, NOUT=0, NORM=False, TPG=32)
     val = dict(AXIS=0, GS=32, SYM=0, LUT=False, NOUT=0)
     if kc["BITS"] in BITS and vc["BITS"] in BITS and all(kc[n] == v for n, v in key.items()) \
@@ -1061,7 +1063,8 @@ def layout_kind(kc: dict, vc: dict) -> str | None:
         return "kivi"
     if all(kc[n] == v for n, v in _POST.items()) and all(vc[n] == v for n, v in _POST.items()):
         return "post"
-    if all(kc[n] == v for n, v in _LUT_K.items()) and all(vc[n] == v for n, v in _LUT_V.items()):
+    if all(kc[n] == v for n, v in _LUT_K.items()) and all(vc[n] == v for n, v in _LUT_V.items()) \
+            and vc["GS"] == head_dim:
         return "lut"
     return None
 
@@ -1072,7 +1075,7 @@ def supports(query, rep: int, kc: dict, vc: dict, kp: dict, rope: bool, mask_kin
     template does)."""
     import torch
 
-    kind = layout_kind(kc, vc)
+    kind = layout_kind(kc, vc, query.shape[-1])
     if kind is None:
         return ("the store is in none of KIVI's layout at 1, 2 or 4 bits, calibquant's 1-bit channel-wise one and "
                 "kvquant's 4-bit codebooks")
@@ -1223,7 +1226,7 @@ def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mas
     dev = query.device
     tma = kind == "kivi" and _use_tma(query, sink, T, use_tma)
     key = (kind, dev.index, query.dtype, amask.dtype, mask_kind, kbits, vbits, H, rep, sink, recent, tpg_v, nwin,
-           tma, NSTAGES, phase, rope is not None, tuple(nout), LUT_BT, LUT_MAXNREG)
+           tma, NSTAGES, phase, rope is not None, tuple(nout), (LUT_BT, LUT_MAXNREG) if kind == "lut" else None)
     if key not in _RESIDENT:
         one = torch.empty(1, dtype=torch.float32, device=dev)   # stand-ins for the partial buffers, temperatures
         props = torch.cuda.get_device_properties(dev)
