@@ -1,8 +1,9 @@
-"""kvquant-4's Gluon kernel (`_lut_decode_kernel`) on a GPU: CUDA-graph time of one decode-attention call at the
-issue's shapes (HF's bool mask) with 16- and 32-token tiles under register caps (168: the default, 12 programs per
-SM; 128: 16; none), next to the Triton template; and where one call's GPU time goes.
+"""The Gluon kernels of kvquant's and int8's layouts on a GPU: CUDA-graph time of one decode-attention call at the
+issue's shapes (HF's bool mask) under launch variants, next to the Triton template; and where one call's GPU time
+goes. kvquant-4 (`_lut_decode_kernel`): 16- and 32-token tiles under register caps (168: the default, 12 programs
+per SM; 128: 16; none). int8 (`_sym8_decode_kernel`): 16- and 32-token tiles.
 
-    python bench/lut_variants.py
+    python bench/lut_variants.py [kvquant-4 | int8]
 """
 from __future__ import annotations
 
@@ -19,44 +20,56 @@ from check_gluon import decode_call, kernel_times  # noqa: E402
 from kvq_compile.templates import decode_attention as da  # noqa: E402
 from kvq_compile.templates import decode_attention_gluon as dag  # noqa: E402
 
+VARIANTS = {  # preset: (name, module constants, register cap or None for no cap, "default" to keep the launch's)
+    "kvquant-4": [("tile 16 cap 168", dict(LUT_BT=16), "default"), ("tile 16 cap 128", dict(LUT_BT=16), 128),
+                  ("tile 16 no cap", dict(LUT_BT=16), None), ("tile 32 cap 168", dict(LUT_BT=32), "default"),
+                  ("tile 32 no cap", dict(LUT_BT=32), None)],
+    "int8": [("tile 16", dict(SYM8_BT=16), "default"), ("tile 32", dict(SYM8_BT=32), "default")],
+}
 
-def main(shapes=((1, 16384), (8, 8192), (32, 4096), (32, 16384))):
+
+def main(preset: str = "kvquant-4", shapes=((1, 16384), (8, 8192), (32, 4096), (32, 16384))):
     bw = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()} copy {bw / 1e12:.2f} TB/s")
-    plan, bt0 = dag._plan, dag.LUT_BT
+    plan = dag._plan
+    saved = {n: getattr(dag, n) for _, consts, _ in VARIANTS[preset] for n in consts}
 
     def capped(maxnreg):
         def p(*a, **k):
             fn, args, kw = plan(*a, **k)
             kw = dict(kw)
-            if maxnreg:
-                kw["maxnreg"] = maxnreg
-            else:
+            if maxnreg is None:
                 kw.pop("maxnreg", None)
+            elif maxnreg != "default":
+                kw["maxnreg"] = maxnreg
             return fn, args, kw
         return p
 
     for B, ctx in shapes:
-        fn, nbytes = decode_call("kvquant-4", B, ctx)
+        fn, nbytes = decode_call(preset, B, ctx)
         line = []
         try:
-            for bt, cap in ((16, 168), (16, 128), (16, None), (32, 168), (32, None)):
-                dag.LUT_BT, dag._plan = bt, capped(cap)
+            for name, consts, cap in VARIANTS[preset]:
+                for n, v in consts.items():
+                    setattr(dag, n, v)
+                dag._plan = capped(cap)
                 dag._RESIDENT.clear()
                 try:
                     t = graph_time(fn)
                     k = da.LAST_KERNELS["main"]
-                    line.append(f"tile {bt} cap {cap}: {t:.1f} us {nbytes / (t * 1e-6) / bw * 100:.0f}% "
+                    line.append(f"{name}: {t:.1f} us {nbytes / (t * 1e-6) / bw * 100:.0f}% "
                                 f"({da.LAST_KERNELS['splits']} slices, {getattr(k, 'n_regs', '?')} regs, "
                                 f"{getattr(k, 'n_spills', '?')} spills)")
                 except Exception as e:  # noqa: BLE001
-                    line.append(f"tile {bt} cap {cap}: {type(e).__name__}: {str(e)[:300]}")
+                    line.append(f"{name}: {type(e).__name__}: {str(e)[:300]}")
         finally:
-            dag.LUT_BT, dag._plan = bt0, plan
+            for n, v in saved.items():
+                setattr(dag, n, v)
+            dag._plan = plan
             dag._RESIDENT.clear()
         t = graph_time(lambda: fn(gluon=False))
         line.append(f"triton {t:.1f} us")
-        print(f"kvquant-4 B={B} ctx={ctx}: " + " | ".join(line), flush=True)
+        print(f"{preset} B={B} ctx={ctx}: " + " | ".join(line), flush=True)
         if B == 8:
             print("  profile (default): " + kernel_times(fn))
         fn = None
@@ -65,4 +78,4 @@ def main(shapes=((1, 16384), (8, 8192), (32, 4096), (32, 16384))):
 
 if __name__ == "__main__":
     torch.manual_seed(0)
-    main()
+    main(*sys.argv[1:2])

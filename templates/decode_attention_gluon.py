@@ -21,7 +21,9 @@ kvquant's layout (4-bit codebook Keys with one static range per channel, stored 
 Values with one range per token; optional dense-and-sparse outliers) has `_lut_decode_kernel`: the same structure
 with 16-token tiles, each code looked up in 8 table registers by byte permutes (`_lut_key_asm`, `_lut_value_asm`),
 outliers replacing their channels, and RoPE applied to the dequantized Keys in registers (every lane holds each
-channel's rotation partner c + 64), under a 168-register cap (12 programs per SM).
+channel's rotation partner c + 64), under a 168-register cap (12 programs per SM). int8's layout (symmetric 8-bit
+codes, one scale per token vector) has `_sym8_decode_kernel`: Keys post-scaled (fp16 codes - 127 into the mma, the
+per-token scale on the logits), Values dequantized per element, 16-token tiles at 127 registers.
 
 Scope of `_kivi_decode_kernel` (`supports`, `layout_kind`): KIVI's layout at 1, 2 or 4 bits per side (kivi-2,
 kivi-4, xquant's 2-bit / 1-bit layers, shared codes included): asymmetric uniform codes, Keys per channel in groups of 32 tokens (statistics rows
@@ -278,6 +280,41 @@ def _rope_asm(bf16: bool, sign: int) -> str:
     return f"{{ .reg .b32 t, z; mov.b32 z, {_NEG0}; fma.rn.{ty} t, $2, $4, z;{neg} fma.rn.{ty} $0, $1, $3, t; }}"
 
 
+def _sym8_key_asm() -> str:
+    """A word of 4 8-bit Key codes -> 2 fp16 registers (code - 127 of channels 0, 1 and 2, 3), exactly: `prmt` puts
+    a byte below 0x64 (the fp16 magic M = 1024: M + code), `add` removes M + 127. The Keys' per-token scale is applied
+    to the logits, so the mma runs in fp16 whatever the cache dtype. Operands: $0, $1 out, $2-$5 copies of the
+    word."""
+    n = _f16x2(-1151.0, -1151.0, False)
+    return "\n".join(["{ .reg .b32 m, n, x;", "mov.b32 m, 0x64646464;", f"mov.b32 n, {n};",
+                      "prmt.b32 x, $2, m, 0x4140; add.rn.f16x2 $0, x, n;",
+                      "prmt.b32 x, $2, m, 0x4342; add.rn.f16x2 $1, x, n;", "}"])
+
+
+def _sym8_value_asm(bf16: bool) -> str:
+    """Two words of 4 8-bit Value codes per token (A: codes 0-3, B: 4-7) of two tokens -> 8 registers (token t,
+    token t+1) of s * (code j - 127). fp16: `prmt` pairs byte j of the tokens' words, a second puts them below the
+    magic 0x64 (M + code), `add` removes M + 127 (exact), `fma` with -0 applies each token's scale. bf16 (no magic
+    holds 8 bits): each byte below the fp32 magic 2^23 (`prmt`), an fp32 `sub` of 2^23 + 127 (exact), the two
+    upper halves paired by `prmt` (exact: |code - 127| < 2^8), then the scale. Operands: $0-$7 out, $8-$23 words
+    (operand 8 + e: token e % 2, word A for e < 8, B above), $24-$31 scale pairs (t, t+1)."""
+    ty = "bf16x2" if bf16 else "f16x2"
+    lines = ["{ .reg .b32 m, n, z, y, x, f0, f1;", f"mov.b32 z, {_NEG0};"]
+    lines.append("mov.b32 m, 0x4B000000; mov.b32 n, 0x4B00007F;" if bf16 else
+                 f"mov.b32 m, 0x64646464; mov.b32 n, {_f16x2(-1151.0, -1151.0, False)};")
+    for j in range(8):
+        wt, wt1, i = ("$8", "$9", j) if j < 4 else ("$16", "$17", j - 4)
+        if bf16:
+            lines.append(f"prmt.b32 f0, {wt}, m, 0x744{i}; prmt.b32 f1, {wt1}, m, 0x744{i}; "
+                         "sub.f32 f0, f0, n; sub.f32 f1, f1, n; prmt.b32 x, f0, f1, 0x7632;")
+        else:
+            lines.append(f"prmt.b32 y, {wt}, {wt1}, 0x{4 + i:x}{i:x}; prmt.b32 x, y, m, 0x4140; "
+                         "add.rn.f16x2 x, x, n;")
+        lines.append(f"fma.rn.{ty} ${j}, x, ${24 + j}, z;")
+    lines.append("}")
+    return "\n".join(lines)
+
+
 def lut_table(levels, bf16: bool) -> list[int]:
     """The 8 table registers `_lut_lines` reads (lo0..lo3, hi0..hi3) from 16 levels, each rounded to the cache
     dtype (the kernel builds the same from the store's fp32 levels; tests use this)."""
@@ -314,6 +351,8 @@ _ASM.update({(side + "post", 1, bf): (_post_key_asm if side == "k" else _post_va
 _ASM.update({(side, "lut", bf): (_lut_key_asm if side == "k" else _lut_value_asm)(bf) for side in "kv"
              for bf in (False, True)})
 _ASM.update({("rope", sign, bf): _rope_asm(bf, sign) for sign in (-1, 1) for bf in (False, True)})
+_ASM.update({("k", "sym8", bf): _sym8_key_asm() for bf in (False, True)})
+_ASM.update({("v", "sym8", bf): _sym8_value_asm(bf) for bf in (False, True)})
 
 
 def key_pack(bits: int) -> int:
@@ -339,6 +378,11 @@ if HAVE_GLUON:
         """Operand constraints of a codebook block of `pack` codes: pack / 2 outputs, pack word copies, pack / 2
         scale and offset pairs, pack table registers."""
         return ",".join(["=r"] * (pack // 2) + ["r"] * (3 * pack))
+
+    @gluon.constexpr_function
+    def _sym8_value_cons():
+        """Operand constraints of int8's Value block: 8 outputs, 16 words, 8 scale pairs."""
+        return ",".join(["=r"] * 8 + ["r"] * 24)
 
     @gluon.constexpr_function
     def _stats(bf16, which):
@@ -1037,6 +1081,120 @@ if HAVE_GLUON:
 
         _store_partials(OUT_M, OUT_L, OUT_ACC, bh, split, NSPLIT, NWIN, m_i, l_i, acc, REP, mma)
 
+    @gluon.constexpr_function
+    def _value8_layout(bt):
+        """Values as [t(bt), w(8), jh(2), jl2(2), jl01(4)]: `_value_layout` with its code index jl = 4 jl2 + jl01 split
+        so that a [bt, 8, 2, 2] slice holds one 8-bit word per (token, chunk half)."""
+        return gl.DistributedLinearLayout(
+            reg_bases=[[1, 0, 0, 0, 0], [0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 0, 0, 1, 0], [0, 0, 1, 0, 0]]
+            + [[8 << i, 0, 0, 0, 0] for i in range(bt.bit_length() - 4)],
+            lane_bases=[[2, 0, 0, 0, 0], [4, 0, 0, 0, 0], [0, 1, 0, 0, 0], [0, 2, 0, 0, 0], [0, 4, 0, 0, 0]],
+            warp_bases=[], block_bases=[], shape=[bt, 8, 2, 2, 4])
+
+    @gluon.jit
+    def _sym8_unpack(words, s, SIDE: gl.constexpr, IS_BF16: gl.constexpr):
+        """int8's blocks (`_sym8_key_asm`: code - 127 in fp16, 4 per word; `_sym8_value_asm`: s * (code - 127) in the
+        cache dtype, 16 per block of two tokens)."""
+        if SIDE == "k":
+            x = gl.inline_asm_elementwise(_asm("k", "sym8", False), "=r,=r,r,r,r,r", [words], dtype=gl.float16,
+                                          is_pure=True, pack=4)
+        elif IS_BF16:
+            x = gl.inline_asm_elementwise(_asm("v", "sym8", True), _sym8_value_cons(),
+                                          [words, s], dtype=gl.bfloat16, is_pure=True, pack=16)
+        else:
+            x = gl.inline_asm_elementwise(_asm("v", "sym8", False), _sym8_value_cons(),
+                                          [words, s], dtype=gl.float16, is_pure=True, pack=16)
+        return x
+
+    @gluon.jit
+    def _sym8_decode_kernel(
+            Q, stride_qb, stride_qh, KC, KHALF, VC, VHALF, POS, AMASK, stride_mb, OUT_M, OUT_L, OUT_ACC, scale, T,
+            NSPLIT, H: gl.constexpr, REP: gl.constexpr, S: gl.constexpr, R: gl.constexpr, MASK_KIND: gl.constexpr,
+            IS_BF16: gl.constexpr, BT: gl.constexpr, NWIN: gl.constexpr):
+        """Decode over int8's layout: symmetric 8-bit Keys and Values with one scale per token vector,
+            k[t, c] = s_k[t] (code - 127)    v[t, c] = s_v[t] (code - 127)    s = half / 127.
+        Keys post-scaled: the mma takes fp16 (code - 127) straight from a `prmt` and an `add` against q in fp16 (a
+        bf16 q is scaled by a power of two first if it exceeds 2^14), and s_k[t] multiplies column t of the logits.
+        Values are dequantized in the cache dtype (`_sym8_value_asm`) for the transposed p @ V of the KIVI kernel.
+        The KIVI kernel's structure otherwise (one warp, BT-token tiles, the same mma layouts and online softmax)."""
+        bh = gl.program_id(0)
+        split = gl.program_id(1)
+        b = bh // H
+        h = bh % H
+        dt: gl.constexpr = gl.bfloat16 if IS_BF16 else gl.float16
+        start, stop, n_iter = _slice(POS, split, NSPLIT, S, R, 1, 1, BT)
+
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+        PK: gl.constexpr = _key_layout(BT, 4)      # [8 (a), 4 (b), 4 (c), BT]: channel 32b + 4a + c, word 8b + a
+        KW: gl.constexpr = gl.SliceLayout(2, PK)   # words [8, 4, BT]
+        PV: gl.constexpr = _value8_layout(BT)      # [BT, 8 (w), 2 (jh), 2 (jl2), 4 (jl01)]
+        VW: gl.constexpr = gl.SliceLayout(4, PV)   # words [BT, 8, 2, 2]: word 4w + 2jh + jl2 of token t
+        bh64 = bh.to(gl.int64)
+
+        ka = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, KW)))
+        kb = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, KW)))
+        kt = gl.arange(0, BT, layout=gl.SliceLayout(0, gl.SliceLayout(0, KW)))
+        kword3 = gl.expand_dims(gl.expand_dims(ka, 1) + gl.expand_dims(kb * 8, 0), 2)                # [8, 4, 1]
+        c4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(3, PK))))
+        cdummy = gl.expand_dims(gl.expand_dims(gl.expand_dims(c4, 0), 0), 3)                         # [1, 1, 4, 1]
+        kc_base = KC + bh64 * T * 32
+        vt = gl.arange(0, BT, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, VW))))
+        vw = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, VW))))
+        vjh = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(3, VW))))
+        vj2 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, VW))))
+        voff = gl.expand_dims(gl.expand_dims(gl.expand_dims(vt * 32, 1) + gl.expand_dims(vw * 4, 0), 2)
+                              + gl.expand_dims(gl.expand_dims(vjh * 2, 0), 0), 3) \
+            + gl.expand_dims(gl.expand_dims(gl.expand_dims(vj2, 0), 0), 0)                           # [BT, 8, 2, 2]
+        j4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, PV)))))
+        jdummy = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(j4, 0), 0), 0), 0)      # [1, 1, 1, 1, 4]
+        vc_base = VC + bh64 * T * 32
+        vs_base = bh64 * T
+
+        # q [16, 128] in the Key mma's reduction order (the KIVI kernel's, x = 4a + c), in fp16
+        qm = gl.arange(0, 16, layout=gl.SliceLayout(1, a_l))
+        qk = gl.arange(0, 128, layout=gl.SliceLayout(0, a_l))
+        qc = (qk & 1) + ((qk >> 3) & 1) * 2 + ((qk >> 4) & 1) * 4 + ((qk >> 5) & 1) * 8
+        qchan = 16 * ((qk >> 6) & 1) + 32 * ((qk >> 1) & 3) + qc
+        q = _load_q(Q, b, h, stride_qb, stride_qh, qm, qchan, REP)
+        if IS_BF16:  # fp16 holds |q| < 65504: a larger bf16 q is scaled by 2^-e (exact), the logits by 2^e
+            qf = q.to(gl.float32)
+            qmax = gl.max(gl.max(gl.abs(qf), 1), 0)
+            qfac = gl.exp2(-gl.maximum(gl.ceil(gl.log2(gl.maximum(qmax, 1.0) / 16384.0)), 0.0))
+            q = (qf * qfac).to(gl.float16)
+            qscale = scale * 1.4426950408889634 / qfac
+        else:
+            qscale = scale * 1.4426950408889634   # log2(e): the softmax runs in base 2
+        rows, cols, m_i, l_i, acc = _softmax_state(BT, mma)
+
+        for it in range(0, n_iter):
+            t0 = start + it * BT
+            # Keys past the slice: the slice's last row, unmasked (their logits are masked)
+            krow = gl.expand_dims(gl.expand_dims(gl.minimum(t0 + kt, stop - 1), 0), 0)               # [1, 1, BT]
+            kwords, _ = gl.broadcast(gl.expand_dims(gl.load(kc_base + krow * 32 + kword3), 2), cdummy)
+            kv = _sym8_unpack(kwords, kwords, "k", IS_BF16)                                        # [8, 4, 4, BT]
+            # [a2, a1, a0, b1, b0, c1, c0] -> k = 64 a2 + 32 a1 + 16 a0 + 8 c1 + 4 b1 + 2 b0 + c0
+            kv = kv.reshape([2, 2, 2, 2, 2, 2, 2, BT]).permute([0, 1, 2, 5, 3, 4, 6, 7]).reshape([128, BT])
+            kv = gl.convert_layout(kv, b_l)
+            ksc = gl.load(KHALF + bh64 * T + gl.minimum(t0 + cols, stop - 1)).to(gl.float32) * (qscale / 127.0)
+            s = mma_v2(q, kv, gl.zeros([16, BT], gl.float32, mma)) * gl.expand_dims(ksc, 0)
+            s, allowed = _mask_scores(s, rows, t0 + cols, stop, AMASK, b.to(gl.int64) * stride_mb, REP, MASK_KIND)
+            p, alpha, m_i, l_i = _softmax_step(s, allowed, m_i, l_i)
+
+            vvalid = (t0 + vt) < stop
+            vwords = gl.load(vc_base + t0 * 32 + voff, mask=gl.expand_dims(gl.expand_dims(gl.expand_dims(
+                vvalid, 1), 2), 3), other=0)                                                         # [BT, 8, 2, 2]
+            vsc = (gl.load(VHALF + vs_base + t0 + vt, mask=vvalid, other=0.0).to(gl.float32) / 127.0).to(dt)
+            wv, vs5 = gl.broadcast(gl.expand_dims(vwords, 4), jdummy)
+            wv, vs5 = gl.broadcast(wv, gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(vsc, 1), 2), 3), 4))
+            vv = _sym8_unpack(wv, vs5, "v", IS_BF16).reshape([BT, 8, 2, 8])
+            vv = vv.permute([0, 2, 3, 1]).reshape([BT, 128]).permute([1, 0])          # v^T [128 (n = 8j + w), BT]
+            vv = gl.convert_layout(vv, a_l)
+            acc = mma_v2(vv, _p_operand(p.to(dt), b_l, BT), acc * gl.expand_dims(_first8(alpha, mma), 0))
+
+        _store_partials(OUT_M, OUT_L, OUT_ACC, bh, split, NSPLIT, NWIN, m_i, l_i, acc, REP, mma)
+
 
 _POST = dict(BITS=1, AXIS=1, GS=0, NG=1, SYM=0, LUT=False, NOUT=0, NORM=False, TPG=1)
 
@@ -1044,6 +1202,8 @@ _POST = dict(BITS=1, AXIS=1, GS=0, NG=1, SYM=0, LUT=False, NOUT=0, NORM=False, T
 _LUT_K = dict(BITS=4, AXIS=1, GS=0, NG=1, SYM=0, LUT=True, NORM=False, TPG=1)
 _LUT_V = dict(BITS=4, AXIS=0, SYM=0, LUT=True, TPG=1)   # and one range per token vector: GS = head_dim
 _LUT_BUFFERS = ("codes", "cen", "half", "lev", "oidx", "oval")   # per side, in `_lut_decode_kernel`'s order
+_SYM8 = dict(BITS=8, AXIS=0, SYM=1, LUT=False, NOUT=0, TPG=1)   # and one scale per token vector: GS = head_dim
+SYM8_BT = 16       # tokens per tile of `_sym8_decode_kernel`: 127 registers (16 programs per SM; 159-168 at 32)
 LUT_BT = 16        # tokens per tile of `_lut_decode_kernel`: faster than 32 at every shape of session 12 (at the cap,
                    # 6-14%; bench/RESULTS.md), which spills twice as much there (48 bytes against 24)
 LUT_MAXNREG = 168  # its register cap: 12 programs per SM instead of 8 (178 registers uncapped), 6 spills (16 at 32-token
@@ -1054,7 +1214,8 @@ def layout_kind(kc: dict, vc: dict, head_dim: int = D) -> str | None:
     """"kivi": KIVI's layout at 1, 2 or 4 bits (`_kivi_decode_kernel`); "post": 1-bit channel-wise Keys and
     Values with one static range per channel, calibquant-1 (`_post_decode_kernel`); "lut": kvquant's 4-bit
     codebooks, Keys with one static range per channel, Values one range per token, with or without outliers
-    (kvquant-4, kvquant-4-1%: `_lut_decode_kernel`); None: none of them. head_dim: the store's (the kernels
+    (kvquant-4, kvquant-4-1%: `_lut_decode_kernel`); "sym8": symmetric 8-bit codes with one scale per token vector on
+    both sides (int8, `_sym8_decode_kernel`); None: none of them. head_dim: the store's (the kernels
     themselves take 128 only, `supports`)."""
     key = dict(AXIS=1, GS=32, SYM=0, LUT=False, NOUT=0, NORM=False, TPG=32)
     val = dict(AXIS=0, GS=32, SYM=0, LUT=False, NOUT=0)
@@ -1066,6 +1227,9 @@ def layout_kind(kc: dict, vc: dict, head_dim: int = D) -> str | None:
     if all(kc[n] == v for n, v in _LUT_K.items()) and all(vc[n] == v for n, v in _LUT_V.items()) \
             and vc["GS"] == head_dim:
         return "lut"
+    if all(c[n] == v for c in (kc, vc) for n, v in _SYM8.items()) and not kc["NORM"] \
+            and kc["GS"] == vc["GS"] == head_dim:
+        return "sym8"
     return None
 
 
@@ -1078,7 +1242,7 @@ def supports(query, rep: int, kc: dict, vc: dict, kp: dict, rope: bool, mask_kin
     kind = layout_kind(kc, vc, query.shape[-1])
     if kind is None:
         return ("the store is in none of KIVI's layout at 1, 2 or 4 bits, calibquant's 1-bit channel-wise one and "
-                "kvquant's 4-bit codebooks")
+                "kvquant's 4-bit codebooks, int8's per-token 8-bit codes")
     if query.shape[-1] != D:
         return "needs head_dim 128"
     if rep > 8:
@@ -1150,6 +1314,11 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
     import torch
 
     bf16 = query.dtype == torch.bfloat16
+    if kind == "sym8":  # int8: plain loads
+        return _sym8_decode_kernel, (
+            query, query.stride(0), query.stride(1), kp["codes"], kp["half"], vp["codes"], vp["half"], positions,
+            amask, smb, m_buf, l_buf, acc_buf, float(scale), T, nsplit), dict(
+            H=H, REP=rep, S=sink, R=recent, MASK_KIND=mask_kind, IS_BF16=bf16, BT=SYM8_BT, NWIN=nwin, num_warps=1)
     if kind == "lut":  # kvquant: plain loads; rope = (cos, sin) tables [B, T, 128] or None
         cos, sin = rope if rope is not None else (query, query)
         return _lut_decode_kernel, (
@@ -1226,7 +1395,8 @@ def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mas
     dev = query.device
     tma = kind == "kivi" and _use_tma(query, sink, T, use_tma)
     key = (kind, dev.index, query.dtype, amask.dtype, mask_kind, kbits, vbits, H, rep, sink, recent, tpg_v, nwin,
-           tma, NSTAGES, phase, rope is not None, tuple(nout), (LUT_BT, LUT_MAXNREG) if kind == "lut" else None)
+           tma, NSTAGES, phase, rope is not None, tuple(nout), (LUT_BT, LUT_MAXNREG) if kind == "lut" else
+           SYM8_BT if kind == "sym8" else None)
     if key not in _RESIDENT:
         one = torch.empty(1, dtype=torch.float32, device=dev)   # stand-ins for the partial buffers, temperatures
         props = torch.cuda.get_device_properties(dev)

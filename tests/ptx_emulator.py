@@ -54,6 +54,10 @@ def run(asm: str, operands: dict[int, int]) -> dict[int, int]:
             for bit in range(32):
                 i = ((x >> bit) & 1) << 2 | ((y >> bit) & 1) << 1 | ((z >> bit) & 1)
                 out |= ((lut >> i) & 1) << bit
+        elif op in ("add.f32", "sub.f32"):   # fp32, rounded to nearest (the blocks' uses are exact)
+            x, y = (np.array(val(t), dtype=np.uint32).view(np.float32) for t in a[1:3])
+            r = np.float32(x + y if op == "add.f32" else x - y)
+            out = int(np.array(r, dtype=np.float32).view(np.uint32))
         elif op == "shr.b32":
             out = val(a[1]) >> val(a[2])
         elif op.split(".")[0] in ("add", "mul", "fma") and op.endswith("x2"):

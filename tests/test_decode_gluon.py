@@ -102,7 +102,7 @@ def _reason(preset, dtype=torch.bfloat16, rep=4, D=128, mask_kind=1, mask_shared
 
 
 def test_where_the_kernel_applies():
-    assert "KIVI" in _reason("int8")
+    assert "head_dim" in _reason("int8", D=64)
     assert "KIVI" in _reason("innerq-2")
     assert "KIVI" in _reason("calibquant-2")
     assert "KIVI" in _reason("kvquant-3-1%")   # 3-bit codebooks: the Triton template
@@ -211,13 +211,29 @@ SCRIPT = textwrap.dedent('''
         sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
         out.append(("lut", rope, k.metadata.shared, int(re.search(r"STACK:(\d+)", usage).group(1)),
                     sass.count("HMMA"), sass.count("STS"), sass.count("LDS"), sass.count("PRMT")))
+    for bf16, mask in ((False, 1), (True, 2)):   # int8's kernel
+        ty = "*bf16" if bf16 else "*fp16"
+        sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KHALF=ty, VC="*i32", VHALF=ty, POS="*i64",
+                   AMASK="*i1" if mask == 1 else ty, stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32", OUT_ACC="*fp32",
+                   scale="fp32", T="i32", NSPLIT="i32")
+        cx = dict(H=8, REP=4, S=0, R=0, MASK_KIND=mask, IS_BF16=bf16, BT=dag.SYM8_BT, NWIN=1)
+        sig.update({n: "constexpr" for n in cx})
+        src = GluonASTSource(fn=dag._sym8_decode_kernel, signature=sig, constexprs=cx,
+                             attrs={(i,): [["tt.divisibility", 16]] for i in (0, 3, 4, 5, 6, 10, 11, 12)})
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1))
+        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+            f.write(k.asm["cubin"])
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+        out.append(("sym8", bf16, k.metadata.shared, re.search(r"STACK:0 .*LOCAL:0", usage) is not None,
+                    sass.count("HMMA"), sass.count("STS"), sass.count("LDS")))
     print(out)
 ''')
 
 
 @pytest.mark.skipif(not dag.HAVE_GLUON, reason="triton without Gluon")
 def test_compiles_for_sm90_into_registers_only():
-    """fp16 / bf16, every mask kind, 1 / 2 / 4-bit sides, kvquant's codebooks with and without RoPE and outliers:
+    """fp16 / bf16, every mask kind, 1 / 2 / 4-bit sides, kvquant's codebooks with and without RoPE and outliers, int8:
     tensor-core code with no spills (a few at kvquant's register cap); the plain-load path with no shared memory at
     all (the unpacked codes go from the loaded words straight into the mma operand registers), the TMA path reading
     its ring with LDS only (the tensor-memory accelerator writes it)."""
@@ -225,8 +241,11 @@ def test_compiles_for_sm90_into_registers_only():
     r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = eval(r.stdout.strip().splitlines()[-1])  # noqa: S307  (our own repr of a list of tuples)
-    assert len(rows) == 14
-    for _, rope, shared, stack, hmma, sts, lds, prmt in rows[11:]:
+    assert len(rows) == 16
+    for _, bf16, shared, no_spill, hmma, sts, lds in rows[14:]:
+        # int8's kernel: per 16-token tile 16 + 8 HMMA, no shared memory, no spills
+        assert shared == 0 and sts == 0 and lds == 0 and no_spill and hmma >= 24, rows
+    for _, rope, shared, stack, hmma, sts, lds, prmt in rows[11:14]:
         # kvquant's kernel: per 16-token tile 16 HMMA (q @ k^T) + 8 (v^T @ p^T); no shared memory; at its register
         # cap (`LUT_MAXNREG`) at most 8 spilled registers (6 measured on the H100: faster than no cap, no spills at
         # 178 registers); the codebook lookups are byte permutes (8 per 4 codes, 128 codes per lane and tile)
@@ -260,10 +279,13 @@ GPU_CASES = [("kivi-2", c, m) for c in CASES for m in (None, "bool", "additive",
     [(lay, c, m) for lay in ("kivi-4", "k2v1", "k1v1", "k4v2", "calibquant-1") for c in CASES for m in (None, "bool")] \
     + [("calibquant-1", c, "additive") for c in CASES[:3]] \
     + [(lay, c, m) for lay in ("kvquant-4", "kvquant-4-after-rope", "kvquant-4-1%") for c in CASES
-       for m in (None, "bool")] + [(lay, c, "bool") for lay in ("kvquant-4-1%-recent", "kvquant-4-nout3") for c in CASES]
+       for m in (None, "bool")] \
+    + [(lay, c, "bool") for lay in ("kvquant-4-1%-recent", "kvquant-4-nout3") for c in CASES] \
+    + [("int8", c, m) for c in CASES for m in (None, "bool", "additive")]
 KERNELS = {"calibquant-1": "_post_decode_kernel", "kvquant-4": "_lut_decode_kernel",
            "kvquant-4-after-rope": "_lut_decode_kernel", "kvquant-4-1%": "_lut_decode_kernel",
-           "kvquant-4-1%-recent": "_lut_decode_kernel", "kvquant-4-nout3": "_lut_decode_kernel"}
+           "kvquant-4-1%-recent": "_lut_decode_kernel", "kvquant-4-nout3": "_lut_decode_kernel",
+           "int8": "_sym8_decode_kernel"}
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
@@ -474,3 +496,28 @@ def test_codebook_blocks_look_up_every_level(bf16):
             out = run(dag._ASM[("rope", sign, bf16)], {i + 1: _pair(*v, bf16) for i, v in enumerate((x, p, c, sn))})
             want = _pair(*(_exact(x[i] * c[i] + _exact(sign * p[i] * sn[i], bf16), bf16) for i in range(2)), bf16)
             assert out["$0"] == want, (trial, "rope", sign)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_int8_blocks_center_every_byte(bf16):
+    """int8's blocks (`_sym8_decode_kernel`): the Key block gives fp16 (code - 127) of each byte exactly, the Value
+    block s * (code - 127) of each token's byte j (words A, B: codes 0-3, 4-7), rounded once, for random words (every
+    byte value) and scales."""
+    from ptx_emulator import run
+
+    gen = torch.Generator().manual_seed(8)
+    for trial in range(60):
+        w = [int(x) & 0xFFFFFFFF for x in torch.randint(-2**31, 2**31 - 1, (4,), generator=gen)]
+        byte = lambda x, i: (x >> 8 * i) & 0xFF  # noqa: E731
+        out = run(dag._ASM[("k", "sym8", bf16)], {2 + i: w[0] for i in range(4)})
+        for r in range(2):
+            assert out[f"${r}"] == _pair(byte(w[0], 2 * r) - 127, byte(w[0], 2 * r + 1) - 127, False), (trial, r)
+        s = [_exact(float(x) * 10.0 ** float(torch.empty(()).uniform_(-5, 1, generator=gen)), bf16)
+             for x in torch.rand(2, generator=gen) + 0.05]
+        ops = {8 + e: w[(e % 2) + (2 if e >= 8 else 0)] for e in range(16)}   # A_t, A_t1, ..., B_t, B_t1
+        ops.update({24 + j: _pair(s[0], s[1], bf16) for j in range(8)})
+        out = run(dag._ASM[("v", "sym8", bf16)], ops)
+        for j in range(8):
+            words = (w[0], w[1]) if j < 4 else (w[2], w[3])
+            want = _pair(*(_exact(s[t] * (byte(words[t], j % 4) - 127), bf16) for t in (0, 1)), bf16)
+            assert out[f"${j}"] == want, (trial, "value", j)
