@@ -1,6 +1,7 @@
 """The Gluon decode kernels compiled for Hopper (sm_90) without a GPU: registers, spill stack and the main loop's
 SASS instructions (the longest backward branch), by opcode. kvquant's kernel at 16- and 32-token tiles, with its
-168-register cap and without; the KIVI-layout kernel at 2 and 4 bits (fp16, bool mask, plain loads).
+168-register cap and without; int8's kernel at 16- and 32-token tiles, fp16 and bf16; the KIVI-layout kernel at 2
+and 4 bits (fp16, bool mask, plain loads).
 
     python bench/sass_gluon.py        (without TRITON_INTERPRET; ptxas and cuobjdump from the triton wheel)
 """
@@ -64,6 +65,17 @@ def main():
             ops = main_loop(sass)
             print(f"kvquant-4 (RoPE) tile {bt} cap {cap}: {regs} registers, stack {stack} B, loop {sum(ops.values())} "
                   f"instructions per {bt} tokens: {dict(ops.most_common(12))}", flush=True)
+    for bf16 in (False, True):
+        sty = "*bf16" if bf16 else ty
+        sym8 = dict(Q=sty, stride_qb="i32", stride_qh="i32", KC="*i32", KHALF=sty, VC="*i32", VHALF=sty, POS="*i64",
+                    AMASK="*i1", stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32", OUT_ACC="*fp32", scale="fp32", T="i32",
+                    NSPLIT="i32")
+        for bt in (16, 32):
+            cx = dict(H=8, REP=4, S=0, R=0, MASK_KIND=1, IS_BF16=bf16, BT=bt, NWIN=1)
+            regs, stack, sass = compile_sm90(dag._sym8_decode_kernel, sym8, cx, (0, 3, 4, 5, 6, 10, 11, 12))
+            ops = main_loop(sass)
+            print(f"int8 {'bf16' if bf16 else 'fp16'} tile {bt}: {regs} registers, stack {stack} B, loop "
+                  f"{sum(ops.values())} instructions per {bt} tokens: {dict(ops.most_common(12))}", flush=True)
     kivi = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KCEN=ty, KHALF=ty, VC="*i32", VCEN=ty, VHALF=ty,
                 POS="*i64", AMASK="*i1", stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32", OUT_ACC="*fp32",
                 scale="fp32", T="i32", NG_K="i32", NSPLIT="i32")
