@@ -57,14 +57,14 @@ def main():
                KOVAL=ty, VC="*i32", VCEN=ty, VHALF=ty, VLEV="*fp32", VOIDX="*u8", VOVAL=ty, COS=ty, SIN=ty,
                POS="*i64", AMASK="*i1", stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32", OUT_ACC="*fp32",
                scale="fp32", T="i32", NSPLIT="i32")
-    for bt in (16, 32):
-        for cap in (dag.LUT_MAXNREG, None):
-            cx = dict(H=8, REP=4, S=1, R=0, MASK_KIND=1, IS_BF16=False, BT=bt, ROPE=True, KNOUT=0, VNOUT=0, NWIN=2)
-            regs, stack, sass = compile_sm90(dag._lut_decode_kernel, lut, cx, [i for i in range(17) if i not in (1, 2)],
-                                             **({"maxnreg": cap} if cap else {}))
-            ops = main_loop(sass)
-            print(f"kvquant-4 (RoPE) tile {bt} cap {cap}: {regs} registers, stack {stack} B, loop {sum(ops.values())} "
-                  f"instructions per {bt} tokens: {dict(ops.most_common(12))}", flush=True)
+    for bt, cap, nout in ((16, dag.LUT_MAXNREG, 0), (16, None, 0), (32, dag.LUT_MAXNREG, 0), (32, None, 0),
+                          (16, dag.LUT_MAXNREG, 1)):
+        cx = dict(H=8, REP=4, S=1, R=0, MASK_KIND=1, IS_BF16=False, BT=bt, ROPE=True, KNOUT=nout, VNOUT=nout, NWIN=2)
+        regs, stack, sass = compile_sm90(dag._lut_decode_kernel, lut, cx, [i for i in range(17) if i not in (1, 2)],
+                                         **({"maxnreg": cap} if cap else {}))
+        ops = main_loop(sass)
+        print(f"kvquant-4{'-1%' if nout else ''} (RoPE) tile {bt} cap {cap}: {regs} registers, stack {stack} B, loop "
+              f"{sum(ops.values())} instructions per {bt} tokens: {dict(ops.most_common(12))}", flush=True)
     for bf16 in (False, True):
         sty = "*bf16" if bf16 else ty
         sym8 = dict(Q=sty, stride_qb="i32", stride_qh="i32", KC="*i32", KHALF=sty, VC="*i32", VHALF=sty, POS="*i64",
