@@ -242,11 +242,11 @@ def main():
                     continue
                 if args.splits or args.variants:
                     print(f"  {name} B={B} ctx={ctx} {var or 'default'}: {t * 1e3:.1f} us", flush=True)
-                if best is None or t < best[0]:
-                    best = (t, var)
-            from kvq_compile.templates.decode_attention import LAST_KERNELS
-            kern = LAST_KERNELS.get("main")
-            regs = (getattr(kern, "n_regs", None), getattr(kern, "n_spills", None))
+                from kvq_compile.templates.decode_attention import LAST_KERNELS
+                if best is None or t < best[0]:   # with the kernel it ran (registers, spills of the best variant)
+                    kern = LAST_KERNELS.get("main")
+                    best = (t, var, (getattr(kern, "n_regs", None), getattr(kern, "n_spills", None)))
+            regs = best[2]
             nbytes = bytes_read(lay, B, ctx, dtype)
             t = best[0]
             row = dict(preset=name, batch=B, context=ctx, ms=t, bytes=nbytes, bw_frac=nbytes / (t * 1e-3) / bw,

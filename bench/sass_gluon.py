@@ -1,6 +1,6 @@
 """The Gluon decode kernels compiled for Hopper (sm_90) without a GPU: registers, spill stack and the main loop's
 SASS instructions (the longest backward branch), by opcode. kvquant's kernel at 16- and 32-token tiles, with its
-168-register cap and without; int8's kernel at 16- and 32-token tiles, fp16 and bf16; the KIVI-layout kernel at 2
+168-register cap and without, and with one outlier per token (kvquant-4-1%); int8's kernel at 16- and 32-token tiles, fp16 and bf16; the KIVI-layout kernel at 2
 and 4 bits (fp16, bool mask, plain loads).
 
     python bench/sass_gluon.py        (without TRITON_INTERPRET; ptxas and cuobjdump from the triton wheel)

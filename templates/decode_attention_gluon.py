@@ -293,10 +293,10 @@ def _sym8_key_asm() -> str:
 
 def _sym8_value_asm(bf16: bool) -> str:
     """Two words of 4 8-bit Value codes per token (A: codes 0-3, B: 4-7) of two tokens -> 8 registers (token t,
-    token t+1) of s * (code j - 127). fp16: `prmt` pairs byte j of the tokens' words, a second puts them below the
-    magic 0x64 (M + code), `add` removes M + 127 (exact), `fma` with -0 applies each token's scale. bf16 (no magic
-    holds 8 bits): each byte below the fp32 magic 2^23 (`prmt`), an fp32 `sub` of 2^23 + 127 (exact), the two
-    upper halves paired by `prmt` (exact: |code - 127| < 2^8), then the scale. Operands: $0-$7 out, $8-$23 words
+    token t+1) of s * (code j - 127). fp16: `prmt` pairs byte j % 4 of the tokens' words (A for j < 4, else B), a
+    second puts them below the magic 0x64 (M + code), `add` removes M + 127 (exact), `fma` with -0 applies each
+    token's scale. bf16 (no magic holds 8 bits): each byte below the fp32 magic 2^23 (`prmt`), an fp32 `sub` of
+    2^23 + 127 (exact), the two upper halves paired by `prmt` (exact: |code - 127| < 2^8), then the scale. Operands: $0-$7 out, $8-$23 words
     (operand 8 + e: token e % 2, word A for e < 8, B above), $24-$31 scale pairs (t, t+1)."""
     ty = "bf16x2" if bf16 else "f16x2"
     lines = ["{ .reg .b32 m, n, z, y, x, f0, f1;", f"mov.b32 z, {_NEG0};"]
@@ -1083,8 +1083,8 @@ if HAVE_GLUON:
 
     @gluon.constexpr_function
     def _value8_layout(bt):
-        """Values as [t(bt), w(8), jh(2), jl2(2), jl01(4)]: `_value_layout` with its code index jl = 4 jl2 + jl01 split
-        so that a [bt, 8, 2, 2] slice holds one 8-bit word per (token, chunk half)."""
+        """Values as [t(bt), w(8), jh(2), jl2(2), jl01(4)]: `_value_layout` with its code index jl = 4 jl2 + jl01 split,
+        so that its [bt, 8, 2, 2] slice holds one 32-bit word (4 codes) per (token, w, jh, jl2): two per chunk half."""
         return gl.DistributedLinearLayout(
             reg_bases=[[1, 0, 0, 0, 0], [0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 0, 0, 1, 0], [0, 0, 1, 0, 0]]
             + [[8 << i, 0, 0, 0, 0] for i in range(bt.bit_length() - 4)],
@@ -1115,7 +1115,8 @@ if HAVE_GLUON:
             k[t, c] = s_k[t] (code - 127)    v[t, c] = s_v[t] (code - 127)    s = half / 127.
         Keys post-scaled: the mma takes fp16 (code - 127) straight from a `prmt` and an `add` against q in fp16 (a
         bf16 q is scaled by a power of two first if it exceeds 2^14), and s_k[t] multiplies column t of the logits.
-        Values are dequantized in the cache dtype (`_sym8_value_asm`) for the transposed p @ V of the KIVI kernel.
+        Values are dequantized in the cache dtype (`_sym8_value_asm`) for the transposed p @ V of the KIVI kernel
+        (in fp16 a token's scale half / 127 is subnormal below half ~ 7.8e-3 and carries fewer bits there).
         The KIVI kernel's structure otherwise (one warp, BT-token tiles, the same mma layouts and online softmax)."""
         bh = gl.program_id(0)
         split = gl.program_id(1)
@@ -1158,7 +1159,8 @@ if HAVE_GLUON:
         qc = (qk & 1) + ((qk >> 3) & 1) * 2 + ((qk >> 4) & 1) * 4 + ((qk >> 5) & 1) * 8
         qchan = 16 * ((qk >> 6) & 1) + 32 * ((qk >> 1) & 3) + qc
         q = _load_q(Q, b, h, stride_qb, stride_qh, qm, qchan, REP)
-        if IS_BF16:  # fp16 holds |q| < 65504: a larger bf16 q is scaled by 2^-e (exact), the logits by 2^e
+        if IS_BF16:  # fp16 holds |q| < 65504: a bf16 q above 2^14 is scaled by 2^-e to |q| <= 2^14 (exact), the
+            # logits by 2^e
             qf = q.to(gl.float32)
             qmax = gl.max(gl.max(gl.abs(qf), 1), 0)
             qfac = gl.exp2(-gl.maximum(gl.ceil(gl.log2(gl.maximum(qmax, 1.0) / 16384.0)), 0.0))
@@ -1242,7 +1244,7 @@ def supports(query, rep: int, kc: dict, vc: dict, kp: dict, rope: bool, mask_kin
     kind = layout_kind(kc, vc, query.shape[-1])
     if kind is None:
         return ("the store is in none of KIVI's layout at 1, 2 or 4 bits, calibquant's 1-bit channel-wise one and "
-                "kvquant's 4-bit codebooks, int8's per-token 8-bit codes")
+                "kvquant's 4-bit codebooks and int8's per-token 8-bit codes")
     if query.shape[-1] != D:
         return "needs head_dim 128"
     if rep > 8:

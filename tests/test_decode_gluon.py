@@ -55,7 +55,7 @@ def kvquant_recent() -> KVQConfig:
 LAYOUTS = {"kivi-2": lambda: KVQConfig.preset("kivi-2"), "kivi-4": lambda: KVQConfig.preset("kivi-4"),
            "calibquant-1": lambda: KVQConfig.preset("calibquant-1"), "kvquant-4": lambda: KVQConfig.preset("kvquant-4"),
            "kvquant-4-after-rope": kvquant_after_rope, "kvquant-4-1%-recent": kvquant_recent,
-           "kvquant-4-nout3": kvquant_outliers,
+           "kvquant-4-nout3": kvquant_outliers, "int8": lambda: KVQConfig.preset("int8"),
            "k2v1": lambda: kivi_layout(2, 1), "k1v1": lambda: kivi_layout(1, 1), "k4v2": lambda: kivi_layout(4, 2)}
 
 
@@ -120,6 +120,19 @@ def test_where_the_kernel_applies():
         with pytest.raises(ValueError, match="Gluon kernel cannot serve"):
             da.decode_attention(q, dict(zip(names, tensors)), k, v, p, None, 0.1, False, cfg, lay.spec, ms.geo,
                                 gluon=True)
+
+
+def test_layout_kinds():
+    """Which Gluon kernel each preset's layout would take (`layout_kind`, from the store's constants), and None for
+    the layouts only the Triton template serves."""
+    want = {"kivi-2": "kivi", "kivi-4": "kivi", "xquant-1.38": "kivi", "calibquant-1": "post", "kvquant-4": "lut",
+            "kvquant-4-1%": "lut", "int8": "sym8", "kvquant-3": None, "kvquant-2-1%": None, "calibquant-2": None,
+            "innerq-2": None, "fp16": None}
+    for preset, kind in want.items():
+        cfg, ms, lay, *_ = _store(preset, 1, 1, 256, 200, torch.float16, "cpu")
+        bufs = dict(zip(*lay.attend_tensors()))
+        kc, vc = (da._side_args(bufs, s, q, ms.geo, cfg)[1] for s, q in (("k", lay.spec.key), ("v", lay.spec.value)))
+        assert dag.layout_kind(kc, vc, 128) == kind, preset
 
 
 def test_programs_per_sm_follows_the_occupancy_rules():
@@ -501,23 +514,45 @@ def test_codebook_blocks_look_up_every_level(bf16):
 @pytest.mark.parametrize("bf16", [False, True])
 def test_int8_blocks_center_every_byte(bf16):
     """int8's blocks (`_sym8_decode_kernel`): the Key block gives fp16 (code - 127) of each byte exactly, the Value
-    block s * (code - 127) of each token's byte j (words A, B: codes 0-3, 4-7), rounded once, for random words (every
-    byte value) and scales."""
+    block s_j * (code - 127) of each token's byte j (words A, B: codes 0-3, 4-7), rounded once: every byte value in
+    every position (a sweep, then random words), a different scale pair per register (scales down to 1e-5)."""
     from ptx_emulator import run
 
     gen = torch.Generator().manual_seed(8)
-    for trial in range(60):
-        w = [int(x) & 0xFFFFFFFF for x in torch.randint(-2**31, 2**31 - 1, (4,), generator=gen)]
-        byte = lambda x, i: (x >> 8 * i) & 0xFF  # noqa: E731
-        out = run(dag._ASM[("k", "sym8", bf16)], {2 + i: w[0] for i in range(4)})
+    sweep = [sum(((4 * k + i + 64 * p) % 256) << 8 * i for i in range(4)) for k in range(64) for p in range(4)]
+    rand = [int(x) & 0xFFFFFFFF for x in torch.randint(-2**31, 2**31 - 1, (64,), generator=gen)]
+    byte = lambda x, i: (x >> 8 * i) & 0xFF  # noqa: E731
+    words = sweep + rand
+    for trial, w0 in enumerate(words):
+        out = run(dag._ASM[("k", "sym8", bf16)], {2 + i: w0 for i in range(4)})
         for r in range(2):
-            assert out[f"${r}"] == _pair(byte(w[0], 2 * r) - 127, byte(w[0], 2 * r + 1) - 127, False), (trial, r)
+            assert out[f"${r}"] == _pair(byte(w0, 2 * r) - 127, byte(w0, 2 * r + 1) - 127, False), (trial, r)
+    for trial in range(0, len(words), 4):
+        w = [words[(trial + i * 65) % len(words)] for i in range(4)]   # A_t, A_t1, B_t, B_t1
         s = [_exact(float(x) * 10.0 ** float(torch.empty(()).uniform_(-5, 1, generator=gen)), bf16)
-             for x in torch.rand(2, generator=gen) + 0.05]
-        ops = {8 + e: w[(e % 2) + (2 if e >= 8 else 0)] for e in range(16)}   # A_t, A_t1, ..., B_t, B_t1
-        ops.update({24 + j: _pair(s[0], s[1], bf16) for j in range(8)})
+             for x in torch.rand(16, generator=gen) + 0.05]
+        ops = {8 + e: w[(e % 2) + (2 if e >= 8 else 0)] for e in range(16)}
+        ops.update({24 + j: _pair(s[2 * j], s[2 * j + 1], bf16) for j in range(8)})
         out = run(dag._ASM[("v", "sym8", bf16)], ops)
         for j in range(8):
-            words = (w[0], w[1]) if j < 4 else (w[2], w[3])
-            want = _pair(*(_exact(s[t] * (byte(words[t], j % 4) - 127), bf16) for t in (0, 1)), bf16)
+            ws = (w[0], w[1]) if j < 4 else (w[2], w[3])
+            want = _pair(*(_exact(s[2 * j + t] * (byte(ws[t], j % 4) - 127), bf16) for t in (0, 1)), bf16)
             assert out[f"${j}"] == want, (trial, "value", j)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+def test_int8_large_bf16_queries_on_gpu():
+    """int8's kernel scales a bf16 q above 2^14 by a power of two before its fp16 mma (and the logits back by the
+    same): queries up to ~1e5 (an unscaled fp16 q would overflow) against the reference op."""
+    B, H, rep, T, n0 = 2, 2, 4, 640, 600
+    cfg, ms, lay, k, v, p = _store("int8", B, H, T, n0, torch.bfloat16, "cuda", seed=5)
+    names, tensors = lay.attend_tensors()
+    q = (torch.randn(B, H * rep, 1, 128, device="cuda") * 3e4).to(torch.bfloat16)
+    assert q.float().abs().max() > 65504
+    scale = 128 ** -0.5 * 1e-4   # logits of a few units: the softmax does not collapse onto one token
+    ref = attend_cpu_reference(q, tensors, k, v, p, None, scale, False, lay.descriptor(names)).float()
+    out = da.decode_attention(q, dict(zip(names, tensors)), k, v, p, None, scale, False, cfg, lay.spec, ms.geo,
+                              gluon=True).float()
+    assert "_sym8_decode_kernel" in str(getattr(da.LAST_KERNELS["main"], "name", da.LAST_KERNELS["main"]))
+    assert torch.isfinite(out).all()
+    assert ((out - ref).norm() / ref.norm()).item() < 1.5e-2
