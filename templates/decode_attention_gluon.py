@@ -234,6 +234,13 @@ def _lut_lines(y: str, tab: list[str]) -> list[str]:
             "prmt.b32 lo, la, lb, m; prmt.b32 hi, ha, hb, m;"]
 
 
+def _paired_levels(ty: str, r0: int, sels: tuple, s0: int, z0: int) -> list[str]:
+    """Output registers r0, r0 + 1 of a codebook block: `prmt` pairs two levels' low and high bytes (selectors sels),
+    `fma` applies scale pair $(s0 + r) and offset pair $(z0 + r)."""
+    return [f"prmt.b32 x, lo, hi, {sel}; fma.rn.{ty} ${r0 + i}, x, ${s0 + r0 + i}, ${z0 + r0 + i};"
+            for i, sel in enumerate(sels)]
+
+
 _LUT_DECLS = "{ .reg .b32 y, s, m, la, lb, ha, hb, lo, hi, x;"  # the codebook blocks' scratch registers
 
 
@@ -247,9 +254,7 @@ def _lut_key_asm(bf16: bool) -> str:
     for half in range(2):
         lines.append("mov.b32 y, $4;" if half == 0 else "shr.b32 y, $4, 16;")
         lines += _lut_lines("y", [f"${20 + i}" for i in range(8)])
-        for i, sel in enumerate(("0x5140", "0x7362")):
-            r = 2 * half + i
-            lines.append(f"prmt.b32 x, lo, hi, {sel}; fma.rn.{ty} ${r}, x, ${12 + r}, ${16 + r};")
+        lines += _paired_levels(ty, 2 * half, ("0x5140", "0x7362"), 12, 16)
     lines.append("}")
     return "\n".join(lines)
 
@@ -265,9 +270,7 @@ def _lut_value_asm(bf16: bool) -> str:
     for i in range(4):
         lines.append(f"prmt.b32 y, $8, $9, 0x{4 + i:x}{i:x};")
         lines += _lut_lines("y", [f"${40 + 2 * e}" for e in range(8)])
-        for j, sel in enumerate(("0x6240", "0x7351")):
-            r = 2 * i + j
-            lines.append(f"prmt.b32 x, lo, hi, {sel}; fma.rn.{ty} ${r}, x, ${24 + r}, ${32 + r};")
+        lines += _paired_levels(ty, 2 * i, ("0x6240", "0x7351"), 24, 32)
     lines.append("}")
     return "\n".join(lines)
 
