@@ -691,8 +691,9 @@ def _num_splits(bh: int, max_len: int, block_t: int, device, programs_per_sm: in
 def _fill_splits(bh: int, max_len: int, device, resident: int) -> int:
     """Slices per KV head for the Gluon launch: as many programs as the SMs hold at once (`resident` each), in one
     wave, never slices shorter than 128 tokens (four 32-token tiles, eight of kvquant's 16-token ones). Its one-warp
-    programs each keep one tile in flight, so the more of them the better, up to a second wave: with 5 slices at batch 32 (1280 programs, 12 fit per SM) Nsight Compute
-    showed 0.8 waves, 2.4 warps per scheduler and an instruction issued on 59% of cycles. At batch 1-4 slices of
+    programs each keep one tile in flight, so the more of them the better, up to a second wave: with 5 slices at
+    batch 32 (1280 programs, 12 fit per SM) Nsight Compute showed 0.8 waves, 2.4 warps per scheduler and an
+    instruction issued on 59% of cycles. At batch 1-4 slices of
     four tiles beat two by 0-12% (bench/RESULTS.md, session 11)."""
     import torch
 
@@ -766,15 +767,17 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
     vpost = _post_mode(vc, block_t, D) if post_scaling else 0
     nwin = _window_tiles(cfg, kc, vc, block_t)
     kind = dag.layout_kind(kc, vc, D) if use_gluon else None
+    # the layer as both `dag.resident_programs` and `dag.launch` take it
+    gluon_layer = dict(positions=positions, amask=amask, smb=smb, mask_kind=mask_kind, T=T, ng_k=kc["NG"], nwin=nwin,
+                       H=H, rep=rep, sink=cfg.sink, recent=cfg.recent, tpg_v=vc["TPG"], kbits=kc["BITS"],
+                       vbits=vc["BITS"], kind=kind, rope=(cos, sin) if rope else None, nout=(kc["NOUT"], vc["NOUT"]))
 
     def splits(phase):  # slices per KV head of the quantized-region launch in this softmax phase
         if num_splits:
             return num_splits
         if use_gluon:  # the calibrated softmax's phases differ in registers, hence in programs per SM
-            return _fill_splits(B * H, T, query.device, dag.resident_programs(
-                query, kp, vp, positions, amask, smb, mask_kind, T, kc["NG"], nwin, H, rep, cfg.sink, cfg.recent,
-                vc["TPG"], kc["BITS"], vc["BITS"], kind=kind, phase=phase, rope=(cos, sin) if rope else None,
-                nout=(kc["NOUT"], vc["NOUT"])))
+            return _fill_splits(B * H, T, query.device,
+                                dag.resident_programs(query, kp, vp, phase=phase, **gluon_layer))
         return _num_splits(B * H, T, block_t, query.device, programs_per_sm)
 
     def partials(nsplit, with_acc=True):  # (max, sum, acc) buffers: nsplit + nwin slots per row
@@ -803,11 +806,9 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
                       KPOST=kpost, VPOST=vpost,
                       BLOCK_T=block_t, IEEE=ieee, INTERP=_INTERPRET, NWIN=nwin)
         if use_gluon:
-            LAST_KERNELS["main"] = dag.launch(query, kp, vp, positions, amask, smb, mask_kind, m_buf, l_buf, acc_buf,
-                                              scale, T, kc["NG"], nsplit, nwin, H, rep, cfg.sink, cfg.recent, vc["TPG"],
-                                              kc["BITS"], vc["BITS"], kind=kind, phase=phase,
-                                              temp=temp if phase == 2 else None, rope=(cos, sin) if rope else None,
-                                              nout=(kc["NOUT"], vc["NOUT"]))
+            LAST_KERNELS["main"] = dag.launch(query, kp, vp, m_buf=m_buf, l_buf=l_buf, acc_buf=acc_buf, scale=scale,
+                                              nsplit=nsplit, phase=phase, temp=temp if phase == 2 else None,
+                                              **gluon_layer)
         else:
             LAST_KERNELS["main"] = _decode_kernel[(B * H, nsplit)](*args, **consts, WINDOW=False,
                                                                    num_warps=num_warps, num_stages=num_stages)

@@ -432,7 +432,9 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _unpack(words, s, z, SIDE: gl.constexpr, BITS: gl.constexpr, PACK: gl.constexpr, IS_BF16: gl.constexpr):
-        """Dequantized values (cache dtype) from packed words broadcast over their codes, PACK per asm block."""
+        """Dequantized values (cache dtype) from packed words broadcast over their codes, PACK per asm block. (Here
+        and in the other blocks' wrappers, one branch per dtype: inline_asm_elementwise takes a dtype object, not a
+        constexpr choosing one.)"""
         if IS_BF16:
             x = gl.inline_asm_elementwise(_asm(SIDE, BITS, True), _cons(PACK, True), [words, s, z], dtype=gl.bfloat16,
                                           is_pure=True, pack=PACK)
@@ -1400,8 +1402,7 @@ def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mas
     dev = query.device
     tma = kind == "kivi" and _use_tma(query, sink, T, use_tma)
     key = (kind, dev.index, query.dtype, amask.dtype, mask_kind, kbits, vbits, H, rep, sink, recent, tpg_v, nwin,
-           tma, NSTAGES, phase, rope is not None, tuple(nout), (LUT_BT, LUT_MAXNREG) if kind == "lut" else
-           SYM8_BT if kind == "sym8" else None)
+           tma, NSTAGES, phase, rope is not None, tuple(nout), LUT_BT, LUT_MAXNREG, SYM8_BT)
     if key not in _RESIDENT:
         one = torch.empty(1, dtype=torch.float32, device=dev)   # stand-ins for the partial buffers, temperatures
         props = torch.cuda.get_device_properties(dev)

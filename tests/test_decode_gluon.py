@@ -152,11 +152,10 @@ def test_programs_per_sm_follows_the_occupancy_rules():
 
 
 SCRIPT = textwrap.dedent('''
-    import os, re, subprocess, sys, tempfile, torch, triton
+    import torch
     from triton.runtime.jit import mangle_type
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
     from kvq_compile.templates import decode_attention_gluon as dag
+    from sm90_sass import compile_sm90
 
     out = []
     for bf16, mask, kb, vb, tma in ((False, 0, 2, 2, False), (True, 1, 2, 2, False), (True, 2, 4, 4, False),
@@ -177,35 +176,18 @@ SCRIPT = textwrap.dedent('''
         ka, va = (dag.split_scale(2 / (2 ** n - 1), bf16) for n in (kb, vb))
         cx = dict(H=8, REP=4, S=0, R=128, TPG_K=32, TPG_V=1, MASK_KIND=mask, IS_BF16=bf16, BT=32, KBITS=kb,
                   VBITS=vb, KA_HI=ka[0], KA_LO=ka[1], VA_HI=va[0], VA_LO=va[1], NWIN=3, TMA=tma, NST=2)
-        sig.update({n: "constexpr" for n in cx})
-        src = GluonASTSource(fn=dag._kivi_decode_kernel, signature=sig, constexprs=cx,
-                             attrs={(i,): [["tt.divisibility", 16]]
-                                    for i in (0, 12, 13, 14) + (() if tma else (3, 4, 5, 6, 7, 8))})
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1))
-        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-            f.write(k.asm["cubin"])
-        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
-        out.append((bf16, mask, kb, vb, tma, k.metadata.shared, re.search(r"STACK:(\d+) .*LOCAL:0", usage) and
-                    int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, sass.count("HMMA"),
-                    sass.count("STS"), sass.count("LDS"), sass.count("UTMALDG")))
+        b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 12, 13, 14) + (() if tma else (3, 4, 5, 6, 7, 8)))
+        out.append((bf16, mask, kb, vb, tma, b.shared, b.stack == b.local == 0, b.sass.count("HMMA"),
+                    b.sass.count("STS"), b.sass.count("LDS"), b.sass.count("UTMALDG")))
     for bf16, mask, phase in ((True, 1, 2), (False, 2, 1), (False, 0, 0)):   # calibquant's kernel
         ty = "*bf16" if bf16 else "*fp16"
         sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KCEN=ty, KHALF=ty, VC="*i32", VCEN=ty,
                    VHALF=ty, POS="*i64", AMASK="*i1" if mask == 1 else ty, stride_mb="i32", TEMP="*fp32",
                    OUT_M="*fp32", OUT_L="*fp32", OUT_ACC="*fp32", scale="fp32", T="i32", NSPLIT="i32")
         cx = dict(H=8, REP=4, S=0, R=128, MASK_KIND=mask, IS_BF16=bf16, BT=32, TAU_PHASE=phase, NWIN=3)
-        sig.update({n: "constexpr" for n in cx})
-        src = GluonASTSource(fn=dag._post_decode_kernel, signature=sig, constexprs=cx,
-                             attrs={(i,): [["tt.divisibility", 16]] for i in range(0, 9) if i not in (1, 2)})
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1))
-        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-            f.write(k.asm["cubin"])
-        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
-        out.append(("post", phase, re.search(r"STACK:0 .*LOCAL:0", usage) is not None, sass.count("HMMA"),
-                    sass.count("HFMA2"), sass.count("HADD2")))
+        b = compile_sm90(dag._post_decode_kernel, sig, cx, [i for i in range(0, 9) if i not in (1, 2)])
+        out.append(("post", phase, b.stack == b.local == 0, b.sass.count("HMMA"), b.sass.count("HFMA2"),
+                    b.sass.count("HADD2")))
     for bf16, mask, rope, nout in ((False, 1, True, 0), (True, 2, True, 1), (False, 0, False, 0)):   # kvquant's
         ty = "*bf16" if bf16 else "*fp16"
         sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KCEN=ty, KHALF=ty, KLEV="*fp32", KOIDX="*u8",
@@ -214,32 +196,19 @@ SCRIPT = textwrap.dedent('''
                    OUT_ACC="*fp32", scale="fp32", T="i32", NSPLIT="i32")
         cx = dict(H=8, REP=4, S=1, R=0, MASK_KIND=mask, IS_BF16=bf16, BT=dag.LUT_BT, ROPE=rope, KNOUT=nout,
                   VNOUT=nout, NWIN=2)
-        sig.update({n: "constexpr" for n in cx})
-        src = GluonASTSource(fn=dag._lut_decode_kernel, signature=sig, constexprs=cx,
-                             attrs={(i,): [["tt.divisibility", 16]] for i in range(0, 17) if i not in (1, 2)})
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, maxnreg=dag.LUT_MAXNREG))
-        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-            f.write(k.asm["cubin"])
-        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
-        out.append(("lut", rope, k.metadata.shared, int(re.search(r"STACK:(\d+)", usage).group(1)),
-                    sass.count("HMMA"), sass.count("STS"), sass.count("LDS"), sass.count("PRMT")))
+        b = compile_sm90(dag._lut_decode_kernel, sig, cx, [i for i in range(0, 17) if i not in (1, 2)],
+                         maxnreg=dag.LUT_MAXNREG)
+        out.append(("lut", rope, b.shared, b.stack, b.sass.count("HMMA"), b.sass.count("STS"), b.sass.count("LDS"),
+                    b.sass.count("PRMT")))
     for bf16, mask in ((False, 1), (True, 2)):   # int8's kernel
         ty = "*bf16" if bf16 else "*fp16"
         sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KHALF=ty, VC="*i32", VHALF=ty, POS="*i64",
                    AMASK="*i1" if mask == 1 else ty, stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32", OUT_ACC="*fp32",
                    scale="fp32", T="i32", NSPLIT="i32")
         cx = dict(H=8, REP=4, S=0, R=0, MASK_KIND=mask, IS_BF16=bf16, BT=dag.SYM8_BT, NWIN=1)
-        sig.update({n: "constexpr" for n in cx})
-        src = GluonASTSource(fn=dag._sym8_decode_kernel, signature=sig, constexprs=cx,
-                             attrs={(i,): [["tt.divisibility", 16]] for i in (0, 3, 4, 5, 6, 10, 11, 12)})
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1))
-        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-            f.write(k.asm["cubin"])
-        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
-        out.append(("sym8", bf16, k.metadata.shared, re.search(r"STACK:0 .*LOCAL:0", usage) is not None,
-                    sass.count("HMMA"), sass.count("STS"), sass.count("LDS")))
+        b = compile_sm90(dag._sym8_decode_kernel, sig, cx, (0, 3, 4, 5, 6, 10, 11, 12))
+        out.append(("sym8", bf16, b.shared, b.stack == b.local == 0, b.sass.count("HMMA"), b.sass.count("STS"),
+                    b.sass.count("LDS")))
     print(out)
 ''')
 
@@ -251,6 +220,7 @@ def test_compiles_for_sm90_into_registers_only():
     all (the unpacked codes go from the loaded words straight into the mma operand registers), the TMA path reading
     its ring with LDS only (the tensor-memory accelerator writes it)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__)] + [p for p in [env.get("PYTHONPATH")] if p])
     r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = eval(r.stdout.strip().splitlines()[-1])  # noqa: S307  (our own repr of a list of tuples)
@@ -556,3 +526,32 @@ def test_int8_large_bf16_queries_on_gpu():
     assert "_sym8_decode_kernel" in str(getattr(da.LAST_KERNELS["main"], "name", da.LAST_KERNELS["main"]))
     assert torch.isfinite(out).all()
     assert ((out - ref).norm() / ref.norm()).item() < 1.5e-2
+
+
+def test_gluon_launch_arguments_bind(monkeypatch):
+    """The Gluon path of `decode_attention` (GPU only) on the CPU, its kernels stubbed: the layer's arguments bind to
+    `resident_programs` and `launch` as they are declared, with kvquant's rotation tables and outlier counts."""
+    import inspect
+
+    calls = []
+
+    def stub(fn, result):
+        def call(*args, **kw):
+            calls.append((fn.__name__, inspect.signature(fn).bind(*args, **kw).arguments))
+            return result
+        return call
+
+    monkeypatch.setattr(dag, "supports", lambda *a, **k: None)
+    monkeypatch.setattr(dag, "resident_programs", stub(dag.resident_programs, 8))
+    monkeypatch.setattr(dag, "launch", stub(dag.launch, "stub"))
+    monkeypatch.setattr(da, "_fill_splits", lambda bh, max_len, device, resident: resident // 4)
+    cfg, ms, lay, k, v, p = _store("kvquant-4-1%", 1, 2, 256, 200, torch.float16, "cpu")
+    names, tensors = lay.attend_tensors()
+    bufs = dict(zip(names, tensors))
+    q = torch.randn(1, 8, 1, 128).half()
+    da.decode_attention(q, bufs, k, v, p, None, 0.1, False, cfg, lay.spec, ms.geo, gluon=True)
+    (name1, res), (name2, run) = calls
+    assert (name1, name2) == ("resident_programs", "launch") and run["nsplit"] == 2
+    for a in (res, run):
+        assert a["kind"] == "lut" and a["nout"] == (1, 1) and a["rope"][0] is bufs["rope.cos"] and a["rep"] == 4
+        assert a["T"] == 256 and a["sink"] == cfg.sink and a["kbits"] == a["vbits"] == 4

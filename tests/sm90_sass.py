@@ -1,0 +1,56 @@
+"""What ptxas makes of a Gluon kernel for Hopper (sm_90), on a machine without a GPU: the kernel is compiled by
+triton.compile (ptxas and cuobjdump ship with the triton wheel), then its resource usage and SASS are read back.
+Used by tests/test_decode_gluon.py (in a subprocess without TRITON_INTERPRET) and bench/sass_gluon.py."""
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import tempfile
+from typing import NamedTuple
+
+
+class Sm90Build(NamedTuple):
+    regs: int      # registers per thread
+    stack: int     # bytes of spilled registers
+    local: int     # bytes of local memory
+    shared: int    # bytes of shared memory (Triton's metadata)
+    sass: str
+
+
+def compile_sm90(fn, sig: dict, cx: dict, pointers, **options) -> Sm90Build:
+    """`fn` (a Gluon kernel) compiled for sm_90 with these argument types, constexprs and options (num_warps 1
+    unless given); `pointers`: indices of the arguments declared 16-byte aligned."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig = dict(sig, **{n: "constexpr" for n in cx})
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=cx, attrs={(i,): [["tt.divisibility", 16]] for i in pointers})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(dict(num_warps=1), **options))
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    n = {key: int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK", "LOCAL")}
+    return Sm90Build(n["REG"], n["STACK"], n["LOCAL"], k.metadata.shared, sass)
+
+
+def main_loop(sass: str) -> collections.Counter:
+    """Opcodes of the longest loop: the instructions from a backward branch's target to the branch."""
+    lines = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)]
+    addr = [int(re.match(r"\s+/\*([0-9a-f]{4})\*/", ln).group(1), 16) for ln in lines]
+    best = []
+    for i, ln in enumerate(lines):
+        m = re.search(r"BRA\s.*?0x([0-9a-f]+)", ln)
+        if m and int(m.group(1), 16) < addr[i] and int(m.group(1), 16) in addr:
+            body = lines[addr.index(int(m.group(1), 16)):i + 1]
+            best = body if len(body) > len(best) else best
+    ops = collections.Counter()
+    for ln in best:
+        ins = re.sub(r"/\*.*?\*/", "", ln).split(";")[0].split()
+        ops[(ins[1] if ins[0].startswith("@") else ins[0]).split(".")[0]] += 1
+    return ops
