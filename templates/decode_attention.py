@@ -260,9 +260,10 @@ def _load_side(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_
                NOUT: tl.constexpr, NORM: tl.constexpr, ONLY_CODES: tl.constexpr, BT: tl.constexpr):
     """float32 [BT, D] of one side (K or V) at positions t, from wherever the store keeps each position:
     t < p0 from the store (written length L, quantized below bnd = Q_side(L)), t in [p0, p0 + nch) from the
-    chunk (row t - p0, token stride stride_cn; decode: nch = 1). ONLY_CODES: t = t0 + arange(BT) with t0 - S a
-    multiple of BT (the codes-only tiles of both templates), every valid t in the quantized region; the values of
-    masked positions (not tvalid) are finite garbage that the caller masks (scores to -inf, p to 0)."""
+    chunk (row t - p0, token stride stride_cn; decode: nch = 1). t = t0 + arange(BT). ONLY_CODES: t0 - S a
+    multiple of BT (the codes-only tiles of both templates), every valid t in the quantized region; otherwise (the
+    window tiles) codes are unpacked only if [t0, t0 + BT) meets [S, min(bnd, p0)). The values of masked positions
+    (not tvalid) are finite garbage that the caller masks (scores to -inf, p to 0)."""
     bh64 = bh.to(tl.int64)
     if BITS == 16:
         x = tl.load(data_ptr + bh64 * T * D + (t[:, None] * D + d[None, :]),
@@ -273,11 +274,14 @@ def _load_side(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_
         x = _dequant(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_ptr, norm_ptr, bh, t, t0, d,
                      tvalid, T, D, S, BITS, AXIS, GS, NG, SYM, LUT, NOUT, NORM, True, BT)
         return x
-    else:
+    else:  # a window tile, t = t0 + arange(BT): most hold no codes at all, and skip their unpacking
         inq = tvalid & (t >= S) & (t < bnd) & (t < p0)
-        x = _dequant(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_ptr, norm_ptr, bh, t, t0, d,
-                     inq, T, D, S, BITS, AXIS, GS, NG, SYM, LUT, NOUT, NORM, False, BT)
-        x = tl.where(inq[:, None], x, 0.0)
+        if (t0 < tl.minimum(bnd, p0)) & (t0 + BT > S):
+            x = _dequant(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_ptr, norm_ptr, bh, t, t0,
+                         d, inq, T, D, S, BITS, AXIS, GS, NG, SYM, LUT, NOUT, NORM, False, BT)
+            x = tl.where(inq[:, None], x, 0.0)
+        else:
+            x = tl.zeros([BT, D], tl.float32)
         if S > 0:
             ins = tvalid & (t < S) & (t < p0)
             xs = tl.load(sink_ptr + bh64 * S * D + (t[:, None] * D + d[None, :]), mask=ins[:, None], other=0.0)
@@ -479,7 +483,7 @@ def _decode_kernel(
             in_sink = it < n_sink
             t = tl.where(in_sink, t_sink, t_win)
             tvalid = tl.where(in_sink, t_sink < tl.minimum(S_EFF, p0), t_win <= p0)
-            t0 = 0  # window tiles are not codes-only tiles
+            t0 = tl.where(in_sink, it * BLOCK_T, win_lo + (it - n_sink) * BLOCK_T)  # the tile's first position
         else:
             t0 = start + it * BLOCK_T
             t = t0 + tl.arange(0, BLOCK_T)
@@ -524,13 +528,13 @@ def _decode_kernel(
             acc = acc * alpha[:, None] + pv
             m_i = m_new
 
-    o = (bh * REP_PAD + r) * (NSPLIT + NWIN) + split
-    tl.store(OUT_M + o, m_i)
+    o = (bh * REP_PAD + r) * (NSPLIT + NWIN) + split   # rows REP..REP_PAD-1 are never read
+    tl.store(OUT_M + o, m_i, mask=rvalid)
     if TAU_PHASE == 1:
-        tl.store(OUT_L + o, lo_i)
+        tl.store(OUT_L + o, lo_i, mask=rvalid)
     else:
-        tl.store(OUT_L + o, l_i)
-        tl.store(OUT_ACC + o[:, None] * D + d[None, :], acc)
+        tl.store(OUT_L + o, l_i, mask=rvalid)
+        tl.store(OUT_ACC + o[:, None] * D + d[None, :], acc, mask=rvalid[:, None])
 
 
 @triton.jit

@@ -70,10 +70,11 @@ def _logits(q, KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, 
 
 @triton.jit
 def _window_t(it, n_sink, sink_hi, win_lo, win_hi, BLOCK_T: tl.constexpr):
-    """(t, valid) of window tile `it`: tiles [0, n_sink) cover [0, sink_hi), the rest [win_lo, win_hi)."""
+    """(t, valid, t[0]) of window tile `it`: tiles [0, n_sink) cover [0, sink_hi), the rest [win_lo, win_hi)."""
     in_sink = it < n_sink
-    t = tl.where(in_sink, it * BLOCK_T, win_lo + (it - n_sink) * BLOCK_T) + tl.arange(0, BLOCK_T)
-    return t, t < tl.where(in_sink, sink_hi, win_hi)
+    t0 = tl.where(in_sink, it * BLOCK_T, win_lo + (it - n_sink) * BLOCK_T)
+    t = t0 + tl.arange(0, BLOCK_T)
+    return t, t < tl.where(in_sink, sink_hi, win_hi), t0
 
 
 @triton.jit
@@ -142,12 +143,12 @@ def _prefill_kernel(
             l_i = tl.zeros([ROWS], tl.float32)
         for seg in tl.static_range(2):  # 0: the quantized region, codes only (fewer live tiles); 1: the windows
             for it in range(0, n_main if seg == 0 else n_win):
-                t0 = S_EFF + it * BLOCK_T  # the codes-only tile's start (unused by window tiles)
+                t0 = S_EFF + it * BLOCK_T  # the tile's first position
                 if seg == 0:
                     t = t0 + tl.arange(0, BLOCK_T)
                     tvalid = t < main_hi
                 else:
-                    t, tvalid = _window_t(it, n_sink, sink_hi, win_lo, t_end, BLOCK_T)
+                    t, tvalid, t0 = _window_t(it, n_sink, sink_hi, win_lo, t_end, BLOCK_T)
                 s, allowed = _logits(q, KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING,
                                      KCHUNK, stride_kb, stride_kh, stride_kn, COS, SIN, AMASK, stride_mb, stride_mh,
                                      stride_mn, b, h, bh, qh64, i, i64, rvalid, t, t0, tvalid, d, p0, bnd_k, scale, T,
