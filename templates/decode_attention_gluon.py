@@ -57,7 +57,7 @@ The row of the transposed Value mma (v^T as its A operand) is a permutation of t
 16 rows of a token are one 16-channel chunk (the partial results are stored back in channel order):
     n = 8j + w  <->  channel 16w + j.
 
-Glossary: BT tokens per tile (= the Key group, 32); REP query heads per KV head (<= 8); S sink tokens, R recent
+Glossary: BT tokens per tile (the Key group, 32, or half of one: `KIVI_BT`); REP query heads per KV head (<= 8); S sink tokens, R recent
 tokens, TPG_K / TPG_V tokens per group of each side (the fill boundary); MASK_KIND 0 none / 1 bool / 2
 additive; IS_BF16 the cache dtype; KBITS / VBITS the code widths; NSPLIT slices of the quantized region per KV
 head, NWIN programs of the window launch (partial-result slots per row: NSPLIT + NWIN); KA_HI + KA_LO (VA_*) the
@@ -415,6 +415,14 @@ if HAVE_GLUON:
             lane_bases=[[2, 0, 0, 0], [4, 0, 0, 0], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]],
             warp_bases=[], block_bases=[], shape=[bt, 8, 2, 8])
 
+    @gluon.constexpr_function
+    def _stats4_layout(bt):
+        """[bt, 4] as the Values' statistics layout ([bt, 8] of `_value_layout`) without w % 2: lane bit 2
+        broadcasts."""
+        return gl.DistributedLinearLayout(
+            reg_bases=[[1, 0]] + [[8 << i, 0] for i in range(bt.bit_length() - 4)],
+            lane_bases=[[2, 0], [4, 0], [0, 0], [0, 1], [0, 2]], warp_bases=[], block_bases=[], shape=[bt, 4])
+
     @gluon.jit
     def _scale_offset(half, center, hi, lo, IS_BF16: gl.constexpr):
         """(half * (hi + lo), center - half) in the cache dtype, two per instruction (hi, lo broadcast)."""
@@ -701,7 +709,7 @@ if HAVE_GLUON:
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-        gl.static_assert(BT == 32, "one tile = one Key group of 32 tokens")
+        gl.static_assert((BT == 16) | (BT == 32), "a tile is a Key group of 32 tokens or half of one")
         PK: gl.constexpr = _key_layout(BT, KP)
         KW: gl.constexpr = gl.SliceLayout(2, PK)   # words [NA, 4, BT]
         KS: gl.constexpr = gl.SliceLayout(3, PK)   # statistics [NA, 4, KP]
@@ -767,9 +775,7 @@ if HAVE_GLUON:
                 _issue(KC, VC, KHALF, KCEN, VHALF, VCEN, kbuf.index(i), vbuf.index(i), khbuf.index(i),
                        kzbuf.index(i), vhbuf.index(i), vzbuf.index(i), bars.index(i), row0, grow0, start + i * BT, S,
                        i < n_iter, NBYTES)
-            L4: gl.constexpr = gl.DistributedLinearLayout(   # [BT, 4] as VW without w % 2 (lane bit 2 broadcasts)
-                reg_bases=[[1, 0], [8, 0], [16, 0]], lane_bases=[[2, 0], [4, 0], [0, 0], [0, 1], [0, 2]],
-                warp_bases=[], block_bases=[], shape=[BT, 4])
+            L4: gl.constexpr = _stats4_layout(BT)
         else:
             bh64 = bh.to(gl.int64)
             kc_base = KC + bh64 * T * KW_
@@ -1211,6 +1217,9 @@ _LUT_V = dict(BITS=4, AXIS=0, SYM=0, LUT=True, TPG=1)   # and one range per toke
 _LUT_BUFFERS = ("codes", "cen", "half", "lev", "oidx", "oval")   # per side, in `_lut_decode_kernel`'s order
 _SYM8 = dict(BITS=8, AXIS=0, SYM=1, LUT=False, NOUT=0, TPG=1)   # and one scale per token vector: GS = head_dim
 SYM8_BT = 16       # tokens per tile of `_sym8_decode_kernel`: 127 registers (16 programs per SM; 159-168 at 32)
+KIVI_BT = 32       # tokens per tile of `_kivi_decode_kernel`: a Key group (32) or half of one (16: 123-128 registers
+                   # on the TMA path, 16 programs per SM, but ~30% more instructions per token; 1-14% slower at
+                   # batch 8-32 on an H100, bench/lut_variants.py, bench/RESULTS.md session 13)
 LUT_BT = 16        # tokens per tile of `_lut_decode_kernel`: faster than 32 at every shape of session 12 (at the cap,
                    # 6-14%; bench/RESULTS.md), which spills twice as much there (48 bytes against 24)
 LUT_MAXNREG = 168  # its register cap: 12 programs per SM instead of 8 (178 registers uncapped), 6 spills (16 at 32-token
@@ -1291,10 +1300,10 @@ def descriptors(kp: dict, vp: dict, kbits: int, vbits: int) -> list:
         return TensorDescriptor.from_tensor(t, block, layout)
 
     sbits = 16 if kp["half"].dtype in (torch.float16, torch.bfloat16) else 32
-    return [desc(kp["codes"].view(-1, 4 * kbits), [BT, 4 * kbits], 32),
+    return [desc(kp["codes"].view(-1, 4 * kbits), [KIVI_BT, 4 * kbits], 32),
             desc(kp["cen"].view(-1, D), [1, D], sbits), desc(kp["half"].view(-1, D), [1, D], sbits),
-            desc(vp["codes"].view(-1, 4 * vbits), [BT, 4 * vbits], 32),
-            desc(vp["cen"].view(-1), [BT * 4], sbits), desc(vp["half"].view(-1), [BT * 4], sbits)]
+            desc(vp["codes"].view(-1, 4 * vbits), [KIVI_BT, 4 * vbits], 32),
+            desc(vp["cen"].view(-1), [KIVI_BT * 4], sbits), desc(vp["half"].view(-1), [KIVI_BT * 4], sbits)]
 
 
 def _use_tma(query, sink: int, T: int, use_tma: bool | None) -> bool:
@@ -1352,7 +1361,7 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
         query, query.stride(0), query.stride(1), *stores, positions, amask, smb, m_buf, l_buf, acc_buf,
         float(scale), T, ng_k, nsplit), dict(
         H=H, REP=rep, S=sink, R=recent, TPG_K=32, TPG_V=tpg_v, MASK_KIND=mask_kind,
-        IS_BF16=bf16, BT=BT, KBITS=kbits, VBITS=vbits, KA_HI=ka_hi, KA_LO=ka_lo, VA_HI=va_hi, VA_LO=va_lo,
+        IS_BF16=bf16, BT=KIVI_BT, KBITS=kbits, VBITS=vbits, KA_HI=ka_hi, KA_LO=ka_lo, VA_HI=va_hi, VA_LO=va_lo,
         NWIN=nwin, TMA=use_tma, NST=NSTAGES, num_warps=1)
 
 
@@ -1402,7 +1411,7 @@ def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mas
     dev = query.device
     tma = kind == "kivi" and _use_tma(query, sink, T, use_tma)
     key = (kind, dev.index, query.dtype, amask.dtype, mask_kind, kbits, vbits, H, rep, sink, recent, tpg_v, nwin,
-           tma, NSTAGES, phase, rope is not None, tuple(nout), LUT_BT, LUT_MAXNREG, SYM8_BT)
+           tma, NSTAGES, phase, rope is not None, tuple(nout), LUT_BT, LUT_MAXNREG, SYM8_BT, KIVI_BT)
     if key not in _RESIDENT:
         one = torch.empty(1, dtype=torch.float32, device=dev)   # stand-ins for the partial buffers, temperatures
         props = torch.cuda.get_device_properties(dev)

@@ -152,7 +152,7 @@ def test_temperature_kernel_matches_torch(rep, ns):
     ok = torch.isfinite(width) & (width > 0)
     want = torch.where(ok, 1 - sum(tau) / torch.where(ok, width, 1.0), 1.0).reshape(-1)
     # torch's scalar / tensor is reciprocal() * scalar (two roundings), the kernel divides once (IEEE): an ulp apart
-    torch.testing.assert_close(temp.cpu(), want, rtol=3e-7, atol=0)
+    torch.testing.assert_close(temp.cpu(), want.cpu(), rtol=3e-7, atol=0)
     temp = temp.cpu()
     assert temp[0] == 1 and temp[rep] == 1 and temp[3 * rep - 1] == 1 and (temp[4 * rep:] != 1).all()
 
