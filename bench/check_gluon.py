@@ -2,7 +2,7 @@
 Triton template, on stores filled by kvq::append (random K/V): relative errors of both, printed (the asserting
 version is tests/test_decode_gluon.py). --time: its time next to the Triton template's and a profile of one call.
 
-    python bench/check_gluon.py [--quick] [--time] [--sweep] [--no-check]
+    python bench/check_gluon.py [--quick] [--time] [--sweep] [--pdl] [--no-check]
 """
 from __future__ import annotations
 
@@ -141,6 +141,48 @@ def sweep(presets=("kivi-2", "calibquant-1"), shapes=((32, 4096), (8, 8192), (1,
             torch.cuda.empty_cache()
 
 
+def pdl(presets=("kivi-2", "kivi-4", "xquant-1.38", "calibquant-1", "int8", "kvquant-4"),
+        shapes=((32, 4096), (8, 8192), (32, 16384), (1, 65536))):
+    """The window launch and the final reduction as programmatic dependent launches (`decode_attention.PDL`, the
+    default on sm_90+) against plain launches, CUDA-graph timed, and each output's difference from the plain one."""
+    from kvq_compile.templates import decode_attention as da
+
+    bw = copy_bandwidth()
+    print(f"device {torch.cuda.get_device_name()} copy {bw / 1e12:.2f} TB/s")
+    for preset in presets:
+        for B, ctx in shapes:
+            fn, nbytes = decode_call(preset, B, ctx)
+            line = []
+            try:
+                da.PDL = False
+                ref = fn().float()
+                for name, on in (("plain", False), ("pdl", True)):
+                    da.PDL = on
+                    t = graph_time(fn)
+                    diff = ((fn().float() - ref).norm() / ref.norm()).item()
+                    s = torch.cuda.Stream()   # and replayed from a CUDA graph (the TMA path, as in a decode step)
+                    s.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(s):
+                        fn()
+                    torch.cuda.current_stream().wait_stream(s)
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g):
+                        o = fn()
+                    worst = 0.0
+                    for _ in range(5):
+                        o.zero_()
+                        g.replay()
+                        torch.cuda.synchronize()
+                        worst = max(worst, ((o.float() - ref).norm() / ref.norm()).item())
+                    line.append(f"{name} {t:.1f} us ({nbytes / (t * 1e-6) / bw * 100:.1f}%, {diff:.1e} from plain, "
+                                f"graph {worst:.1e})")
+            finally:
+                da.PDL = None
+            print(f"{preset} B={B} ctx={ctx}: " + ", ".join(line), flush=True)
+            fn = None   # the store goes before the next one is built
+            torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
     torch.manual_seed(0)
     if "--no-check" not in sys.argv:
@@ -149,3 +191,5 @@ if __name__ == "__main__":
         timing()
     if "--sweep" in sys.argv:
         sweep()
+    if "--pdl" in sys.argv:
+        pdl()

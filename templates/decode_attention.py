@@ -43,6 +43,11 @@ import triton.language as tl
 from kvq_compile import compat
 from kvq_compile.templates import decode_attention_gluon as dag
 
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a triton without grid dependency control: PDL stays off
+    gdc_launch_dependents = gdc_wait = None
+
 compat.fix_triton_interpreter()
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -431,7 +436,9 @@ def _decode_kernel(
         ROPE: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHARED: tl.constexpr, IS_CAUSAL: tl.constexpr,
         TAU_PHASE: tl.constexpr,
         KPOST: tl.constexpr, VPOST: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr,
-        WINDOW: tl.constexpr, NWIN: tl.constexpr):
+        WINDOW: tl.constexpr, NWIN: tl.constexpr, PDL: tl.constexpr):
+    if PDL and not WINDOW:
+        gdc_launch_dependents()   # the window launch may start now: it reads nothing this launch writes
     bh = tl.program_id(0)
     split = NSPLIT + tl.program_id(1) if WINDOW else tl.program_id(1)
     b = bh // H
@@ -528,6 +535,8 @@ def _decode_kernel(
             acc = acc * alpha[:, None] + pv
             m_i = m_new
 
+    if PDL and WINDOW:
+        gdc_wait()   # ends after the quantized-region launch: the launches after this one wait for both
     o = (bh * REP_PAD + r) * (NSPLIT + NWIN) + split   # rows REP..REP_PAD-1 are never read
     tl.store(OUT_M + o, m_i, mask=rvalid)
     if TAU_PHASE == 1:
@@ -557,8 +566,10 @@ def _temperature_kernel(OUT_M, OUT_L, TEMP, tau_sum, REP: tl.constexpr, REP_PAD:
 
 @triton.jit
 def _combine_kernel(OUT_M, OUT_L, OUT_ACC, O, H: tl.constexpr, REP: tl.constexpr, REP_PAD: tl.constexpr,
-                    D: tl.constexpr, NS: tl.constexpr, NS_PAD: tl.constexpr):
+                    D: tl.constexpr, NS: tl.constexpr, NS_PAD: tl.constexpr, PDL: tl.constexpr):
     """out = sum_j exp(m_j - m) acc_j / sum_j exp(m_j - m) l_j over the NS partial results of one row."""
+    if PDL:
+        gdc_wait()   # launched early behind the window launch: its results (and the quantized region's) first
     row = tl.program_id(0)  # (b * H + h) * REP + r
     bh = row // REP
     r = row % REP
@@ -679,7 +690,20 @@ def _window_tiles(cfg, kc: dict, vc: dict, block_t: int) -> int:
 
 
 COMBINE_WARPS = 4       # warps of each program of the final reduction (bench/check_gluon.py --sweep flips it)
+PDL = None              # programmatic dependent launch of the window launch and the final reduction (each may start
+                        # before the launch ahead of it ends; the window launch waits for the quantized region's
+                        # before it ends, the reduction for the window's before it reads): None = on sm_90+
 LAST_KERNELS: dict = {}  # the last launch's compiled kernels (registers, spills) and slices per KV head: see bench/
+
+
+def _use_pdl(query) -> bool:
+    """Whether the window launch and the final reduction go out as programmatic dependent launches (`PDL`)."""
+    import torch
+
+    on = PDL
+    if on is None:
+        on = query.is_cuda and torch.cuda.get_device_capability(query.device) >= (9, 0)
+    return bool(on) and query.is_cuda and gdc_wait is not None and not _INTERPRET
 
 
 def _num_splits(bh: int, max_len: int, block_t: int, device, programs_per_sm: int = 16) -> int:
@@ -799,6 +823,8 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
         raise ValueError(f"out must be a contiguous {query.dtype} tensor of shape {(B, Hq, 1, D)}, got "
                          f"{out.dtype} {tuple(out.shape)} with strides {out.stride()}")
     ieee = query.dtype == torch.float32
+    pdl = _use_pdl(query)
+    early = dict(launch_pdl=True) if pdl else {}
 
     def launch(phase, temp, nsplit, m_buf, l_buf, acc_buf):
         args = (query, query.stride(0), query.stride(1),
@@ -808,7 +834,7 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
         consts = dict(H=H, REP=rep, REP_PAD=rep_pad, D=D, S=cfg.sink, R=cfg.recent, **side_constants(kc, vc),
                       ROPE=rope, MASK_KIND=mask_kind, MASK_SHARED=smh == 0, IS_CAUSAL=is_causal, TAU_PHASE=phase,
                       KPOST=kpost, VPOST=vpost,
-                      BLOCK_T=block_t, IEEE=ieee, INTERP=_INTERPRET, NWIN=nwin)
+                      BLOCK_T=block_t, IEEE=ieee, INTERP=_INTERPRET, NWIN=nwin, PDL=pdl)
         if use_gluon:
             LAST_KERNELS["main"] = dag.launch(query, kp, vp, m_buf=m_buf, l_buf=l_buf, acc_buf=acc_buf, scale=scale,
                                               nsplit=nsplit, phase=phase, temp=temp if phase == 2 else None,
@@ -817,7 +843,7 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
             LAST_KERNELS["main"] = _decode_kernel[(B * H, nsplit)](*args, **consts, WINDOW=False,
                                                                    num_warps=num_warps, num_stages=num_stages)
         LAST_KERNELS["window"] = _decode_kernel[(B * H, nwin)](*args, **consts, WINDOW=True, num_warps=window_warps,
-                                                               num_stages=1)
+                                                               num_stages=1, **early)
 
     if cfg.softmax_tau is not None:
         n1 = splits(1)   # the range pass: its own slices (and buffers of max and min, no acc)
@@ -830,6 +856,5 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
     else:
         launch(0, query, nsplit, m_buf, l_buf, acc_buf)
     _combine_kernel[(B * Hq,)](m_buf, l_buf, acc_buf, out, H=H, REP=rep, REP_PAD=rep_pad, D=D, NS=ns,
-                               num_warps=COMBINE_WARPS,
-                               NS_PAD=triton.next_power_of_2(ns))
+                               num_warps=COMBINE_WARPS, NS_PAD=triton.next_power_of_2(ns), PDL=pdl, **early)
     return out

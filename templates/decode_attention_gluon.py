@@ -635,7 +635,11 @@ if HAVE_GLUON:
     @gluon.jit
     def _slice(POS, split, NSPLIT, S: gl.constexpr, R: gl.constexpr, TPG_K: gl.constexpr, TPG_V: gl.constexpr,
                BT: gl.constexpr):
-        """(start, stop, tiles) of this program's slice of [S, qend), as `_decode_kernel` computes it."""
+        """(start, stop, tiles) of this program's slice of [S, qend), as `_decode_kernel` computes it. First lets
+        the window launch that follows start (programmatic dependent launch, sm_90+: `decode_attention.PDL`; a no-op
+        otherwise): it reads nothing this launch writes, and waits for it before it ends."""
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
         p0 = gl.load(POS).to(gl.int32)
         L = p0 + 1
         bnd_k = S + gl.maximum(L - S - R, 0) // TPG_K * TPG_K

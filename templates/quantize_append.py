@@ -206,88 +206,90 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
     q_old = _fill_boundary(p0, S, R, G)
     q_new = _fill_boundary(p0 + 1, S, R, G)
     flush = (q_new > q_old) & (p0 < T)  # nothing is written for a position past the cache (p0 >= T)
-    pos = q_old + gt  # [GP, 1, 1]
-    tv = gt < G
-    emask = tv & ev
-    if WR > 0:
-        xr = tl.load(RING + bh64 * WR * D + ((pos % WR) * D + dsafe), mask=emask & (pos != p0), other=0.0)
-        xg = tl.where(pos == p0, xtok.to(dt), xr)
-    else:
-        xg = (xtok + gt * 0.0).to(dt)
-    xg = xg.to(tl.float32)
-    if NORM_ON:
-        xg = tl.math.div_rn(xg, nrm)
-    xg = tl.where(emask, xg, 0.0)
-
-    valid = emask
-    if NOUT > 0:
-        if STATIC:
-            c0, h0 = scen, shalf
+    if flush:  # a group completes at most once per step: skip the group's quantization on the other steps
+        # (KIVI's 32-token Key groups: 31 steps of 32; the stores below are masked by flush all the same)
+        pos = q_old + gt  # [GP, 1, 1]
+        tv = gt < G
+        emask = tv & ev
+        if WR > 0:
+            xr = tl.load(RING + bh64 * WR * D + ((pos % WR) * D + dsafe), mask=emask & (pos != p0), other=0.0)
+            xg = tl.where(pos == p0, xtok.to(dt), xr)
         else:
-            c0, h0 = _range(xg, emask, grp, False, AXIS, NGRP)
-        score = tl.where(emask, tl.math.div_rn(tl.abs(xg - c0), tl.maximum(h0, EPS)), -1.0)
-        flat_i = tl.reshape(gt * 0 + w3 * CP + j3, [GP, WP * CP])
-        flat_d = tl.reshape(gt * 0 + dch, [GP, WP * CP])
-        flat_x = tl.reshape(xg, [GP, WP * CP])
-        for k in tl.static_range(NOUT):
-            fs = tl.reshape(score, [GP, WP * CP])
-            f = tl.argmax(fs, 1)  # [GP]
-            pick = flat_i == f[:, None]
-            oidx = tl.sum(tl.where(pick, flat_d, 0), 1)
-            oval = tl.sum(tl.where(pick, flat_x, 0.0), 1)
-            orow = bh64 * T * NOUT + pos.reshape([GP]).to(tl.int64) * NOUT + k
-            om = tv.reshape([GP]) & flush
-            tl.store(OVAL + orow, oval.to(OVAL.dtype.element_ty), mask=om)
-            tl.store(OIDX + orow, oidx.to(OIDX.dtype.element_ty), mask=om)
-            chosen = tl.reshape(pick, [GP, WP, CP])
-            score = tl.where(chosen, -1.0, score)
-            valid = valid & ~chosen
+            xg = (xtok + gt * 0.0).to(dt)
+        xg = xg.to(tl.float32)
+        if NORM_ON:
+            xg = tl.math.div_rn(xg, nrm)
+        xg = tl.where(emask, xg, 0.0)
 
-    if SYM == 2 and not STATIC:
-        NS: tl.constexpr = (1 << BITS) - 1
-        NA: tl.constexpr = 1 << (BITS - 1)
-        cs, hs = _range(xg, valid, grp, True, AXIS, NGRP)
-        ca, ha = _range(xg, valid, grp, False, AXIS, NGRP)
-        cs = cs.to(dt).to(tl.float32)
-        hs = tl.maximum(hs, EPS).to(dt).to(tl.float32)
-        ca = ca.to(dt).to(tl.float32)
-        ha = tl.maximum(ha, EPS).to(dt).to(tl.float32)
-        ks = _uniform_code(tl.math.div_rn(xg - cs, hs), NS)
-        ka = _uniform_code(tl.math.div_rn(xg - ca, ha), NA)
-        es = tl.where(valid, tl.abs(_level(ks, NS) * hs + cs - xg), 0.0)
-        ea = tl.where(valid, tl.abs(_level(ka, NA) * ha + ca - xg), 0.0)
-        m = _reduce(es, grp, 2, AXIS, NGRP) < _reduce(ea, grp, 2, AXIS, NGRP) * (1 - HYBRID_MARGIN)
-        code = tl.where(m, ks, ka)
-        cen = tl.where(m, cs, ca)
-        half = tl.where(m, hs, ha)
-    else:
-        if STATIC:
-            cen, half = scen, shalf
-        else:
-            cen, half = _range(xg, valid, grp, SYM == 1, AXIS, NGRP)
-            half = tl.maximum(half * (1 - 2 * ETA), EPS).to(dt).to(tl.float32)
-            cen = cen.to(dt).to(tl.float32)
-        code = _nearest_code(tl.math.div_rn(xg - cen, half), LEV, BITS, SYM, LUT, NLEV)
+        valid = emask
+        if NOUT > 0:
+            if STATIC:
+                c0, h0 = scen, shalf
+            else:
+                c0, h0 = _range(xg, emask, grp, False, AXIS, NGRP)
+            score = tl.where(emask, tl.math.div_rn(tl.abs(xg - c0), tl.maximum(h0, EPS)), -1.0)
+            flat_i = tl.reshape(gt * 0 + w3 * CP + j3, [GP, WP * CP])
+            flat_d = tl.reshape(gt * 0 + dch, [GP, WP * CP])
+            flat_x = tl.reshape(xg, [GP, WP * CP])
+            for k in tl.static_range(NOUT):
+                fs = tl.reshape(score, [GP, WP * CP])
+                f = tl.argmax(fs, 1)  # [GP]
+                pick = flat_i == f[:, None]
+                oidx = tl.sum(tl.where(pick, flat_d, 0), 1)
+                oval = tl.sum(tl.where(pick, flat_x, 0.0), 1)
+                orow = bh64 * T * NOUT + pos.reshape([GP]).to(tl.int64) * NOUT + k
+                om = tv.reshape([GP]) & flush
+                tl.store(OVAL + orow, oval.to(OVAL.dtype.element_ty), mask=om)
+                tl.store(OIDX + orow, oidx.to(OIDX.dtype.element_ty), mask=om)
+                chosen = tl.reshape(pick, [GP, WP, CP])
+                score = tl.where(chosen, -1.0, score)
+                valid = valid & ~chosen
 
-    if HAS_CODES:
-        code = tl.where(emask, code, 0)
-        words = tl.reduce(code << tl.where(j3 < CPW, j3 * BITS, 0), 2, _or)  # [GP, WP] (no shift past 31 bits)
-        wi = tl.arange(0, WP)[None, :]
-        posw = pos.reshape([GP, 1]).to(tl.int64)
-        tl.store(CODES + bh64 * T * W + posw * W + wi, words, mask=(tv.reshape([GP, 1]) & (wi < W)) & flush)
-    if not STATIC:  # group statistics, one writer slot per group
-        if AXIS == 0:
-            rep = emask & (dsafe % GS == 0)
-            off = bh64 * T * NGRP + pos.to(tl.int64) * NGRP + grp
+        if SYM == 2 and not STATIC:
+            NS: tl.constexpr = (1 << BITS) - 1
+            NA: tl.constexpr = 1 << (BITS - 1)
+            cs, hs = _range(xg, valid, grp, True, AXIS, NGRP)
+            ca, ha = _range(xg, valid, grp, False, AXIS, NGRP)
+            cs = cs.to(dt).to(tl.float32)
+            hs = tl.maximum(hs, EPS).to(dt).to(tl.float32)
+            ca = ca.to(dt).to(tl.float32)
+            ha = tl.maximum(ha, EPS).to(dt).to(tl.float32)
+            ks = _uniform_code(tl.math.div_rn(xg - cs, hs), NS)
+            ka = _uniform_code(tl.math.div_rn(xg - ca, ha), NA)
+            es = tl.where(valid, tl.abs(_level(ks, NS) * hs + cs - xg), 0.0)
+            ea = tl.where(valid, tl.abs(_level(ka, NA) * ha + ca - xg), 0.0)
+            m = _reduce(es, grp, 2, AXIS, NGRP) < _reduce(ea, grp, 2, AXIS, NGRP) * (1 - HYBRID_MARGIN)
+            code = tl.where(m, ks, ka)
+            cen = tl.where(m, cs, ca)
+            half = tl.where(m, hs, ha)
         else:
-            rep = emask & (gt == 0)
-            off = bh64 * NGC * D + ((q_old - S) // G) * D + dsafe + gt * 0
-        rep = rep & flush
-        if SYM != 1:
-            tl.store(CEN + off, cen.to(dt), mask=rep)
-        tl.store(HALF + off, half.to(dt), mask=rep)
-        if SYM == 2:
-            tl.store(HMASK + off, m.to(HMASK.dtype.element_ty), mask=rep)
+            if STATIC:
+                cen, half = scen, shalf
+            else:
+                cen, half = _range(xg, valid, grp, SYM == 1, AXIS, NGRP)
+                half = tl.maximum(half * (1 - 2 * ETA), EPS).to(dt).to(tl.float32)
+                cen = cen.to(dt).to(tl.float32)
+            code = _nearest_code(tl.math.div_rn(xg - cen, half), LEV, BITS, SYM, LUT, NLEV)
+
+        if HAS_CODES:
+            code = tl.where(emask, code, 0)
+            words = tl.reduce(code << tl.where(j3 < CPW, j3 * BITS, 0), 2, _or)  # [GP, WP] (no shift past 31 bits)
+            wi = tl.arange(0, WP)[None, :]
+            posw = pos.reshape([GP, 1]).to(tl.int64)
+            tl.store(CODES + bh64 * T * W + posw * W + wi, words, mask=(tv.reshape([GP, 1]) & (wi < W)) & flush)
+        if not STATIC:  # group statistics, one writer slot per group
+            if AXIS == 0:
+                rep = emask & (dsafe % GS == 0)
+                off = bh64 * T * NGRP + pos.to(tl.int64) * NGRP + grp
+            else:
+                rep = emask & (gt == 0)
+                off = bh64 * NGC * D + ((q_old - S) // G) * D + dsafe + gt * 0
+            rep = rep & flush
+            if SYM != 1:
+                tl.store(CEN + off, cen.to(dt), mask=rep)
+            tl.store(HALF + off, half.to(dt), mask=rep)
+            if SYM == 2:
+                tl.store(HMASK + off, m.to(HMASK.dtype.element_ty), mask=rep)
 
     d1 = tl.arange(0, D)
     xrow1 = tl.load(xrow + d1).to(dt)

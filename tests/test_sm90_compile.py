@@ -28,19 +28,21 @@ SCRIPT = textwrap.dedent('''
         def __init__(self, fn):
             self.fn = fn
         def __getitem__(self, grid):
-            def run(*args, num_warps=4, num_stages=2, **consts):
+            def run(*args, num_warps=4, num_stages=2, launch_pdl=False, **consts):
                 sig = {n: (TY[a.dtype] if isinstance(a, torch.Tensor) else "fp32" if isinstance(a, float) else "i32")
                        for n, a in zip(self.fn.arg_names, args)}
                 sig.update({n: "constexpr" for n in consts})
                 k = triton.compile(ASTSource(fn=self.fn, signature=sig, constexprs=consts),
-                                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+                                   target=GPUTarget("cuda", 90, 32),
+                                   options=dict(num_warps=num_warps, num_stages=num_stages, launch_pdl=launch_pdl))
                 compiled.append((self.fn.__name__, len(k.asm["cubin"])))
             return run
 
     for mod, name in ((da, "_decode_kernel"), (da, "_combine_kernel"), (da, "_temperature_kernel"),
                       (qa, "_append_kernel"), (pa, "_prefill_kernel")):
         setattr(mod, name, Capture(getattr(mod, name)))
-    for preset in sys.argv[1:]:
+    for i, preset in enumerate(sys.argv[1:]):
+        da._use_pdl = lambda q, on=i % 2 == 1: on   # every other preset's decode launches as on sm_90 (PDL)
         cfg = KVQConfig.preset(preset)
         geo = st.Geometry(2, 2, 256, 128, "bfloat16")
         lay = st.ModelStore(cfg, 4, geo, "cpu").layers[-1]
