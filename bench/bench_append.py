@@ -40,7 +40,11 @@ def main(quick: bool = False):
             layout = lay.descriptor(names)
             k = torch.randn(B, H, 1, D, device="cuda", dtype=dtype)
             v = torch.randn(B, H, 1, D, device="cuda", dtype=dtype)
-            pos = torch.tensor([ctx], device="cuda")
+            quiet = next((p for p in range(ctx, ctx + 64) if not all(  # a step that completes no group on a side
+                st.fill_boundary(p + 1, cfg.sink, cfg.recent, q.tokens_per_group)
+                > st.fill_boundary(p, cfg.sink, cfg.recent, q.tokens_per_group) for q in (cfg.key, cfg.value))),
+                ctx)   # (per-token groups on both sides: every step completes one)
+            pos = torch.tensor([quiet], device="cuda")
             cs = (torch.randn(B, 1, D, device="cuda", dtype=dtype),) * 2 if cfg.keys_before_rope else (None, None)
             bufs = dict(zip(names, tensors))
             t_op = graph_time(lambda: append_decode(bufs, cfg, lay.spec, ms.geo, k, v, pos, *cs))

@@ -144,7 +144,9 @@ def sweep(presets=("kivi-2", "calibquant-1"), shapes=((32, 4096), (8, 8192), (1,
 def pdl(presets=("kivi-2", "kivi-4", "xquant-1.38", "calibquant-1", "int8", "kvquant-4"),
         shapes=((32, 4096), (8, 8192), (32, 16384), (1, 65536))):
     """The window launch and the final reduction as programmatic dependent launches (`decode_attention.PDL`, the
-    default on sm_90+) against plain launches, CUDA-graph timed, and each output's difference from the plain one."""
+    default on sm_90+) against plain launches, CUDA-graph timed, and each output's difference from the plain one,
+    computed with the partial-result buffers filled with NaN first (`decode_attention.POISON`: a slot read before
+    it is written shows), launched directly and replayed from a CUDA graph."""
     from kvq_compile.templates import decode_attention as da
 
     bw = copy_bandwidth()
@@ -153,12 +155,14 @@ def pdl(presets=("kivi-2", "kivi-4", "xquant-1.38", "calibquant-1", "int8", "kvq
         for B, ctx in shapes:
             fn, nbytes = decode_call(preset, B, ctx)
             line = []
+            saved = da.PDL
             try:
                 da.PDL = False
                 ref = fn().float()
                 for name, on in (("plain", False), ("pdl", True)):
                     da.PDL = on
                     t = graph_time(fn)
+                    da.POISON = True
                     diff = ((fn().float() - ref).norm() / ref.norm()).item()
                     s = torch.cuda.Stream()   # and replayed from a CUDA graph (the TMA path, as in a decode step)
                     s.wait_stream(torch.cuda.current_stream())
@@ -174,10 +178,11 @@ def pdl(presets=("kivi-2", "kivi-4", "xquant-1.38", "calibquant-1", "int8", "kvq
                         g.replay()
                         torch.cuda.synchronize()
                         worst = max(worst, ((o.float() - ref).norm() / ref.norm()).item())
+                    da.POISON = False
                     line.append(f"{name} {t:.1f} us ({nbytes / (t * 1e-6) / bw * 100:.1f}%, {diff:.1e} from plain, "
                                 f"graph {worst:.1e})")
             finally:
-                da.PDL = None
+                da.PDL, da.POISON = saved, False
             print(f"{preset} B={B} ctx={ctx}: " + ", ".join(line), flush=True)
             fn = None   # the store goes before the next one is built
             torch.cuda.empty_cache()

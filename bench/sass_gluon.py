@@ -24,7 +24,8 @@ def main():
                scale="fp32", T="i32", NSPLIT="i32")
     for bt, cap, nout in ((16, dag.LUT_MAXNREG, 0), (16, None, 0), (32, dag.LUT_MAXNREG, 0), (32, None, 0),
                           (16, dag.LUT_MAXNREG, 1)):
-        cx = dict(H=8, REP=4, S=1, R=0, MASK_KIND=1, IS_BF16=False, BT=bt, ROPE=True, KNOUT=nout, VNOUT=nout, NWIN=2)
+        cx = dict(H=8, REP=4, S=1, R=0, MASK_KIND=1, IS_BF16=False, BT=bt, ROPE=True, KNOUT=nout, VNOUT=nout, NWIN=2,
+                  PDL=True)
         b = compile_sm90(dag._lut_decode_kernel, lut, cx, [i for i in range(17) if i not in (1, 2)],
                                          **({"maxnreg": cap} if cap else {}))
         ops = main_loop(b.sass)
@@ -36,7 +37,7 @@ def main():
                     AMASK="*i1", stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32", OUT_ACC="*fp32", scale="fp32", T="i32",
                     NSPLIT="i32")
         for bt in (16, 32):
-            cx = dict(H=8, REP=4, S=0, R=0, MASK_KIND=1, IS_BF16=bf16, BT=bt, NWIN=1)
+            cx = dict(H=8, REP=4, S=0, R=0, MASK_KIND=1, IS_BF16=bf16, BT=bt, NWIN=1, PDL=True)
             b = compile_sm90(dag._sym8_decode_kernel, sym8, cx, (0, 3, 4, 5, 6, 10, 11, 12))
             ops = main_loop(b.sass)
             print(f"int8 {'bf16' if bf16 else 'fp16'} tile {bt}: {b.regs} registers, stack {b.stack} B, loop "
@@ -47,7 +48,8 @@ def main():
     for bits in (2, 4):
         a = dag.split_scale(2 / (2 ** bits - 1), False)
         cx = dict(H=8, REP=4, S=0, R=128, TPG_K=32, TPG_V=1, MASK_KIND=1, IS_BF16=False, BT=32, KBITS=bits,
-                  VBITS=bits, KA_HI=a[0], KA_LO=a[1], VA_HI=a[0], VA_LO=a[1], NWIN=3, TMA=False, NST=2)
+                  VBITS=bits, KA_HI=a[0], KA_LO=a[1], VA_HI=a[0], VA_LO=a[1], NWIN=3, TMA=False, NST=2,
+                  PDL=True)
         b = compile_sm90(dag._kivi_decode_kernel, kivi, cx, (0, 3, 4, 5, 6, 7, 8, 12, 13, 14))
         ops = main_loop(b.sass)
         print(f"KIVI layout {bits}-bit: {b.regs} registers, stack {b.stack} B, loop {sum(ops.values())} "

@@ -18,13 +18,16 @@ Work split (flash-decoding): launch 1, programs (b*H + h, j < NSPLIT), each cove
 [S, min(Q_K(L), Q_V(L), p0)) where both sides are quantized, with unpacking fused into the tile loads
 and each K/V tile loaded once for all REP query heads (a [REP_PAD, D] x [D, BLOCK_T] dot); launch 2
 (WINDOW, programs (b*H + h, j < NWIN), slots NSPLIT + j) covers the exact windows (sink, ring, chunk), one tile
-each, and the stretch where only one side is quantized. Each writes its running (max, sum, acc); `_combine_kernel`
-merges them. CalibQuant's temperature needs each row's logit range first: TAU_PHASE 1 runs both launches
-without V (with its own split count and max / min buffers), `_temperature_kernel` turns each row's range into its
-temperature, then TAU_PHASE 2 attends. Every length is read
+each (a tile starting below S is the sink's), and the stretch where only one side is quantized; its tiles unpack
+codes only where they meet them. Each writes its running (max, sum, acc); `_combine_kernel` merges them. On sm_90+
+the window launch and the merge are programmatic dependent launches (PDL): the window launch may start while
+launch 1 runs, since it reads nothing launch 1 writes (its slots are its own), and waits for launch 1 before it
+ends; the merge waits for the window launch before it reads. CalibQuant's temperature needs each row's logit
+range first: TAU_PHASE 1 runs both launches without V (with its own split count and max / min buffers),
+`_temperature_kernel` turns each row's range into its temperature, then TAU_PHASE 2 attends. Every length is read
 from `positions` on the device: no host synchronization, fixed launch shapes (CUDA-graph safe).
 
-Glossary of constants: D head_dim; REP query heads per KV head (REP_PAD: padded to >= 16 for tl.dot);
+Glossary of constants: PDL programmatic dependent launch (above); D head_dim; REP query heads per KV head (REP_PAD: padded to >= 16 for tl.dot);
 BITS_* code width (16: unquantized `data` buffer); CPW codes per int32 word = 32 // BITS; AXIS_* 0 TOKEN /
 1 CHANNEL; GS_* group size (TOKEN: channels per group; CHANNEL: tokens per group, 0 = static ranges);
 SYM_* 0 asymmetric / 1 symmetric / 2 hybrid; LUT_* levels from a table; NOUT_* outliers per token;
@@ -35,6 +38,7 @@ TAU_PHASE 0 plain softmax / 1 range pass (max, min of s) / 2 calibrated pass (s 
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import triton
@@ -267,8 +271,9 @@ def _load_side(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_
     t < p0 from the store (written length L, quantized below bnd = Q_side(L)), t in [p0, p0 + nch) from the
     chunk (row t - p0, token stride stride_cn; decode: nch = 1). t = t0 + arange(BT). ONLY_CODES: t0 - S a
     multiple of BT (the codes-only tiles of both templates), every valid t in the quantized region; otherwise (the
-    window tiles) codes are unpacked only if [t0, t0 + BT) meets [S, min(bnd, p0)). The values of masked positions
-    (not tvalid) are finite garbage that the caller masks (scores to -inf, p to 0)."""
+    window tiles: a tile that starts below S is the sink's, its valid t below S) codes are unpacked only if
+    S <= t0 < min(bnd, p0). The values of masked positions (not tvalid) are finite garbage that the caller masks
+    (scores to -inf, p to 0)."""
     bh64 = bh.to(tl.int64)
     if BITS == 16:
         x = tl.load(data_ptr + bh64 * T * D + (t[:, None] * D + d[None, :]),
@@ -281,7 +286,7 @@ def _load_side(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_
         return x
     else:  # a window tile, t = t0 + arange(BT): most hold no codes at all, and skip their unpacking
         inq = tvalid & (t >= S) & (t < bnd) & (t < p0)
-        if (t0 < tl.minimum(bnd, p0)) & (t0 + BT > S):
+        if (t0 >= S) & (t0 < tl.minimum(bnd, p0)):   # a tile starting below S is the sink's (valid t < S)
             x = _dequant(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_ptr, norm_ptr, bh, t, t0,
                          d, inq, T, D, S, BITS, AXIS, GS, NG, SYM, LUT, NOUT, NORM, False, BT)
             x = tl.where(inq[:, None], x, 0.0)
@@ -472,8 +477,8 @@ def _decode_kernel(
     lo_i = tl.full([REP_PAD], float("inf"), tl.float32)
     acc = tl.zeros([REP_PAD, D], tl.float32)
 
-    if WINDOW:  # the exact windows, [0, min(S_EFF, p0)) then [max(S_EFF, qend), p0]: tile j of them
-        win_lo = tl.maximum(S_EFF, qend)
+    if WINDOW:  # the exact windows, [0, min(S_EFF, p0)) then [min(max(S_EFF, qend), p0), p0]: tile j of them
+        win_lo = tl.minimum(tl.maximum(S_EFF, qend), p0)   # p0 < S: the appended token follows the sink's tiles
         n_sink = tl.cdiv(tl.minimum(S_EFF, p0), BLOCK_T)
         it_lo = tl.program_id(1)
         n_iter = tl.minimum(n_sink + tl.cdiv(p0 + 1 - win_lo, BLOCK_T), it_lo + 1)
@@ -692,18 +697,20 @@ def _window_tiles(cfg, kc: dict, vc: dict, block_t: int) -> int:
 COMBINE_WARPS = 4       # warps of each program of the final reduction (bench/check_gluon.py --sweep flips it)
 PDL = None              # programmatic dependent launch of the window launch and the final reduction (each may start
                         # before the launch ahead of it ends; the window launch waits for the quantized region's
-                        # before it ends, the reduction for the window's before it reads): None = on sm_90+
+                        # before it ends, the reduction for the window's before it reads): None = on sm_90+, False off
+POISON = False          # partial-result buffers filled with NaN before each call (a check that nothing reads a slot
+                        # before it is written: bench/check_gluon.py --pdl, tests/test_templates.py on a GPU)
 LAST_KERNELS: dict = {}  # the last launch's compiled kernels (registers, spills) and slices per KV head: see bench/
 
 
 def _use_pdl(query) -> bool:
-    """Whether the window launch and the final reduction go out as programmatic dependent launches (`PDL`)."""
+    """Whether the window launch and the final reduction go out as programmatic dependent launches (`PDL`): an
+    NVIDIA GPU of compute capability 9.0 or more (`griddepcontrol` is sm_90 PTX), whatever PDL says."""
     import torch
 
-    on = PDL
-    if on is None:
-        on = query.is_cuda and torch.cuda.get_device_capability(query.device) >= (9, 0)
-    return bool(on) and query.is_cuda and gdc_wait is not None and not _INTERPRET
+    if PDL is False or _INTERPRET or not query.is_cuda or torch.version.hip is not None or gdc_wait is None:
+        return False
+    return torch.cuda.get_device_capability(query.device) >= (9, 0)
 
 
 def _num_splits(bh: int, max_len: int, block_t: int, device, programs_per_sm: int = 16) -> int:
@@ -743,8 +750,8 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
     out: a contiguous [B, Hq, 1, D] tensor to write into (else a new one).
     gluon: run the quantized region through `decode_attention_gluon` where it supports the layout (None: unless
     KVQ_GLUON=0; False: never; True: required, ValueError where unsupported). That launch has its own fixed
-    configuration (one warp, 32-token tiles (16 for kvquant's layout), as many slices as fill the SMs once:
-    `_fill_splits`): block_t, num_warps and num_stages then apply to the window launch only (block_t) or not at
+    configuration (one warp, 32-token tiles (`KIVI_BT`; 16 for kvquant's and int8's), as many slices as fill the
+    SMs once: `_fill_splits`): block_t, num_warps and num_stages then apply to the window launch only (block_t) or not at
     all, programs_per_sm not at all; block_t None then means 32 (faster than 64 by 2-7% on an H100, session 10).
     window_warps: warps of each window-launch program."""
     import torch
@@ -795,10 +802,13 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
     vpost = _post_mode(vc, block_t, D) if post_scaling else 0
     nwin = _window_tiles(cfg, kc, vc, block_t)
     kind = dag.layout_kind(kc, vc, D) if use_gluon else None
+    pdl = _use_pdl(query)   # the window launch and the final reduction start early (sm_90+)
+    early = dict(launch_pdl=True) if pdl else {}
     # the layer as both `dag.resident_programs` and `dag.launch` take it
     gluon_layer = dict(positions=positions, amask=amask, smb=smb, mask_kind=mask_kind, T=T, ng_k=kc["NG"], nwin=nwin,
                        H=H, rep=rep, sink=cfg.sink, recent=cfg.recent, tpg_v=vc["TPG"], kbits=kc["BITS"],
-                       vbits=vc["BITS"], kind=kind, rope=(cos, sin) if rope else None, nout=(kc["NOUT"], vc["NOUT"]))
+                       vbits=vc["BITS"], kind=kind, rope=(cos, sin) if rope else None, nout=(kc["NOUT"], vc["NOUT"]),
+                       pdl=pdl)
 
     def splits(phase):  # slices per KV head of the quantized-region launch in this softmax phase
         if num_splits:
@@ -809,9 +819,10 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
         return _num_splits(B * H, T, block_t, query.device, programs_per_sm)
 
     def partials(nsplit, with_acc=True):  # (max, sum, acc) buffers: nsplit + nwin slots per row
-        m = torch.empty(B * H * rep_pad * (nsplit + nwin), dtype=torch.float32, device=query.device)
-        return m, torch.empty_like(m), (torch.empty(m.numel() * D, dtype=torch.float32, device=query.device)
-                                        if with_acc else m)
+        new = functools.partial(torch.full, fill_value=float("nan")) if POISON else torch.empty
+        m = new((B * H * rep_pad * (nsplit + nwin),), dtype=torch.float32, device=query.device)
+        return m, new(m.shape, dtype=torch.float32, device=query.device), (
+            new((m.numel() * D,), dtype=torch.float32, device=query.device) if with_acc else m)
 
     nsplit = splits(0 if cfg.softmax_tau is None else 2)
     ns = nsplit + nwin
@@ -823,8 +834,6 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
         raise ValueError(f"out must be a contiguous {query.dtype} tensor of shape {(B, Hq, 1, D)}, got "
                          f"{out.dtype} {tuple(out.shape)} with strides {out.stride()}")
     ieee = query.dtype == torch.float32
-    pdl = _use_pdl(query)
-    early = dict(launch_pdl=True) if pdl else {}
 
     def launch(phase, temp, nsplit, m_buf, l_buf, acc_buf):
         args = (query, query.stride(0), query.stride(1),

@@ -31,7 +31,8 @@ kivi-4, xquant's 2-bit / 1-bit layers, shared codes included): asymmetric unifor
 per KV head, fp16 or bf16, an attention mask of one row per sequence (HF's decode mask) or none. Layouts that
 none of the kernels covers run the Triton template, as do the exact windows (sink, ring, chunk) of every layout: the
 kernels write the same (max, sum, acc) partial results into slots [0, NSPLIT) that `_decode_kernel` would, its
-window launch slots [NSPLIT, NSPLIT + NWIN), and `_combine_kernel` merges them.
+window launch slots [NSPLIT, NSPLIT + NWIN), and `_combine_kernel` merges them. With PDL (sm_90+) each program
+first lets the window launch start (`griddepcontrol.launch_dependents`): see `decode_attention`.
 
 Loads (TMA): on sm_90+ inside CUDA-graph capture (`launch`), each tile's codes and statistics are copied by the
 tensor-memory accelerator into a ring of NST shared-memory slots (one mbarrier each; the slot just read takes the
@@ -57,11 +58,12 @@ The row of the transposed Value mma (v^T as its A operand) is a permutation of t
 16 rows of a token are one 16-channel chunk (the partial results are stored back in channel order):
     n = 8j + w  <->  channel 16w + j.
 
-Glossary: BT tokens per tile (the Key group, 32, or half of one: `KIVI_BT`); REP query heads per KV head (<= 8); S sink tokens, R recent
-tokens, TPG_K / TPG_V tokens per group of each side (the fill boundary); MASK_KIND 0 none / 1 bool / 2
-additive; IS_BF16 the cache dtype; KBITS / VBITS the code widths; NSPLIT slices of the quantized region per KV
-head, NWIN programs of the window launch (partial-result slots per row: NSPLIT + NWIN); KA_HI + KA_LO (VA_*) the
-level spacing 2 / (2^B - 1) of each side in two terms of the cache dtype; TMA the shared-memory ring of NST slots.
+Glossary: BT tokens per tile (the Key group, 32, or half of one: `KIVI_BT`); REP query heads per KV head (<= 8);
+S sink tokens, R recent tokens, TPG_K / TPG_V tokens per group of each side (the fill boundary); MASK_KIND 0 none /
+1 bool / 2 additive; IS_BF16 the cache dtype; KBITS / VBITS the code widths; NSPLIT slices of the quantized region
+per KV head, NWIN programs of the window launch (partial-result slots per row: NSPLIT + NWIN); PDL the window launch
+may start early; KA_HI + KA_LO (VA_*) the level spacing 2 / (2^B - 1) of each side in two terms of the cache dtype;
+TMA the shared-memory ring of NST slots.
 """
 from __future__ import annotations
 
@@ -81,7 +83,7 @@ try:
 except ImportError:  # an older triton: the Triton template serves every layout
     HAVE_GLUON = HAVE_TMA = False
 
-BT = 32      # tokens per tile: one Key group
+BT = 32      # tokens per tile of `_post_decode_kernel` (calibquant), and the unit of `_fill_splits`'s shortest slice
 D = 128      # head_dim
 
 
@@ -467,7 +469,8 @@ if HAVE_GLUON:
             Q, stride_qb, stride_qh, KC, KCEN, KHALF, VC, VCEN, VHALF, POS, AMASK, stride_mb, TEMP,
             OUT_M, OUT_L, OUT_ACC, scale, T, NSPLIT,
             H: gl.constexpr, REP: gl.constexpr, S: gl.constexpr, R: gl.constexpr, MASK_KIND: gl.constexpr,
-            IS_BF16: gl.constexpr, BT: gl.constexpr, TAU_PHASE: gl.constexpr, NWIN: gl.constexpr):
+            IS_BF16: gl.constexpr, BT: gl.constexpr, TAU_PHASE: gl.constexpr, NWIN: gl.constexpr,
+            PDL: gl.constexpr):
         """Post-scaled decode over 1-bit channel-wise Keys and Values with one static range per channel
         (calibquant-1): k[t, c] = s_k[c] code + z_k[c], v likewise, s = 2 half, z = center - half.
             logits = q @ k^T = (q * s_k) @ codes^T + q . z_k: the mma takes q' = q s_k / 2^i (rounded once to the
@@ -487,7 +490,7 @@ if HAVE_GLUON:
         dt: gl.constexpr = gl.bfloat16 if IS_BF16 else gl.float16
         M: gl.constexpr = 128.0 if IS_BF16 else 1024.0
         D: gl.constexpr = D_
-        start, stop, n_iter = _slice(POS, split, NSPLIT, S, R, 1, 1, BT)
+        start, stop, n_iter = _slice(POS, split, NSPLIT, S, R, 1, 1, BT, PDL)
 
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -634,12 +637,13 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _slice(POS, split, NSPLIT, S: gl.constexpr, R: gl.constexpr, TPG_K: gl.constexpr, TPG_V: gl.constexpr,
-               BT: gl.constexpr):
-        """(start, stop, tiles) of this program's slice of [S, qend), as `_decode_kernel` computes it. First lets
-        the window launch that follows start (programmatic dependent launch, sm_90+: `decode_attention.PDL`; a no-op
-        otherwise): it reads nothing this launch writes, and waits for it before it ends."""
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
-                                  pack=1)
+               BT: gl.constexpr, PDL: gl.constexpr):
+        """(start, stop, tiles) of this program's slice of [S, qend), as `_decode_kernel` computes it. PDL (sm_90+:
+        `decode_attention.PDL`) first lets the window launch that follows start: it reads nothing this launch
+        writes, and waits for it before it ends."""
+        if PDL:
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
         p0 = gl.load(POS).to(gl.int32)
         L = p0 + 1
         bnd_k = S + gl.maximum(L - S - R, 0) // TPG_K * TPG_K
@@ -696,7 +700,8 @@ if HAVE_GLUON:
             H: gl.constexpr, REP: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
             TPG_K: gl.constexpr, TPG_V: gl.constexpr, MASK_KIND: gl.constexpr, IS_BF16: gl.constexpr,
             BT: gl.constexpr, KBITS: gl.constexpr, VBITS: gl.constexpr, KA_HI: gl.constexpr, KA_LO: gl.constexpr,
-            VA_HI: gl.constexpr, VA_LO: gl.constexpr, NWIN: gl.constexpr, TMA: gl.constexpr, NST: gl.constexpr):
+            VA_HI: gl.constexpr, VA_LO: gl.constexpr, NWIN: gl.constexpr, TMA: gl.constexpr, NST: gl.constexpr,
+            PDL: gl.constexpr):
         bh = gl.program_id(0)
         split = gl.program_id(1)
         b = bh // H
@@ -708,7 +713,7 @@ if HAVE_GLUON:
         NA: gl.constexpr = 32 // KP                    # Key asm blocks per lane and token
         D: gl.constexpr = D_
 
-        start, stop, n_iter = _slice(POS, split, NSPLIT, S, R, TPG_K, TPG_V, BT)   # this program's slice
+        start, stop, n_iter = _slice(POS, split, NSPLIT, S, R, TPG_K, TPG_V, BT, PDL)   # this program's slice
 
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -978,7 +983,7 @@ if HAVE_GLUON:
             POS, AMASK, stride_mb, OUT_M, OUT_L, OUT_ACC, scale, T, NSPLIT,
             H: gl.constexpr, REP: gl.constexpr, S: gl.constexpr, R: gl.constexpr, MASK_KIND: gl.constexpr,
             IS_BF16: gl.constexpr, BT: gl.constexpr, ROPE: gl.constexpr, KNOUT: gl.constexpr, VNOUT: gl.constexpr,
-            NWIN: gl.constexpr):
+            NWIN: gl.constexpr, PDL: gl.constexpr):
         """Decode over kvquant's layout: 4-bit codebook Keys with one static range per channel (optionally stored
         before RoPE) and 4-bit codebook Values with one range per token, each with KNOUT / VNOUT dense-and-sparse
         outliers per token (exact values at stored channel indices; kvquant-4, kvquant-4-1%):
@@ -995,7 +1000,7 @@ if HAVE_GLUON:
         h = bh % H
         dt: gl.constexpr = gl.bfloat16 if IS_BF16 else gl.float16
         D: gl.constexpr = D_
-        start, stop, n_iter = _slice(POS, split, NSPLIT, S, R, 1, 1, BT)
+        start, stop, n_iter = _slice(POS, split, NSPLIT, S, R, 1, 1, BT, PDL)
 
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -1125,7 +1130,7 @@ if HAVE_GLUON:
     def _sym8_decode_kernel(
             Q, stride_qb, stride_qh, KC, KHALF, VC, VHALF, POS, AMASK, stride_mb, OUT_M, OUT_L, OUT_ACC, scale, T,
             NSPLIT, H: gl.constexpr, REP: gl.constexpr, S: gl.constexpr, R: gl.constexpr, MASK_KIND: gl.constexpr,
-            IS_BF16: gl.constexpr, BT: gl.constexpr, NWIN: gl.constexpr):
+            IS_BF16: gl.constexpr, BT: gl.constexpr, NWIN: gl.constexpr, PDL: gl.constexpr):
         """Decode over int8's layout: symmetric 8-bit Keys and Values with one scale per token vector,
             k[t, c] = s_k[t] (code - 127)    v[t, c] = s_v[t] (code - 127)    s = half / 127.
         Keys post-scaled: the mma takes fp16 (code - 127) straight from a `prmt` and an `add` against q in fp16 (a
@@ -1138,7 +1143,7 @@ if HAVE_GLUON:
         b = bh // H
         h = bh % H
         dt: gl.constexpr = gl.bfloat16 if IS_BF16 else gl.float16
-        start, stop, n_iter = _slice(POS, split, NSPLIT, S, R, 1, 1, BT)
+        start, stop, n_iter = _slice(POS, split, NSPLIT, S, R, 1, 1, BT, PDL)
 
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -1329,7 +1334,7 @@ def _use_tma(query, sink: int, T: int, use_tma: bool | None) -> bool:
 def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int, m_buf, l_buf, acc_buf,
           scale: float, T: int, ng_k: int, nsplit: int, nwin: int, H: int, rep: int, sink: int, recent: int,
           tpg_v: int, kbits: int, vbits: int, kind: str, use_tma: bool | None, phase: int, temp, rope,
-          nout: tuple = (0, 0)):
+          nout: tuple = (0, 0), pdl: bool = False):
     """(kernel, arguments, keywords) of the quantized-region launch (see `launch`)."""
     import torch
 
@@ -1338,20 +1343,21 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
         return _sym8_decode_kernel, (
             query, query.stride(0), query.stride(1), kp["codes"], kp["half"], vp["codes"], vp["half"], positions,
             amask, smb, m_buf, l_buf, acc_buf, float(scale), T, nsplit), dict(
-            H=H, REP=rep, S=sink, R=recent, MASK_KIND=mask_kind, IS_BF16=bf16, BT=SYM8_BT, NWIN=nwin, num_warps=1)
+            H=H, REP=rep, S=sink, R=recent, MASK_KIND=mask_kind, IS_BF16=bf16, BT=SYM8_BT, NWIN=nwin, PDL=pdl,
+            num_warps=1)
     if kind == "lut":  # kvquant: plain loads; rope = (cos, sin) tables [B, T, 128] or None
         cos, sin = rope if rope is not None else (query, query)
         return _lut_decode_kernel, (
             query, query.stride(0), query.stride(1), *(p[n] for p in (kp, vp) for n in _LUT_BUFFERS), cos, sin,
             positions, amask, smb, m_buf, l_buf, acc_buf, float(scale), T, nsplit), dict(
             H=H, REP=rep, S=sink, R=recent, MASK_KIND=mask_kind, IS_BF16=bf16, BT=LUT_BT, ROPE=rope is not None,
-            KNOUT=nout[0], VNOUT=nout[1], NWIN=nwin, num_warps=1, maxnreg=LUT_MAXNREG)
+            KNOUT=nout[0], VNOUT=nout[1], NWIN=nwin, PDL=pdl, num_warps=1, maxnreg=LUT_MAXNREG)
     if kind == "post":  # calibquant: plain loads (a word per token and side; no per-tile statistics)
         return _post_decode_kernel, (
             query, query.stride(0), query.stride(1), kp["codes"], kp["cen"], kp["half"], vp["codes"], vp["cen"],
             vp["half"], positions, amask, smb, query if temp is None else temp, m_buf, l_buf, acc_buf, float(scale),
             T, nsplit), dict(H=H, REP=rep, S=sink, R=recent, MASK_KIND=mask_kind, IS_BF16=bf16, BT=BT,
-                             TAU_PHASE=phase, NWIN=nwin, num_warps=1)
+                             TAU_PHASE=phase, NWIN=nwin, PDL=pdl, num_warps=1)
     if kind != "kivi" or phase:
         raise ValueError(f"no Gluon launch for layout {kind!r} with calibrated-softmax phase {phase}")
     ka_hi, ka_lo = split_scale(2.0 / (2 ** kbits - 1), bf16)
@@ -1366,23 +1372,24 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
         float(scale), T, ng_k, nsplit), dict(
         H=H, REP=rep, S=sink, R=recent, TPG_K=32, TPG_V=tpg_v, MASK_KIND=mask_kind,
         IS_BF16=bf16, BT=KIVI_BT, KBITS=kbits, VBITS=vbits, KA_HI=ka_hi, KA_LO=ka_lo, VA_HI=va_hi, VA_LO=va_lo,
-        NWIN=nwin, TMA=use_tma, NST=NSTAGES, num_warps=1)
+        NWIN=nwin, TMA=use_tma, NST=NSTAGES, PDL=pdl, num_warps=1)
 
 
 def launch(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int, m_buf, l_buf, acc_buf,
            scale: float, T: int, ng_k: int, nsplit: int, nwin: int, H: int, rep: int, sink: int, recent: int,
            tpg_v: int, kbits: int, vbits: int, *, kind: str, use_tma: bool | None = None, phase: int = 0,
-           temp=None, rope=None, nout: tuple = (0, 0)):
+           temp=None, rope=None, nout: tuple = (0, 0), pdl: bool = False):
     """Run the quantized-region launch into slots [0, nsplit) of the partial buffers (grid (B * H, nsplit); each
     row has nsplit + nwin slots, the last nwin the window launch's). kind: `layout_kind` of the store. use_tma (KIVI
     layout only): stream the tiles through shared memory with the tensor-memory accelerator (None: `USE_TMA`, whose
     None means on sm_90+ inside CUDA-graph capture; never for an odd sink or cache length). phase, temp: the
     calibrated softmax's phase (calibquant only) and, in phase 2, its per-row temperatures. rope (kvquant's layout
     only): the (cos, sin) tables [B, T, 128] of Keys stored before RoPE, else None; nout (the same): outliers per
-    token of the Keys and the Values."""
+    token of the Keys and the Values. pdl: let the window launch that follows start at once (`griddepcontrol`, sm_90+
+    only: `decode_attention._use_pdl`)."""
     fn, args, kw = _plan(query, kp, vp, positions, amask, smb, mask_kind, m_buf, l_buf, acc_buf, scale, T, ng_k,
                          nsplit, nwin, H, rep, sink, recent, tpg_v, kbits, vbits, kind, use_tma, phase, temp, rope,
-                         nout)
+                         nout, pdl)
     return fn[(query.shape[0] * H, nsplit)](*args, **kw)
 
 
@@ -1404,7 +1411,7 @@ def programs_per_sm(n_regs: int, shared: int, cc: tuple, regs_sm: int = 65536, s
 def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int, T: int, ng_k: int,
                       nwin: int, H: int, rep: int, sink: int, recent: int, tpg_v: int, kbits: int, vbits: int, *,
                       kind: str, use_tma: bool | None = None, phase: int = 0, rope=None,
-                      nout: tuple = (0, 0)) -> int:
+                      nout: tuple = (0, 0), pdl: bool = False) -> int:
     """How many programs of this launch (in calibrated-softmax `phase`) one SM holds at once: its compiled kernel's
     registers and shared memory against the SM's, and CUDA's blocks-per-SM limit (one-warp programs). Compiles the
     kernel if needed (Triton's warmup, no launch); cached per configuration (the constexprs) and device. Triton also
@@ -1415,14 +1422,14 @@ def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mas
     dev = query.device
     tma = kind == "kivi" and _use_tma(query, sink, T, use_tma)
     key = (kind, dev.index, query.dtype, amask.dtype, mask_kind, kbits, vbits, H, rep, sink, recent, tpg_v, nwin,
-           tma, NSTAGES, phase, rope is not None, tuple(nout), LUT_BT, LUT_MAXNREG, SYM8_BT, KIVI_BT)
+           tma, NSTAGES, phase, rope is not None, tuple(nout), LUT_BT, LUT_MAXNREG, SYM8_BT, KIVI_BT, pdl)
     if key not in _RESIDENT:
         one = torch.empty(1, dtype=torch.float32, device=dev)   # stand-ins for the partial buffers, temperatures
         props = torch.cuda.get_device_properties(dev)
         try:
             fn, args, kw = _plan(query, kp, vp, positions, amask, smb, mask_kind, one, one, one, 1.0, T, ng_k, 2,
                                  nwin, H, rep, sink, recent, tpg_v, kbits, vbits, kind, tma, phase,
-                                 one if phase == 2 else None, rope, nout)
+                                 one if phase == 2 else None, rope, nout, pdl)
             k = fn.warmup(*args, grid=(1,), **kw)
             k._init_handles()   # Triton's loader: reads the kernel's register count (n_regs)
             n = programs_per_sm(k.n_regs, k.metadata.shared, (props.major, props.minor),

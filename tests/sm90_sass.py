@@ -19,16 +19,16 @@ class Sm90Build(NamedTuple):
     sass: str
 
 
-def compile_sm90(fn, sig: dict, cx: dict, pointers, **options) -> Sm90Build:
-    """`fn` (a Gluon kernel) compiled for sm_90 with these argument types, constexprs and options (num_warps 1
-    unless given); `pointers`: indices of the arguments declared 16-byte aligned."""
+def compile_sm90(fn, sig: dict, cx: dict, pointers, arch: int = 90, **options) -> Sm90Build:
+    """`fn` (a Gluon kernel) compiled for sm_90 (or `arch`) with these argument types, constexprs and options
+    (num_warps 1 unless given); `pointers`: indices of the arguments declared 16-byte aligned."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     sig = dict(sig, **{n: "constexpr" for n in cx})
     src = GluonASTSource(fn=fn, signature=sig, constexprs=cx, attrs={(i,): [["tt.divisibility", 16]] for i in pointers})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(dict(num_warps=1), **options))
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(dict(num_warps=1), **options))
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(k.asm["cubin"])
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")

@@ -175,7 +175,8 @@ SCRIPT = textwrap.dedent('''
                    NG_K="i32", NSPLIT="i32")
         ka, va = (dag.split_scale(2 / (2 ** n - 1), bf16) for n in (kb, vb))
         cx = dict(H=8, REP=4, S=0, R=128, TPG_K=32, TPG_V=1, MASK_KIND=mask, IS_BF16=bf16, BT=32, KBITS=kb,
-                  VBITS=vb, KA_HI=ka[0], KA_LO=ka[1], VA_HI=va[0], VA_LO=va[1], NWIN=3, TMA=tma, NST=2)
+                  VBITS=vb, KA_HI=ka[0], KA_LO=ka[1], VA_HI=va[0], VA_LO=va[1], NWIN=3, TMA=tma, NST=2,
+                  PDL=tma)
         b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 12, 13, 14) + (() if tma else (3, 4, 5, 6, 7, 8)))
         out.append((bf16, mask, kb, vb, tma, b.shared, b.stack == b.local == 0, b.sass.count("HMMA"),
                     b.sass.count("STS"), b.sass.count("LDS"), b.sass.count("UTMALDG")))
@@ -184,7 +185,8 @@ SCRIPT = textwrap.dedent('''
         sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KCEN=ty, KHALF=ty, VC="*i32", VCEN=ty,
                    VHALF=ty, POS="*i64", AMASK="*i1" if mask == 1 else ty, stride_mb="i32", TEMP="*fp32",
                    OUT_M="*fp32", OUT_L="*fp32", OUT_ACC="*fp32", scale="fp32", T="i32", NSPLIT="i32")
-        cx = dict(H=8, REP=4, S=0, R=128, MASK_KIND=mask, IS_BF16=bf16, BT=32, TAU_PHASE=phase, NWIN=3)
+        cx = dict(H=8, REP=4, S=0, R=128, MASK_KIND=mask, IS_BF16=bf16, BT=32, TAU_PHASE=phase, NWIN=3,
+                  PDL=phase != 1)
         b = compile_sm90(dag._post_decode_kernel, sig, cx, [i for i in range(0, 9) if i not in (1, 2)])
         out.append(("post", phase, b.stack == b.local == 0, b.sass.count("HMMA"), b.sass.count("HFMA2"),
                     b.sass.count("HADD2")))
@@ -195,7 +197,7 @@ SCRIPT = textwrap.dedent('''
                    POS="*i64", AMASK="*i1" if mask == 1 else ty, stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32",
                    OUT_ACC="*fp32", scale="fp32", T="i32", NSPLIT="i32")
         cx = dict(H=8, REP=4, S=1, R=0, MASK_KIND=mask, IS_BF16=bf16, BT=dag.LUT_BT, ROPE=rope, KNOUT=nout,
-                  VNOUT=nout, NWIN=2)
+                  VNOUT=nout, NWIN=2, PDL=True)
         b = compile_sm90(dag._lut_decode_kernel, sig, cx, [i for i in range(0, 17) if i not in (1, 2)],
                          maxnreg=dag.LUT_MAXNREG)
         out.append(("lut", rope, b.shared, b.stack, b.sass.count("HMMA"), b.sass.count("STS"), b.sass.count("LDS"),
@@ -205,7 +207,7 @@ SCRIPT = textwrap.dedent('''
         sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KHALF=ty, VC="*i32", VHALF=ty, POS="*i64",
                    AMASK="*i1" if mask == 1 else ty, stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32", OUT_ACC="*fp32",
                    scale="fp32", T="i32", NSPLIT="i32")
-        cx = dict(H=8, REP=4, S=0, R=0, MASK_KIND=mask, IS_BF16=bf16, BT=dag.SYM8_BT, NWIN=1)
+        cx = dict(H=8, REP=4, S=0, R=0, MASK_KIND=mask, IS_BF16=bf16, BT=dag.SYM8_BT, NWIN=1, PDL=True)
         b = compile_sm90(dag._sym8_decode_kernel, sig, cx, (0, 3, 4, 5, 6, 10, 11, 12))
         out.append(("sym8", bf16, b.shared, b.stack == b.local == 0, b.sass.count("HMMA"), b.sass.count("STS"),
                     b.sass.count("LDS")))
@@ -244,6 +246,43 @@ def test_compiles_for_sm90_into_registers_only():
             assert shared == 0 and sts == 0 and lds == 0 and tma_loads == 0, rows
         assert no_local, rows
         assert hmma >= 48, rows  # per 32-token tile: 32 (q @ k^T, m16n8k16) + 16 (v^T @ p^T)
+
+
+PDL_SCRIPT = textwrap.dedent('''
+    import re
+    from kvq_compile.templates import decode_attention_gluon as dag
+    from sm90_sass import compile_sm90
+
+    sig = dict(Q="*fp16", stride_qb="i32", stride_qh="i32", KC="*i32", KHALF="*fp16", VC="*i32", VHALF="*fp16",
+               POS="*i64", AMASK="*i1", stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32", OUT_ACC="*fp32", scale="fp32",
+               T="i32", NSPLIT="i32")
+    out = []
+    for arch, pdl in ((90, True), (90, False), (80, False)):
+        cx = dict(H=8, REP=4, S=0, R=0, MASK_KIND=1, IS_BF16=False, BT=16, NWIN=1, PDL=pdl)
+        b = compile_sm90(dag._sym8_decode_kernel, sig, cx, (0, 3, 4, 5, 6, 10, 11, 12), arch=arch)
+        out.append((arch, pdl, len(re.findall(r"\\bPREEXIT\\b", b.sass))))
+    print(out)
+''')
+
+
+@pytest.mark.skipif(not dag.HAVE_GLUON, reason="triton without Gluon")
+def test_early_window_launch_only_where_the_gpu_has_it():
+    """The Gluon kernels let the window launch start early (`griddepcontrol.launch_dependents`, SASS PREEXIT) only
+    with PDL, which `decode_attention` turns on for sm_90+ alone: without it they also compile for sm_80 (the PTX
+    instruction needs sm_90), and `_use_pdl` is off for a CPU query whatever PDL says."""
+    from kvq_compile.templates import decode_attention as da
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__)] + [p for p in [env.get("PYTHONPATH")] if p])
+    r = subprocess.run([sys.executable, "-c", PDL_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert eval(r.stdout.strip().splitlines()[-1]) == [(90, True, 1), (90, False, 0), (80, False, 0)]  # noqa: S307
+    for on in (None, True, False):
+        da.PDL = on
+        try:
+            assert not da._use_pdl(torch.zeros(1))
+        finally:
+            da.PDL = None
 
 
 CASES = [  # B, H, rep, T, n0, sink, magnitude of K / V

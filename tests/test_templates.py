@@ -158,6 +158,54 @@ def test_temperature_kernel_matches_torch(rep, ns):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("name", ["kivi-2", "innerq-2", "int8", "kvquant-4"])
+def test_steps_inside_the_sink(name):
+    """Decode steps at positions below the sink (a prompt shorter than it, as innerq-2's 32-token sink allows): the
+    appended token follows the sink's tiles in the window launch (it used to fall in none of them)."""
+    cfg = small_windows(name)
+    cfg.sink = 8
+    check(cfg, prefill=3, steps=8, seed=11)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="programmatic dependent launch runs on a GPU")
+@pytest.mark.parametrize("name", ["kivi-2", "calibquant-1", "int8", "innerq-2"])
+def test_early_launches_read_written_slots_only(name, monkeypatch):
+    """With the partial-result buffers filled with NaN before each call, every decode launch (on sm_90+ the window
+    launch and the final reduction start early: `decode_attention.PDL`) still matches the reference, called
+    directly and replayed from a CUDA graph: no launch reads a slot before it is written."""
+    from kvq_compile.templates import decode_attention as da
+
+    monkeypatch.setattr(da, "POISON", True)
+    cfg = small_windows(name)
+    check(cfg, B=3, H=2, rep=4, D=128, T=700, prefill=600, steps=2, dtype=torch.bfloat16, block_t=32, num_splits=None)
+    geo = st.Geometry(2, 2, 512, 128, "bfloat16")
+    ms = st.ModelStore(cfg, 1, geo, DEVICE)
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    rnd = lambda *s: torch.randn(*s, generator=gen, device=DEVICE).bfloat16()  # noqa: E731
+    append_every_layer(ms, cfg, rnd(2, 2, 400, 128), rnd(2, 2, 400, 128), 0)
+    k, v, q = rnd(2, 2, 1, 128), rnd(2, 2, 1, 128), rnd(2, 8, 1, 128)
+    append_every_layer(ms, cfg, k, v, 400)
+    lay = ms.layers[0]
+    names, tensors = lay.attend_tensors()
+    pos = torch.tensor([400], device=DEVICE)
+    ref = attend_cpu_reference(q, tensors, k, v, pos, None, 0.125, False, lay.descriptor(names)).float()
+    call = lambda: decode_attention(q, dict(zip(names, tensors)), k, v, pos, None, 0.125, False, cfg,  # noqa: E731
+                                    lay.spec, geo)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.testing.assert_close(out.float(), ref, atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
+
+
+@pytest.mark.interpreter
 def test_split_count_does_not_change_the_result():
     cfg = small_windows("kivi-4")
     a = check(cfg, num_splits=1, seed=3)
@@ -240,6 +288,6 @@ def test_window_launch_covers_every_length(name):
                         p0, s_eff = L - 1, (0 if kc["BITS"] == vc["BITS"] == 16 else cfg.sink)
                         bnd = [L if c["BITS"] == 16 else st.fill_boundary(L, cfg.sink, cfg.recent, c["TPG"])
                                for c in (kc, vc)]
-                        win_lo = max(s_eff, min(*bnd, p0))
+                        win_lo = min(max(s_eff, min(*bnd, p0)), p0)
                         need = -(-min(s_eff, p0) // bt) + -(-(p0 + 1 - win_lo) // bt)
                         assert need <= nwin, (name, sink, recent, bt, L, need, nwin)
