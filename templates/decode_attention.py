@@ -198,15 +198,16 @@ def _dequant(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_pt
     Codes come in as whole words ([BT, W] contiguous loads) and are unpacked with a broadcast shift into
     [BT, W, CPW] -> [BT, D] when 32 // BITS is a power of two (1, 2, 4, 8 bits); 3-bit words (10 codes)
     fall back to a per-element gather. Per-token group statistics ([BT, D // GS]) are broadcast over
-    their group in a [BT, D // GS, GS] view; per-channel ones are rows of length D. Hybrid groups gather
-    their words: unpacked from whole words they give wrong results on H100/H200 with triton 3.6 (right under
-    the interpreter) on either axis, with the statistics in a [BT, D // GS, GS] view or broadcast to [BT, D]:
-    test_hybrid_groups_half_precision_tiles (fp16, 16-token tiles), test_gqa_head_dim_masks on the GPU."""
+    their group in a [BT, D // GS, GS] view; per-channel ones are rows of length D. Hybrid groups in tiles
+    shorter than 32 tokens gather their words: unpacked from whole words they give wrong results on H100/H200 with
+    triton 3.6 at fp16 16-token tiles (right under the interpreter; test_hybrid_groups_half_precision_tiles,
+    test_gqa_head_dim_masks on the GPU), as outliers do (`decode_attention` refuses those tiles); 32 tokens and
+    more unpack whole words (session 13, checked on an H100)."""
     CPW: tl.constexpr = 32 // BITS
     W: tl.constexpr = (D + CPW - 1) // CPW
     bh64 = bh.to(tl.int64)
     m2 = tmask[:, None]
-    code = _unpack(codes_ptr + bh64 * T * W, t, tmask, D, BITS, BT, SYM != 2)
+    code = _unpack(codes_ptr + bh64 * T * W, t, tmask, D, BITS, BT, (SYM != 2) or (BT >= 32))
     if AXIS == 0:  # per-token groups of GS channels: statistics [BT, NGRP]
         NGRP: tl.constexpr = D // GS
         gb = bh64 * T * NGRP

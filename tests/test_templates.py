@@ -227,10 +227,12 @@ def test_post_scaled_paths(bits, levels, sym):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("block_t,dtype", [(16, torch.float16), (32, torch.bfloat16), (64, torch.float16)])
+@pytest.mark.parametrize("block_t,dtype", [(16, torch.float16), (32, torch.float16), (32, torch.bfloat16),
+                                           (64, torch.float16), (64, torch.bfloat16)])
 def test_hybrid_groups_half_precision_tiles(block_t, dtype):
     """innerq-2 (hybrid groups on both axes) in half precision at several tile lengths: hybrid codes unpacked
-    from whole words gave wrong results on the GPU at 16-token fp16 tiles only (the template gathers them)."""
+    from whole words gave wrong results on the GPU at 16-token fp16 tiles only (there the template gathers them;
+    from 32 tokens on it unpacks whole words)."""
     check(small_windows("innerq-2"), dtype=dtype, block_t=block_t, prefill=27, steps=2, T=64, num_splits=3)
 
 
