@@ -14,27 +14,28 @@ Math (per sequence b, KV head h, the REP = Hq / H query heads of its GQA group, 
     s_r,t = scale * q_r . k_t + bias_r,t  over allowed t (attention mask, is_causal);  CalibQuant: s *= temp_r
     out_r = sum_t softmax(s_r)_t v_t   (a row with no allowed t gives 0, as torch's SDPA)
 
-Work split (flash-decoding): launch 1, programs (b*H + h, j < NSPLIT), each covers one slice of the region
-[S, min(Q_K(L), Q_V(L), p0)) where both sides are quantized, with unpacking fused into the tile loads
-and each K/V tile loaded once for all REP query heads (a [REP_PAD, D] x [D, BLOCK_T] dot); launch 2
-(WINDOW, programs (b*H + h, j < NWIN), slots NSPLIT + j) covers the exact windows (sink, ring, chunk), one tile
-each (a tile starting below S is the sink's), and the stretch where only one side is quantized; its tiles unpack
-codes only where they meet them. Each writes its running (max, sum, acc); `_combine_kernel` merges them. On sm_90+
-the window launch and the merge are programmatic dependent launches (PDL): the window launch may start while
-launch 1 runs, since it reads nothing launch 1 writes (its slots are its own), and waits for launch 1 before it
-ends; the merge waits for the window launch before it reads. CalibQuant's temperature needs each row's logit
-range first: TAU_PHASE 1 runs both launches without V (with its own split count and max / min buffers),
-`_temperature_kernel` turns each row's range into its temperature, then TAU_PHASE 2 attends. Every length is read
-from `positions` on the device: no host synchronization, fixed launch shapes (CUDA-graph safe).
+Work split (flash-decoding): launch 1, programs (b*H + h, j < NSPLIT), each covers one slice of the region [S,
+min(Q_K(L), Q_V(L), p0)) where both sides are quantized, with unpacking fused into the tile loads and each K/V
+tile loaded once for all REP query heads (a [REP_PAD, D] x [D, BLOCK_T] dot); launch 2 (WINDOW, programs (b*H + h,
+j < NWIN), slots NSPLIT + j) covers the exact windows (sink, ring, chunk), one tile each (a tile starting below S
+holds valid positions below S only: the sink's tiles, and the appended token's when p0 < S), and the stretch where
+only one side is quantized; its tiles unpack codes only where they meet them. Each writes its running (max, sum,
+acc); `_combine_kernel` merges them. On sm_90+ the window launch and the merge are programmatic dependent launches
+(PDL): the window launch may start while launch 1 runs, since it reads nothing launch 1 writes (its slots are its
+own), and waits for launch 1 before it ends; the merge waits for the window launch before it reads. CalibQuant's
+temperature needs each row's logit range first: TAU_PHASE 1 runs both launches without V (with its own split count
+and max / min buffers), `_temperature_kernel` turns each row's range into its temperature, then TAU_PHASE 2
+attends. Every length is read from `positions` on the device: no host synchronization, fixed launch shapes
+(CUDA-graph safe).
 
-Glossary of constants: PDL programmatic dependent launch (above); D head_dim; REP query heads per KV head (REP_PAD: padded to >= 16 for tl.dot);
-BITS_* code width (16: unquantized `data` buffer); CPW codes per int32 word = 32 // BITS; AXIS_* 0 TOKEN /
-1 CHANNEL; GS_* group size (TOKEN: channels per group; CHANNEL: tokens per group, 0 = static ranges);
-SYM_* 0 asymmetric / 1 symmetric / 2 hybrid; LUT_* levels from a table; NOUT_* outliers per token;
-NORM_K InnerQ key normalization; S sink tokens, R recent tokens, WR_* ring slots; T max cache length;
-NG_* channel-group rows; NWIN programs of the window launch (slots per row: NSPLIT + NWIN); MASK_KIND 0 none /
-1 bool / 2 additive (MASK_SHARED: one mask row serves every head);
-TAU_PHASE 0 plain softmax / 1 range pass (max, min of s) / 2 calibrated pass (s *= temp).
+Glossary of constants: PDL programmatic dependent launch (above); D head_dim; REP query heads per KV head
+(REP_PAD: padded to >= 16 for tl.dot); BITS_* code width (16: unquantized `data` buffer); CPW codes per int32 word
+= 32 // BITS; AXIS_* 0 TOKEN / 1 CHANNEL; GS_* group size (TOKEN: channels per group; CHANNEL: tokens per group, 0
+= static ranges); SYM_* 0 asymmetric / 1 symmetric / 2 hybrid; LUT_* levels from a table; NOUT_* outliers per
+token; NORM_K InnerQ key normalization; S sink tokens, R recent tokens, WR_* ring slots; T max cache length; NG_*
+channel-group rows; NWIN programs of the window launch (slots per row: NSPLIT + NWIN); MASK_KIND 0 none / 1 bool /
+2 additive (MASK_SHARED: one mask row serves every head); TAU_PHASE 0 plain softmax / 1 range pass (max, min of s)
+/ 2 calibrated pass (s *= temp).
 """
 from __future__ import annotations
 
@@ -164,7 +165,7 @@ def _unpack(cbase, t, tmask, D: tl.constexpr, BITS: tl.constexpr, BT: tl.constex
 
     JOIN: whole words are loaded ([BT, W], contiguous) and split in halves repeatedly (32 -> 16 -> ... ->
     BITS bits) with tl.join, which keeps the channel order w * CPW + j; ~10x faster on an H200 than the
-    per-element gather (bench/RESULTS.md). Not used for hybrid groups (see `_dequant`).
+    per-element gather (bench/RESULTS.md). Hybrid groups use it in tiles of 32+ tokens only (see `_dequant`).
     Otherwise (and for 3-bit words, 10 codes each) every code gathers its word (L1 hits)."""
     CPW: tl.constexpr = 32 // BITS
     W: tl.constexpr = (D + CPW - 1) // CPW
@@ -272,7 +273,7 @@ def _load_side(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_
     t < p0 from the store (written length L, quantized below bnd = Q_side(L)), t in [p0, p0 + nch) from the
     chunk (row t - p0, token stride stride_cn; decode: nch = 1). t = t0 + arange(BT). ONLY_CODES: t0 - S a
     multiple of BT (the codes-only tiles of both templates), every valid t in the quantized region; otherwise (the
-    window tiles: a tile that starts below S is the sink's, its valid t below S) codes are unpacked only if
+    window tiles: a tile that starts below S has its valid t below S) codes are unpacked only if
     S <= t0 < min(bnd, p0). The values of masked positions (not tvalid) are finite garbage that the caller masks
     (scores to -inf, p to 0)."""
     bh64 = bh.to(tl.int64)
@@ -686,8 +687,9 @@ def layout_per_element(cfg, spec, names) -> bool:
 
 
 def _window_tiles(cfg, kc: dict, vc: dict, block_t: int) -> int:
-    """Programs of the window launch, one tile each: the sink's tiles plus the most tiles [max(S, Q(L)), L) can
-    span (1 <= L - max(S, Q(L)) <= R + TPG - 1 for a quantized side). One program per KV head walking them in
+    """Programs of the window launch, one tile each: the sink's tiles plus the most tiles [min(max(S, Q(L)), L - 1), L)
+    can span (1 <= L - max(S, Q(L)) <= R + TPG - 1 for a quantized side when L > S; for L <= S, cdiv(L - 1, BT) + 1
+    tiles in all). One program per KV head walking them in
     turn took 23-26 us whatever the batch (kivi-2 on an H100, bench/RESULTS.md, session 9)."""
     quantized = [c["TPG"] for c in (kc, vc) if c["BITS"] != 16]
     if not quantized:
@@ -709,7 +711,8 @@ def _use_pdl(query) -> bool:
     NVIDIA GPU of compute capability 9.0 or more (`griddepcontrol` is sm_90 PTX), whatever PDL says."""
     import torch
 
-    if PDL is False or _INTERPRET or not query.is_cuda or torch.version.hip is not None or gdc_wait is None:
+    if (PDL is not None and not PDL) or _INTERPRET or not query.is_cuda or torch.version.hip is not None \
+            or gdc_wait is None:
         return False
     return torch.cuda.get_device_capability(query.device) >= (9, 0)
 
@@ -752,8 +755,8 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
     gluon: run the quantized region through `decode_attention_gluon` where it supports the layout (None: unless
     KVQ_GLUON=0; False: never; True: required, ValueError where unsupported). That launch has its own fixed
     configuration (one warp, 32-token tiles (`KIVI_BT`; 16 for kvquant's and int8's), as many slices as fill the
-    SMs once: `_fill_splits`): block_t, num_warps and num_stages then apply to the window launch only (block_t) or not at
-    all, programs_per_sm not at all; block_t None then means 32 (faster than 64 by 2-7% on an H100, session 10).
+    SMs once: `_fill_splits`): block_t, num_warps and num_stages then apply to the window launch only (block_t) or
+    not at all, programs_per_sm not at all; block_t None then means 32 (faster than 64 by 2-7% on an H100, session 10).
     window_warps: warps of each window-launch program."""
     import torch
 

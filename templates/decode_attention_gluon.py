@@ -639,7 +639,7 @@ if HAVE_GLUON:
     def _slice(POS, split, NSPLIT, S: gl.constexpr, R: gl.constexpr, TPG_K: gl.constexpr, TPG_V: gl.constexpr,
                BT: gl.constexpr, PDL: gl.constexpr):
         """(start, stop, tiles) of this program's slice of [S, qend), as `_decode_kernel` computes it. PDL (sm_90+:
-        `decode_attention.PDL`) first lets the window launch that follows start: it reads nothing this launch
+        `decode_attention._use_pdl`) first lets the window launch that follows start: it reads nothing this launch
         writes, and waits for it before it ends."""
         if PDL:
             gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,

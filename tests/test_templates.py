@@ -273,8 +273,9 @@ def test_mask_of_the_wrong_shape_is_refused():
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_window_launch_covers_every_length(name):
     """The window launch has one program per tile: for every written length L its tiles (the sink's, then
-    [max(S, Q(L)), L)) fit in `_window_tiles` programs, Q(L) the smaller of the two sides' fill boundaries (the
-    kernel's own formula, `_quantized_end`), for the presets as shipped and shrunk, several sinks and windows."""
+    [min(max(S, Q(L)), L - 1), L)) fit in `_window_tiles` programs, Q(L) the smaller of the two sides' fill
+    boundaries (the kernel's own formula, `_quantized_end`), for the presets as shipped and shrunk, several sinks
+    and windows."""
     from kvq_compile.templates import decode_attention as da
 
     for base in (KVQConfig.preset(name), small_windows(name)):
