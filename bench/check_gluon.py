@@ -19,6 +19,7 @@ from kvq_compile import KVQConfig  # noqa: E402
 from kvq_compile.ops import attend_cpu_reference  # noqa: E402
 from kvq_compile.templates.decode_attention import decode_attention  # noqa: E402
 from test_decode_gluon import _store, random_mask  # noqa: E402  (the test's store and masks)
+from models import graph_of  # noqa: E402
 
 
 def check(preset="kivi-2", quick=False):
@@ -164,14 +165,7 @@ def pdl(presets=("kivi-2", "kivi-4", "xquant-1.38", "calibquant-1", "int8", "kvq
                     t = graph_time(fn)
                     da.POISON = True
                     diff = ((fn().float() - ref).norm() / ref.norm()).item()
-                    s = torch.cuda.Stream()   # and replayed from a CUDA graph (the TMA path, as in a decode step)
-                    s.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(s):
-                        fn()
-                    torch.cuda.current_stream().wait_stream(s)
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g):
-                        o = fn()
+                    g, o = graph_of(fn)   # and replayed from a CUDA graph (the TMA path, as in a decode step)
                     worst = 0.0
                     for _ in range(5):
                         o.zero_()

@@ -43,6 +43,19 @@ def prompts(batch, length, vocab=96, pad=(0,), seed=1):
     return ids, mask
 
 
+def graph_of(fn):
+    """(CUDA graph, its output): fn() warmed up once on a side stream, then captured (replay the graph to rerun)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def small_windows(name: str) -> KVQConfig:
     """A preset with its windows and token groups shrunk so that short test sequences cross many flushes."""
     cfg = KVQConfig.preset(name)

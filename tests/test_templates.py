@@ -12,7 +12,7 @@ from kvq_compile import store as st
 from kvq_compile.config import Axis, Levels, Symmetry
 from kvq_compile.ops import attend_cpu_reference
 from kvq_compile.presets import PRESETS
-from models import append_every_layer, small_windows
+from models import append_every_layer, graph_of, small_windows
 
 triton = pytest.importorskip("triton")
 from kvq_compile.templates.decode_attention import decode_attention  # noqa: E402
@@ -191,14 +191,7 @@ def test_early_launches_read_written_slots_only(name, monkeypatch):
     ref = attend_cpu_reference(q, tensors, k, v, pos, None, 0.125, False, lay.descriptor(names)).float()
     call = lambda: decode_attention(q, dict(zip(names, tensors)), k, v, pos, None, 0.125, False, cfg,  # noqa: E731
                                     lay.spec, geo)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
+    graph, out = graph_of(call)
     for _ in range(3):
         out.fill_(float("nan"))
         graph.replay()
