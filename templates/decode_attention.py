@@ -72,6 +72,15 @@ def _quantized_end(L, S: tl.constexpr, R: tl.constexpr, TPG: tl.constexpr, BITS:
 
 
 @triton.jit
+def _window_t(it, n_sink, sink_hi, win_lo, win_hi, BLOCK_T: tl.constexpr):
+    """(t, valid, t[0]) of window tile `it`: tiles [0, n_sink) cover [0, sink_hi), the rest [win_lo, win_hi)."""
+    in_sink = it < n_sink
+    t0 = tl.where(in_sink, it * BLOCK_T, win_lo + (it - n_sink) * BLOCK_T)
+    t = t0 + tl.arange(0, BLOCK_T)
+    return t, t < tl.where(in_sink, sink_hi, win_hi), t0
+
+
+@triton.jit
 def _softmax_step(s, m_i, l_i):
     """One tile of the running softmax over scores s (-inf where not allowed): (p, alpha, new max, new sum); the
     caller rescales its accumulator by alpha and adds p @ v. A row with nothing allowed yet keeps p = 0."""
@@ -288,7 +297,7 @@ def _load_side(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_
         return x
     else:  # a window tile, t = t0 + arange(BT): most hold no codes at all, and skip their unpacking
         inq = tvalid & (t >= S) & (t < bnd) & (t < p0)
-        if (t0 >= S) & (t0 < tl.minimum(bnd, p0)):   # a tile starting below S is the sink's (valid t < S)
+        if (t0 >= S) & (t0 < tl.minimum(bnd, p0)):   # a tile starting below S has its valid t below S
             x = _dequant(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_ptr, norm_ptr, bh, t, t0,
                          d, inq, T, D, S, BITS, AXIS, GS, NG, SYM, LUT, NOUT, NORM, False, BT)
             x = tl.where(inq[:, None], x, 0.0)
@@ -492,12 +501,7 @@ def _decode_kernel(
         n_iter = tl.cdiv(tl.maximum(stop - start, 0), BLOCK_T)
     for it in range(it_lo, n_iter):
         if WINDOW:
-            t_sink = it * BLOCK_T + tl.arange(0, BLOCK_T)
-            t_win = win_lo + (it - n_sink) * BLOCK_T + tl.arange(0, BLOCK_T)
-            in_sink = it < n_sink
-            t = tl.where(in_sink, t_sink, t_win)
-            tvalid = tl.where(in_sink, t_sink < tl.minimum(S_EFF, p0), t_win <= p0)
-            t0 = tl.where(in_sink, it * BLOCK_T, win_lo + (it - n_sink) * BLOCK_T)  # the tile's first position
+            t, tvalid, t0 = _window_t(it, n_sink, tl.minimum(S_EFF, p0), win_lo, p0 + 1, BLOCK_T)
         else:
             t0 = start + it * BLOCK_T
             t = t0 + tl.arange(0, BLOCK_T)
@@ -687,10 +691,10 @@ def layout_per_element(cfg, spec, names) -> bool:
 
 
 def _window_tiles(cfg, kc: dict, vc: dict, block_t: int) -> int:
-    """Programs of the window launch, one tile each: the sink's tiles plus the most tiles [min(max(S, Q(L)), L - 1), L)
-    can span (1 <= L - max(S, Q(L)) <= R + TPG - 1 for a quantized side when L > S; for L <= S, cdiv(L - 1, BT) + 1
-    tiles in all). One program per KV head walking them in
-    turn took 23-26 us whatever the batch (kivi-2 on an H100, bench/RESULTS.md, session 9)."""
+    """Programs of the window launch, one tile each: the sink's tiles plus the most tiles
+    [min(max(S, Q(L)), L - 1), L) can span (1 <= L - max(S, Q(L)) <= R + TPG - 1 for a quantized side when L > S;
+    for L <= S, cdiv(L - 1, BT) + 1 tiles in all). One program per KV head walking them in turn took 23-26 us
+    whatever the batch (kivi-2 on an H100, bench/RESULTS.md, session 9)."""
     quantized = [c["TPG"] for c in (kc, vc) if c["BITS"] != 16]
     if not quantized:
         return 1  # the chunk alone

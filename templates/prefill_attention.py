@@ -34,7 +34,8 @@ import triton.language as tl
 
 from kvq_compile import compat
 from kvq_compile.templates.decode_attention import (_apply_mask, _dot, _load_side, _quantized_end, _rope,
-                                                     _side_args, _softmax_step, side_constants, side_pointers)
+                                                     _side_args, _softmax_step, _window_t, side_constants,
+                                                     side_pointers)
 
 compat.fix_triton_interpreter()
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -66,15 +67,6 @@ def _logits(q, KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, 
     if IS_CAUSAL:
         allowed = allowed & (t[None, :] <= i[:, None])
     return s, allowed
-
-
-@triton.jit
-def _window_t(it, n_sink, sink_hi, win_lo, win_hi, BLOCK_T: tl.constexpr):
-    """(t, valid, t[0]) of window tile `it`: tiles [0, n_sink) cover [0, sink_hi), the rest [win_lo, win_hi)."""
-    in_sink = it < n_sink
-    t0 = tl.where(in_sink, it * BLOCK_T, win_lo + (it - n_sink) * BLOCK_T)
-    t = t0 + tl.arange(0, BLOCK_T)
-    return t, t < tl.where(in_sink, sink_hi, win_hi), t0
 
 
 @triton.jit
