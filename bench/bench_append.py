@@ -8,6 +8,8 @@ Inductor (KVQ_APPEND=inductor), the same uncompiled, and decode attention, each 
 CUDA graph of 20 calls (launch overhead excluded as in a reduce-overhead decode step). The template is timed at a
 step that completes no channel group and at one that completes a group on both sides (KIVI's Keys: one step in
 32), and their mean over a group's steps.
+
+    python bench/bench_append.py --sweep   # the template only, at each FLUSH_CHANNELS x num_warps
 """
 from __future__ import annotations
 
@@ -72,5 +74,42 @@ def main(quick: bool = False):
             torch.cuda.empty_cache()
 
 
+def sweep():
+    """The template's step and flush-step times for the presets with channel groups spanning tokens, at each
+    channel split (`quantize_append.FLUSH_CHANNELS`) and warp count."""
+    from kvq_compile.templates import quantize_append as qa
+
+    dtype = torch.bfloat16
+    print(f"{torch.cuda.get_device_name()} torch {torch.__version__}")
+    default = qa.FLUSH_CHANNELS
+    for B, ctx in ((8, 8192), (32, 4096)):
+        for name in ("kivi-2", "kivi-4", "xquant-1.38"):
+            cfg = KVQConfig.preset(name)
+            li = pick_layer(cfg)
+            ms = random_store(cfg, li, li + 1, B, ctx + 64, dtype)
+            lay = ms.layers[li]
+            names, tensors = lay.append_tensors()
+            bufs = dict(zip(names, tensors))
+            k = torch.randn(B, H, 1, D, device="cuda", dtype=dtype)
+            v = torch.randn(B, H, 1, D, device="cuda", dtype=dtype)
+            flush = next(p for p in range(ctx, ctx + 64) if all(
+                st.fill_boundary(p + 1, cfg.sink, cfg.recent, q.tokens_per_group)
+                > st.fill_boundary(p, cfg.sink, cfg.recent, q.tokens_per_group) for q in (cfg.key, cfg.value)))
+            pos, pos_f = torch.tensor([flush + 1], device="cuda"), torch.tensor([flush], device="cuda")
+            for ch in (128, 32, 16):
+                qa.FLUSH_CHANNELS = ch
+                for nw in (1, 2, 4):
+                    t_op = graph_time(lambda: append_decode(bufs, cfg, lay.spec, ms.geo, k, v, pos, num_warps=nw))
+                    t_fl = graph_time(lambda: append_decode(bufs, cfg, lay.spec, ms.geo, k, v, pos_f, num_warps=nw))
+                    print(f"sweep {name:12s} B={B:2d} ctx={ctx:5d} channels/program {ch:3d} warps {nw}  step "
+                          f"{t_op:6.1f} us  flush {t_fl:6.1f} us", flush=True)
+            qa.FLUSH_CHANNELS = default
+            del ms, bufs, tensors
+            torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
-    main(quick="--quick" in sys.argv)
+    if "--sweep" in sys.argv:
+        sweep()
+    else:
+        main(quick="--quick" in sys.argv)

@@ -1,9 +1,11 @@
 """Decode steps in a tight loop, gpt-fast style: the compiled `model.forward` over HF's StaticCache, the greedy
 next token chosen on the device, no host synchronization between steps, so a step's wall-clock is its GPU time
-plus whatever host time the GPU cannot hide. HF's compiled static cache (inductor, reduce-overhead) and
-kvq_backend presets (reduce-overhead), on bench_generate's random-weight Llama-3-8B-shaped model.
+plus whatever host time the GPU cannot hide. HF's compiled static cache (inductor, reduce-overhead), HF's
+QuantizedCache with the optimum-quanto backend (`quanto-2`, `quanto-4`: eager, as that cache cannot be compiled;
+needs optimum-quanto) and kvq_backend presets (reduce-overhead), on bench_generate's random-weight
+Llama-3-8B-shaped model.
 
-    python bench/bench_decode_loop.py --layers 8 --shapes 32x4096,8x8192 --presets kivi-2,kivi-4
+    python bench/bench_decode_loop.py --layers 8 --shapes 32x4096,8x8192 --presets quanto-2,kivi-2,kivi-4
 
 What `generate` adds on top (its Python loop syncs every step) is bench_generate's wall-clock minus this.
 Tokens/s = batch / (wall-clock of `--steps` steps / steps), after `--warmup` steps (compilation, CUDA-graph
@@ -25,13 +27,19 @@ from bench_generate import build, copy_bandwidth, roofline_tok_s, write_rows  # 
 
 
 @torch.no_grad()
-def decode_loop(model, ids, step_fn, warmup: int, steps: int) -> float:
-    """Seconds per decode step: an eager prefill into a fresh StaticCache, then warmup + steps compiled steps."""
+def decode_loop(model, ids, step_fn, warmup: int, steps: int, quanto_bits: int = 0) -> float:
+    """Seconds per decode step: an eager prefill into a fresh StaticCache, then warmup + steps compiled steps.
+    quanto_bits: HF's QuantizedCache (quanto backend, its defaults otherwise) instead, the mask growing each step."""
     from transformers import StaticCache
 
     B, P = ids.shape
     T = P + warmup + steps + 1
-    cache = StaticCache(config=model.config, max_cache_len=T)
+    if quanto_bits:
+        from transformers import QuantizedCache
+
+        cache = QuantizedCache("quanto", model.config, nbits=quanto_bits)
+    else:
+        cache = StaticCache(config=model.config, max_cache_len=T)
     mask = torch.ones(B, T, dtype=torch.long, device=ids.device)   # fixed shape: no recompilation per step
     pos = torch.arange(T, device=ids.device)
     out = model(ids, attention_mask=mask[:, :P], past_key_values=cache, cache_position=pos[:P], use_cache=True)
@@ -45,8 +53,8 @@ def decode_loop(model, ids, step_fn, warmup: int, steps: int) -> float:
         torch.compiler.cudagraph_mark_step_begin()
         # position ids passed in ([B, 1]): the kvq pass recomputes the rotation tables of the eagerly written
         # prefix from them for Keys stored before RoPE (kvquant), and declines the rewrite without them
-        logits = step_fn(tok, attention_mask=mask, past_key_values=cache, cache_position=pos[P + i:P + i + 1],
-                         position_ids=pos[P + i:P + i + 1].expand(B, 1), use_cache=True).logits
+        logits = step_fn(tok, attention_mask=mask[:, :P + i + 1] if quanto_bits else mask, past_key_values=cache,
+                         cache_position=pos[P + i:P + i + 1], position_ids=pos[P + i:P + i + 1].expand(B, 1), use_cache=True).logits
         tok = logits[:, -1:].argmax(-1)
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / steps
@@ -75,21 +83,24 @@ def main():
         for preset in ["hf-compiled"] + args.presets.split(","):
             torch._dynamo.reset()
             torch.cuda.empty_cache()
+            quanto_bits = int(preset.split("-")[1]) if preset.startswith("quanto-") else 0
             if preset == "hf-compiled":
                 fn = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+            elif quanto_bits:
+                fn = model.forward
             else:
                 fn = torch.compile(model.forward, backend=kvq_backend(preset), mode="reduce-overhead", fullgraph=True)
             da.LAST_KERNELS.clear()
             try:
-                step = decode_loop(model, ids, fn, args.warmup, args.steps)
+                step = decode_loop(model, ids, fn, args.warmup, args.steps, quanto_bits)
             except Exception as e:  # noqa: BLE001  report and go on
                 print(f"{preset} B={B} P={P}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
-            if preset != "hf-compiled" and "main" not in da.LAST_KERNELS:   # the pass declined: not a kvq number
+            if preset != "hf-compiled" and not quanto_bits and "main" not in da.LAST_KERNELS:   # the pass declined: not a kvq number
                 print(f"{preset} B={B} P={P}: no kvq decode kernel ran (the pass left the graph unchanged: see the "
                       f"kvq_compile log); not reported", flush=True)
                 continue
-            roof = roofline_tok_s(model, None if preset == "hf-compiled" else preset, args.layers, B,
+            roof = roofline_tok_s(model, None if preset == "hf-compiled" or quanto_bits else preset, args.layers, B,
                                   P + (args.warmup + args.steps) // 2, bw)
             row = dict(preset=preset, batch=B, prompt=P, ms_step=step * 1e3, tok_s=B / step, roofline_tok_s=roof)
             rows.append(row)

@@ -36,7 +36,8 @@ per token, WP its power of two; AXIS 0 TOKEN / 1 CHANNEL; GS channels (TOKEN) or
 static ranges) per group; NGRP groups per token (TOKEN axis); SYM 0 asymmetric / 1 symmetric / 2 hybrid;
 LUT levels from a table of NLEV; NOUT outliers per token; NORM InnerQ key normalization; S sink, R recent,
 WR ring slots; T max cache length; HAS_CODES False when the codes are shared from an earlier layer (XQuant:
-only this layer's statistics are written); ETA XQuant's range shrink; RSCALE static ranges' range_scale.
+only this layer's statistics are written); ETA XQuant's range shrink; RSCALE static ranges' range_scale; NCH
+programs per side, each over D / NCH channels (CCH, WC words: `_chunks`).
 """
 from __future__ import annotations
 
@@ -147,30 +148,32 @@ def _level(code, N: tl.constexpr):
 
 @triton.jit
 def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, OIDX, SINK, RING, LEV, NORM,
-                 b, h, bh, p0, T, NGC,
+                 b, h, bh, p0, T, NGC, chunk,
                  D: tl.constexpr, BITS: tl.constexpr, AXIS: tl.constexpr, GS: tl.constexpr, SYM: tl.constexpr,
                  LUT: tl.constexpr, NLEV: tl.constexpr, NOUT: tl.constexpr, NORM_ON: tl.constexpr,
                  S: tl.constexpr, R: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, WR: tl.constexpr,
-                 HAS_CODES: tl.constexpr, ETA: tl.constexpr, RSCALE: tl.constexpr):
+                 HAS_CODES: tl.constexpr, ETA: tl.constexpr, RSCALE: tl.constexpr, NCH: tl.constexpr):
     bh64 = bh.to(tl.int64)
     dt = RING.dtype.element_ty
     xrow = X + b.to(tl.int64) * stride_xb + h * stride_xh
+    CCH: tl.constexpr = D // NCH  # channels of this program: [chunk * CCH, (chunk + 1) * CCH)
+    d1 = chunk * CCH + tl.arange(0, CCH)
     if BITS == 16:
-        dd = tl.arange(0, D)
-        tl.store(DATA + bh64 * T * D + p0.to(tl.int64) * D + dd, tl.load(xrow + dd).to(DATA.dtype.element_ty),
-                 mask=(dd < D) & (p0 < T))
+        tl.store(DATA + bh64 * T * D + p0.to(tl.int64) * D + d1, tl.load(xrow + d1).to(DATA.dtype.element_ty),
+                 mask=(d1 < D) & (p0 < T))
         return
     CPW: tl.constexpr = 32 // BITS
     W: tl.constexpr = (D + CPW - 1) // CPW
-    WP: tl.constexpr = triton.next_power_of_2(W)
+    WC: tl.constexpr = W // NCH  # words of this program (NCH > 1: whole words, `_chunks`)
+    WP: tl.constexpr = triton.next_power_of_2(WC)
     CP: tl.constexpr = triton.next_power_of_2(CPW)
     NGRP: tl.constexpr = D // GS if AXIS == 0 else 1
     STATIC: tl.constexpr = AXIS == 1 and GS == 0
     gt = tl.arange(0, GP)[:, None, None]
-    w3 = tl.arange(0, WP)[None, :, None]
+    w3 = chunk * WC + tl.arange(0, WP)[None, :, None]
     j3 = tl.arange(0, CP)[None, None, :]
     dch = w3 * CPW + j3  # [1, WP, CP] channel of each slot
-    ev = (j3 < CPW) & (dch < D)  # slot holds a channel
+    ev = (j3 < CPW) & (w3 < (chunk + 1) * WC) & (dch < D)  # slot holds a channel of this program
     dsafe = tl.where(ev, dch, 0)
     grp = dsafe // GS if AXIS == 0 else dsafe * 0
 
@@ -274,9 +277,10 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
         if HAS_CODES:
             code = tl.where(emask, code, 0)
             words = tl.reduce(code << tl.where(j3 < CPW, j3 * BITS, 0), 2, _or)  # [GP, WP] (no shift past 31 bits)
-            wi = tl.arange(0, WP)[None, :]
+            wi = chunk * WC + tl.arange(0, WP)[None, :]
             posw = pos.reshape([GP, 1]).to(tl.int64)
-            tl.store(CODES + bh64 * T * W + posw * W + wi, words, mask=(tv.reshape([GP, 1]) & (wi < W)) & flush)
+            tl.store(CODES + bh64 * T * W + posw * W + wi, words,
+                     mask=(tv.reshape([GP, 1]) & (wi < (chunk + 1) * WC) & (wi < W)) & flush)
         if not STATIC:  # group statistics, one writer slot per group
             if AXIS == 0:
                 rep = emask & (dsafe % GS == 0)
@@ -291,7 +295,6 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
             if SYM == 2:
                 tl.store(HMASK + off, m.to(HMASK.dtype.element_ty), mask=rep)
 
-    d1 = tl.arange(0, D)
     xrow1 = tl.load(xrow + d1).to(dt)
     if S > 0:
         tl.store(SINK + bh64 * S * D + p0 * D + d1, xrow1, mask=(d1 < D) & (p0 < S))
@@ -308,21 +311,23 @@ def _append_kernel(
         H: tl.constexpr, D: tl.constexpr, S: tl.constexpr, R: tl.constexpr, ROPE: tl.constexpr,
         BITS_K: tl.constexpr, AXIS_K: tl.constexpr, GS_K: tl.constexpr, SYM_K: tl.constexpr, LUT_K: tl.constexpr,
         NLEV_K: tl.constexpr, NOUT_K: tl.constexpr, NORM_K: tl.constexpr, G_K: tl.constexpr, GP_K: tl.constexpr,
-        WR_K: tl.constexpr, CODES_K: tl.constexpr, ETA_K: tl.constexpr, RSCALE_K: tl.constexpr,
+        WR_K: tl.constexpr, CODES_K: tl.constexpr, ETA_K: tl.constexpr, RSCALE_K: tl.constexpr, NCH_K: tl.constexpr,
         BITS_V: tl.constexpr, AXIS_V: tl.constexpr, GS_V: tl.constexpr, SYM_V: tl.constexpr, LUT_V: tl.constexpr,
         NLEV_V: tl.constexpr, NOUT_V: tl.constexpr, G_V: tl.constexpr, GP_V: tl.constexpr,
-        WR_V: tl.constexpr, CODES_V: tl.constexpr, ETA_V: tl.constexpr, RSCALE_V: tl.constexpr):
+        WR_V: tl.constexpr, CODES_V: tl.constexpr, ETA_V: tl.constexpr, RSCALE_V: tl.constexpr, NCH_V: tl.constexpr):
+    """Grid (B * H, NCH_K + NCH_V): program (bh, c) appends channel chunk c of the Keys (c < NCH_K) or chunk
+    c - NCH_K of the Values of KV head bh."""
     bh = tl.program_id(0)
-    side = tl.program_id(1)
+    c = tl.program_id(1)
     b = bh // H
     h = bh % H
     p0 = tl.load(POS).to(tl.int32)
-    if side == 0:
+    if c < NCH_K:
         _append_side(KX, stride_kb, stride_kh, KDATA, KCODES, KCEN, KHALF, KHMASK, KOVAL, KOIDX, KSINK, KRING,
-                     KLEV, KNORM, b, h, bh, p0, T, NGC_K, D, BITS_K, AXIS_K, GS_K, SYM_K, LUT_K, NLEV_K, NOUT_K,
-                     NORM_K, S, R, G_K, GP_K, WR_K, CODES_K, ETA_K, RSCALE_K)
+                     KLEV, KNORM, b, h, bh, p0, T, NGC_K, c, D, BITS_K, AXIS_K, GS_K, SYM_K, LUT_K, NLEV_K, NOUT_K,
+                     NORM_K, S, R, G_K, GP_K, WR_K, CODES_K, ETA_K, RSCALE_K, NCH_K)
         if ROPE:
-            if (h == 0) & (p0 < T):
+            if (h == 0) & (c == 0) & (p0 < T):
                 d = tl.arange(0, D)
                 src = b.to(tl.int64) * stride_cb + d
                 dst = b.to(tl.int64) * T * D + p0.to(tl.int64) * D + d
@@ -330,8 +335,8 @@ def _append_kernel(
                 tl.store(SIN_T + dst, tl.load(SIN_IN + src).to(SIN_T.dtype.element_ty))
     else:
         _append_side(VX, stride_vb, stride_vh, VDATA, VCODES, VCEN, VHALF, VHMASK, VOVAL, VOIDX, VSINK, VRING,
-                     VLEV, VLEV, b, h, bh, p0, T, NGC_V, D, BITS_V, AXIS_V, GS_V, SYM_V, LUT_V, NLEV_V, NOUT_V,
-                     False, S, R, G_V, GP_V, WR_V, CODES_V, ETA_V, RSCALE_V)
+                     VLEV, VLEV, b, h, bh, p0, T, NGC_V, c - NCH_K, D, BITS_V, AXIS_V, GS_V, SYM_V, LUT_V, NLEV_V,
+                     NOUT_V, False, S, R, G_V, GP_V, WR_V, CODES_V, ETA_V, RSCALE_V, NCH_V)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,7 +352,7 @@ def _side(bufs: dict, side: str, q, cfg, geo):
         ptrs = dict(data=data, codes=data, cen=data, half=data, hmask=data, oval=data, oidx=data, sink=data,
                     ring=data, lev=data, norm=data)
         return ptrs, dict(BITS=16, AXIS=0, GS=1, SYM=0, LUT=False, NLEV=1, NOUT=0, NORM=False, G=1, GP=1, WR=0,
-                          CODES=False, ETA=0.0, RSCALE=1.0, NGC=1)
+                          CODES=False, ETA=0.0, RSCALE=1.0, NGC=1, NCH=1)
     half = g("half")
     pick = lambda n: g(n) if g(n) is not None else half  # noqa: E731
     ptrs = {k: pick(n) for k, n in (("data", "half"), ("codes", "codes"), ("cen", "center"), ("half", "half"),
@@ -366,7 +371,25 @@ def _side(bufs: dict, side: str, q, cfg, geo):
                       NOUT=g("out_val").shape[-1] if g("out_val") is not None else 0, NORM=g("norm") is not None,
                       G=G, GP=triton.next_power_of_2(G), WR=g("ring").shape[2] if g("ring") is not None else 0,
                       CODES=g("codes") is not None, ETA=float(cfg.eta_for(q)), RSCALE=float(q.range_scale),
-                      NGC=half.shape[2] if axis == 1 and gs else 1)
+                      NGC=half.shape[2] if axis == 1 and gs else 1,
+                      NCH=_chunks(q.bits, axis, gs, G, g("out_val") is not None, geo.head_dim))
+
+
+FLUSH_CHANNELS = 32   # channels per program of a side whose groups span tokens (KIVI's Keys): `_chunks`
+
+
+def _chunks(bits: int, axis: int, gs: int, tokens_per_group: int, outliers: bool, head_dim: int) -> int:
+    """Programs per (KV head, side): a side whose groups span tokens (channel groups of G > 1 tokens: KIVI's
+    Keys) quantizes a whole group on the step that completes it, G x head_dim values. Split by channels into
+    programs of FLUSH_CHANNELS (whole words; each program reads and writes only its channels, so the ring's
+    read-before-overwrite stays within one program) that step runs across more SMs. Other sides: one program
+    (a token's outliers and its per-token groups span the channels)."""
+    cpw = 32 // bits
+    n = head_dim // FLUSH_CHANNELS
+    if (tokens_per_group > 1 and axis == 1 and gs and not outliers and n > 1 and 32 % bits == 0
+            and FLUSH_CHANNELS % cpw == 0 and head_dim % FLUSH_CHANNELS == 0):
+        return n
+    return 1
 
 
 def supported(cfg, spec, geo) -> str | None:
@@ -399,7 +422,7 @@ def append_decode(bufs: dict, cfg, spec, geo, key, value, positions, cos=None, s
     else:
         cos = sin = cos_t = sin_t = key
         stride_cb = 0
-    _append_kernel[(B * H, 2)](
+    _append_kernel[(B * H, kc["NCH"] + vc["NCH"])](
         key, key.stride(0), key.stride(1), kp["data"], kp["codes"], kp["cen"], kp["half"], kp["hmask"], kp["oval"],
         kp["oidx"], kp["sink"], kp["ring"], kp["lev"], kp["norm"],
         value, value.stride(0), value.stride(1), vp["data"], vp["codes"], vp["cen"], vp["half"], vp["hmask"],
