@@ -177,12 +177,12 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
     dsafe = tl.where(ev, dch, 0)
     grp = dsafe // GS if AXIS == 0 else dsafe * 0
 
-    xtok = tl.load(xrow + dsafe, mask=ev, other=0.0).to(tl.float32)  # [1, WP, CP] the appended token
+    xtok = tl.load(xrow + dch, mask=ev, other=0.0).to(tl.float32)  # [1, WP, CP] the appended token
     first = p0 == 0
     if NORM_ON:
-        nrm = tl.load(NORM + bh64 * D + dsafe, mask=ev, other=1.0)
+        nrm = tl.load(NORM + bh64 * D + dch, mask=ev, other=1.0)
         nrm = tl.where(first, tl.maximum(tl.sqrt_rn(tl.abs(xtok)), EPS), nrm)
-        tl.store(NORM + bh64 * D + dsafe, nrm, mask=ev & first)
+        tl.store(NORM + bh64 * D + dch, nrm, mask=ev & first)
     if STATIC:
         sc = xtok
         if NORM_ON:
@@ -194,13 +194,13 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
             c_new = sc
             h_new = tl.zeros(sc.shape, tl.float32)
         h_new = tl.maximum(h_new * (1 - 2 * ETA) * RSCALE, EPS)
-        scen = tl.load(CEN + bh64 * D + dsafe, mask=ev, other=0.0)
-        shalf = tl.load(HALF + bh64 * D + dsafe, mask=ev, other=1.0)
+        scen = tl.load(CEN + bh64 * D + dch, mask=ev, other=0.0)
+        shalf = tl.load(HALF + bh64 * D + dch, mask=ev, other=1.0)
         scen = tl.where(first, c_new.to(dt), scen)
         shalf = tl.where(first, h_new.to(dt), shalf)
         if SYM != 1:
-            tl.store(CEN + bh64 * D + dsafe, scen, mask=ev & first)
-        tl.store(HALF + bh64 * D + dsafe, shalf, mask=ev & first)
+            tl.store(CEN + bh64 * D + dch, scen, mask=ev & first)
+        tl.store(HALF + bh64 * D + dch, shalf, mask=ev & first)
         scen = scen.to(tl.float32)
         shalf = shalf.to(tl.float32)
         if SYM == 1:
@@ -215,7 +215,7 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
         tv = gt < G
         emask = tv & ev
         if WR > 0:
-            xr = tl.load(RING + bh64 * WR * D + ((pos % WR) * D + dsafe), mask=emask & (pos != p0), other=0.0)
+            xr = tl.load(RING + bh64 * WR * D + ((pos % WR) * D + dch), mask=emask & (pos != p0), other=0.0)
             xg = tl.where(pos == p0, xtok.to(dt), xr)
         else:
             xg = (xtok + gt * 0.0).to(dt)
@@ -287,7 +287,7 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
                 off = bh64 * T * NGRP + pos.to(tl.int64) * NGRP + grp
             else:
                 rep = emask & (gt == 0)
-                off = bh64 * NGC * D + ((q_old - S) // G) * D + dsafe + gt * 0
+                off = bh64 * NGC * D + ((q_old - S) // G) * D + dch + gt * 0
             rep = rep & flush
             if SYM != 1:
                 tl.store(CEN + off, cen.to(dt), mask=rep)
