@@ -3,7 +3,7 @@
 # or a tests/ path), then, after the word BENCH, benchmark commands one at a time (nothing else running).
 # usage: [TEST_TIMEOUT=seconds] bash bench/device_call.sh "<filter | tests/path | tests/path -k filter>"... BENCH "<command>"...
 # TEST_TIMEOUT: stop each test selection after that long (0, the default: no limit), so the benchmarks still run
-export PYTHONPATH=$PWD
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 ln -sfn $PWD/passes kvq_compile/passes
 ln -sfn $PWD/templates kvq_compile/templates
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader

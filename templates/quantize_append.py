@@ -375,21 +375,19 @@ def _side(bufs: dict, side: str, q, cfg, geo):
                       NCH=_chunks(q.bits, axis, gs, G, g("out_val") is not None, geo.head_dim))
 
 
-FLUSH_CHANNELS = 32   # channels per program of a side whose groups span tokens (KIVI's Keys): `_chunks`
+FLUSH_CHANNELS = 16   # channels per program of a side whose groups span tokens (KIVI's Keys), at least a word's:
+# `_chunks`. Best of 128 / 32 / 16 with 1 / 2 / 4 warps on an H100 (bench/RESULTS.md, session 14)
 
 
 def _chunks(bits: int, axis: int, gs: int, tokens_per_group: int, outliers: bool, head_dim: int) -> int:
     """Programs per (KV head, side): a side whose groups span tokens (channel groups of G > 1 tokens: KIVI's
     Keys) quantizes a whole group on the step that completes it, G x head_dim values. Split by channels into
-    programs of FLUSH_CHANNELS (whole words; each program reads and writes only its channels, so the ring's
-    read-before-overwrite stays within one program) that step runs across more SMs. Other sides: one program
-    (a token's outliers and its per-token groups span the channels)."""
-    cpw = 32 // bits
-    n = head_dim // FLUSH_CHANNELS
-    if (tokens_per_group > 1 and axis == 1 and gs and not outliers and n > 1 and 32 % bits == 0
-            and FLUSH_CHANNELS % cpw == 0 and head_dim % FLUSH_CHANNELS == 0):
-        return n
-    return 1
+    programs of FLUSH_CHANNELS or one word's channels if more (each program reads and writes only its channels,
+    so the ring's read-before-overwrite stays within one program), that step runs across more SMs. Other sides:
+    one program (a token's outliers and its per-token groups span the channels)."""
+    if 32 % bits or tokens_per_group == 1 or axis != 1 or not gs or outliers:
+        return 1
+    return max(1, head_dim // max(FLUSH_CHANNELS, 32 // bits))
 
 
 def supported(cfg, spec, geo) -> str | None:
@@ -402,7 +400,7 @@ def supported(cfg, spec, geo) -> str | None:
     return None
 
 
-def append_decode(bufs: dict, cfg, spec, geo, key, value, positions, cos=None, sin=None, num_warps: int = 4):
+def append_decode(bufs: dict, cfg, spec, geo, key, value, positions, cos=None, sin=None, num_warps: int = 2):
     """kvq::append of one token per sequence at positions[0], on the device (no host synchronization).
     key/value [B, H, 1, D]; cos/sin [B|1, 1, D] or [B|1, 1, 1, D] for Keys stored before RoPE."""
     B, H, n, D = key.shape

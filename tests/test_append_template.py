@@ -187,3 +187,17 @@ def test_full_groups_strided_inputs_to_the_cache_end():
 @pytest.mark.interpreter
 def test_per_sequence_rope_rows_and_outliers_strided():
     check(small_windows("kvquant-4-1%"), strided=True, seed=7)
+
+
+def test_flush_splits_by_channels():
+    """Sides whose groups span tokens run in programs of FLUSH_CHANNELS (at least a word's) channels, so the
+    comparisons above (head_dim 64 and 128, 1-8 bits, channel groups) run the split path; other sides one."""
+    from kvq_compile.templates.quantize_append import FLUSH_CHANNELS, _chunks
+
+    assert FLUSH_CHANNELS == 16
+    assert _chunks(2, 1, 4, 4, False, 64) == 4 and _chunks(2, 1, 32, 32, False, 128) == 8
+    assert _chunks(1, 1, 4, 4, False, 64) == 2 and _chunks(8, 1, 4, 4, False, 64) == 4
+    assert _chunks(3, 1, 4, 4, False, 64) == 1        # 10 codes per word: words straddle any split
+    assert _chunks(2, 1, 4, 4, True, 64) == 1         # outliers: a token's farthest channels span them all
+    assert _chunks(2, 0, 32, 1, False, 128) == 1      # per-token groups
+    assert _chunks(2, 1, 0, 1, False, 128) == 1       # static ranges
