@@ -71,6 +71,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=6)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--skip-hf", action="store_true", help="leave out HF's compiled static cache")
     args = ap.parse_args()
     bw = copy_bandwidth()
     model = build(args.layers)
@@ -80,7 +81,7 @@ def main():
     for shape in args.shapes.split(","):
         B, P = map(int, shape.split("x"))
         ids = torch.randint(100, 120000, (B, P), device="cuda")
-        for preset in ["hf-compiled"] + args.presets.split(","):
+        for preset in ([] if args.skip_hf else ["hf-compiled"]) + args.presets.split(","):
             torch._dynamo.reset()
             torch.cuda.empty_cache()
             quanto_bits = int(preset.split("-")[1]) if preset.startswith("quanto-") else 0
