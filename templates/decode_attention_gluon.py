@@ -978,12 +978,40 @@ if HAVE_GLUON:
         return 32 * b + 8 * a + c
 
     @gluon.jit
+    def _lut_key_logits(q, t0, stop, kt, kc_base, kword3, KHALF, KCEN, ksoff, ktab, KOIDX, KOVAL, bh64, T, kchan4, COS,
+                        SIN, rbase, b_l: gl.constexpr, mma: gl.constexpr, KB: gl.constexpr, KNOUT: gl.constexpr,
+                        ROPE: gl.constexpr, IS_BF16: gl.constexpr):
+        """q @ k^T [16, KB] of kvquant's Keys at positions t0 + [0, KB): codebook lookup, outliers, RoPE (see
+        `_lut_decode_kernel`)."""
+        D: gl.constexpr = D_
+        # Keys (and RoPE rows) past the slice: the last row of the slice instead, unmasked (their logits are masked)
+        krow = gl.expand_dims(gl.expand_dims(gl.minimum(t0 + kt, stop - 1), 0), 0)                   # [1, 1, KB]
+        kwords = gl.load(kc_base + krow * 16 + kword3)
+        # the static statistics are read per tile (L1 hits): held across the loop they cost 32 registers
+        wb, ks4 = gl.broadcast(gl.expand_dims(kwords, 2), gl.expand_dims(gl.load(KHALF + ksoff), 3))
+        wb, kz4 = gl.broadcast(wb, gl.expand_dims(gl.load(KCEN + ksoff), 3))
+        wb, kt4 = gl.broadcast(wb, ktab)
+        kv = _lut_unpack(wb, ks4, kz4, kt4, "k", IS_BF16)                                           # [4, 4, 8, KB]
+        for j in gl.static_range(KNOUT):   # outliers replace their channels (before RoPE)
+            orow = gl.expand_dims(krow, 2) * KNOUT + j                                               # [1, 1, 1, KB]
+            oidx = gl.load(KOIDX + bh64 * T * KNOUT + orow).to(gl.int32)
+            kv = gl.where(kchan4 == oidx, gl.load(KOVAL + bh64 * T * KNOUT + orow), kv)
+        if ROPE:
+            rrow = gl.expand_dims(krow, 2) * D
+            cos = gl.load(COS + rbase + rrow + kchan4)
+            sin = gl.load(SIN + rbase + rrow + kchan4)
+            kv = _rotate(kv, cos, sin, IS_BF16, KB)
+        kv = kv.reshape([2, 2, 2, 2, 2, 2, 2, KB]).permute([0, 1, 4, 5, 2, 3, 6, 7]).reshape([128, KB])
+        kv = gl.convert_layout(kv, b_l)
+        return mma_v2(q, kv, gl.zeros([16, KB], gl.float32, mma))
+
+    @gluon.jit
     def _lut_decode_kernel(
             Q, stride_qb, stride_qh, KC, KCEN, KHALF, KLEV, KOIDX, KOVAL, VC, VCEN, VHALF, VLEV, VOIDX, VOVAL, COS, SIN,
             POS, AMASK, stride_mb, OUT_M, OUT_L, OUT_ACC, scale, T, NSPLIT,
             H: gl.constexpr, REP: gl.constexpr, S: gl.constexpr, R: gl.constexpr, MASK_KIND: gl.constexpr,
             IS_BF16: gl.constexpr, BT: gl.constexpr, ROPE: gl.constexpr, KNOUT: gl.constexpr, VNOUT: gl.constexpr,
-            NWIN: gl.constexpr, PDL: gl.constexpr):
+            NWIN: gl.constexpr, PDL: gl.constexpr, KB: gl.constexpr):
         """Decode over kvquant's layout: 4-bit codebook Keys with one static range per channel (optionally stored
         before RoPE) and 4-bit codebook Values with one range per token, each with KNOUT / VNOUT dense-and-sparse
         outliers per token (exact values at stored channel indices; kvquant-4, kvquant-4-1%):
@@ -1005,8 +1033,8 @@ if HAVE_GLUON:
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-        PK: gl.constexpr = _key_layout(BT, 8)      # [4 (a), 4 (b), 8 (c), BT]
-        KW: gl.constexpr = gl.SliceLayout(2, PK)   # words [4, 4, BT]
+        PK: gl.constexpr = _key_layout(KB, 8)      # [4 (a), 4 (b), 8 (c), KB]
+        KW: gl.constexpr = gl.SliceLayout(2, PK)   # words [4, 4, KB]
         KS: gl.constexpr = gl.SliceLayout(3, PK)   # per channel [4, 4, 8]
         PV: gl.constexpr = _value_layout(BT)       # [BT, 8 (w), 2 (jh), 8 (jl)]
         VW3: gl.constexpr = gl.SliceLayout(3, PV)  # words [BT, 8, 2]
@@ -1017,7 +1045,7 @@ if HAVE_GLUON:
         # the table registers (8, one per code of a block) are loaded once
         ka = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, KW)))
         kb = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, KW)))
-        kt = gl.arange(0, BT, layout=gl.SliceLayout(0, gl.SliceLayout(0, KW)))
+        kt = gl.arange(0, KB, layout=gl.SliceLayout(0, gl.SliceLayout(0, KW)))
         kword = _lut_chan(gl.expand_dims(ka, 1), gl.expand_dims(kb, 0), 0, ROPE) // 8
         kword3 = gl.expand_dims(kword, 2)                                                            # [4, 4, 1]
         sa = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, KS)))
@@ -1029,8 +1057,7 @@ if HAVE_GLUON:
         ktab = gl.expand_dims(gl.expand_dims(gl.expand_dims(_lut_regs(KLEV, sc, IS_BF16), 0), 0), 3)  # [1, 1, 8, 1]
         kc_base = KC + bh64 * T * 16
         kchan4 = gl.expand_dims(schan, 3)                                                            # [4, 4, 8, 1]
-        if ROPE:
-            rbase = b.to(gl.int64) * T * D
+        rbase = b.to(gl.int64) * T * D    # the RoPE rows of sequence b (ROPE)
         # Value words: chunk (w, jh) of token t is word 2w + jh (channels 16w + 8jh + jl); one range per token
         vt = gl.arange(0, BT, layout=gl.SliceLayout(1, VW))
         vw = gl.arange(0, 8, layout=gl.SliceLayout(0, VW))
@@ -1059,25 +1086,17 @@ if HAVE_GLUON:
             t0 = start + it * BT
             # Keys (and RoPE rows) past the slice: the last row of the slice instead, unmasked (their logits are
             # masked); Value rows past it load zero statistics (a masked token's p is 0, its value must be finite)
-            krow = gl.expand_dims(gl.expand_dims(gl.minimum(t0 + kt, stop - 1), 0), 0)               # [1, 1, BT]
-            kwords = gl.load(kc_base + krow * 16 + kword3)
-            # the static statistics are read per tile (L1 hits): held across the loop they cost 32 registers
-            wb, ks4 = gl.broadcast(gl.expand_dims(kwords, 2), gl.expand_dims(gl.load(KHALF + ksoff), 3))
-            wb, kz4 = gl.broadcast(wb, gl.expand_dims(gl.load(KCEN + ksoff), 3))
-            wb, kt4 = gl.broadcast(wb, ktab)
-            kv = _lut_unpack(wb, ks4, kz4, kt4, "k", IS_BF16)                                       # [4, 4, 8, BT]
-            for j in gl.static_range(KNOUT):   # outliers replace their channels (before RoPE)
-                orow = gl.expand_dims(krow, 2) * KNOUT + j                                           # [1, 1, 1, BT]
-                oidx = gl.load(KOIDX + bh64 * T * KNOUT + orow).to(gl.int32)
-                kv = gl.where(kchan4 == oidx, gl.load(KOVAL + bh64 * T * KNOUT + orow), kv)
-            if ROPE:
-                rrow = gl.expand_dims(krow, 2) * D
-                cos = gl.load(COS + rbase + rrow + kchan4)
-                sin = gl.load(SIN + rbase + rrow + kchan4)
-                kv = _rotate(kv, cos, sin, IS_BF16, BT)
-            kv = kv.reshape([2, 2, 2, 2, 2, 2, 2, BT]).permute([0, 1, 4, 5, 2, 3, 6, 7]).reshape([128, BT])
-            kv = gl.convert_layout(kv, b_l)
-            s = mma_v2(q, kv, gl.zeros([16, BT], gl.float32, mma)) * qscale
+            gl.static_assert((KB == BT) or (2 * KB == BT), "Key parts: the whole tile or two halves")
+            if KB == BT:
+                s = _lut_key_logits(q, t0, stop, kt, kc_base, kword3, KHALF, KCEN, ksoff, ktab, KOIDX, KOVAL, bh64, T,
+                                    kchan4, COS, SIN, rbase, b_l, mma, KB, KNOUT, ROPE, IS_BF16)
+            else:   # two 8-token halves: half the Key tile's registers live at once (`LUT_KB`)
+                s0 = _lut_key_logits(q, t0, stop, kt, kc_base, kword3, KHALF, KCEN, ksoff, ktab, KOIDX, KOVAL, bh64,
+                                     T, kchan4, COS, SIN, rbase, b_l, mma, KB, KNOUT, ROPE, IS_BF16)
+                s1 = _lut_key_logits(q, t0 + KB, stop, kt, kc_base, kword3, KHALF, KCEN, ksoff, ktab, KOIDX, KOVAL,
+                                     bh64, T, kchan4, COS, SIN, rbase, b_l, mma, KB, KNOUT, ROPE, IS_BF16)
+                s = gl.convert_layout(gl.join(s0, s1).permute([0, 2, 1]).reshape([16, BT]), mma)
+            s = s * qscale
             s, allowed = _mask_scores(s, rows, t0 + cols, stop, AMASK, b.to(gl.int64) * stride_mb, REP, MASK_KIND)
             p, alpha, m_i, l_i = _softmax_step(s, allowed, m_i, l_i)
 
@@ -1231,6 +1250,9 @@ KIVI_BT = 32       # tokens per tile of `_kivi_decode_kernel`: a Key group (32) 
                    # batch 8-32 on an H100, bench/lut_variants.py, bench/RESULTS.md session 13)
 LUT_BT = 16        # tokens per tile of `_lut_decode_kernel`: faster than 32 at every shape of session 12 (at the cap,
                    # 6-14%; bench/RESULTS.md), which spills twice as much there (48 bytes against 24)
+LUT_KB = 8         # Key tokens per mma of `_lut_decode_kernel`: a tile's Keys in two halves (LUT_BT where not its
+                   # half), so that the Keys' codebook stays in registers under the cap (951 against 1004 sm_90
+                   # instructions per tile: no per-use copies of its 8 registers; session 14)
 LUT_MAXNREG = 168  # its register cap: 12 programs per SM instead of 8 (178 registers uncapped), 6 spills (16 at 32-token
                    # tiles); 1.26-1.35x faster than uncapped at batch >= 8 on an H100, even at batch 1
 
@@ -1350,7 +1372,8 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
         return _lut_decode_kernel, (
             query, query.stride(0), query.stride(1), *(p[n] for p in (kp, vp) for n in _LUT_BUFFERS), cos, sin,
             positions, amask, smb, m_buf, l_buf, acc_buf, float(scale), T, nsplit), dict(
-            H=H, REP=rep, S=sink, R=recent, MASK_KIND=mask_kind, IS_BF16=bf16, BT=LUT_BT, ROPE=rope is not None,
+            H=H, REP=rep, S=sink, R=recent, MASK_KIND=mask_kind, IS_BF16=bf16, BT=LUT_BT, KB=LUT_KB if 2 * LUT_KB == LUT_BT else LUT_BT,
+            ROPE=rope is not None,
             KNOUT=nout[0], VNOUT=nout[1], NWIN=nwin, PDL=pdl, num_warps=1, maxnreg=LUT_MAXNREG)
     if kind == "post":  # calibquant: plain loads (a word per token and side; no per-tile statistics)
         return _post_decode_kernel, (
@@ -1422,7 +1445,7 @@ def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mas
     dev = query.device
     tma = kind == "kivi" and _use_tma(query, sink, T, use_tma)
     key = (kind, dev.index, query.dtype, amask.dtype, mask_kind, kbits, vbits, H, rep, sink, recent, tpg_v, nwin,
-           tma, NSTAGES, phase, rope is not None, tuple(nout), LUT_BT, LUT_MAXNREG, SYM8_BT, KIVI_BT, pdl)
+           tma, NSTAGES, phase, rope is not None, tuple(nout), LUT_BT, LUT_KB, LUT_MAXNREG, SYM8_BT, KIVI_BT, pdl)
     if key not in _RESIDENT:
         one = torch.empty(1, dtype=torch.float32, device=dev)   # stand-ins for the partial buffers, temperatures
         props = torch.cuda.get_device_properties(dev)

@@ -196,8 +196,8 @@ SCRIPT = textwrap.dedent('''
                    KOVAL=ty, VC="*i32", VCEN=ty, VHALF=ty, VLEV="*fp32", VOIDX="*u8", VOVAL=ty, COS=ty, SIN=ty,
                    POS="*i64", AMASK="*i1" if mask == 1 else ty, stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32",
                    OUT_ACC="*fp32", scale="fp32", T="i32", NSPLIT="i32")
-        cx = dict(H=8, REP=4, S=1, R=0, MASK_KIND=mask, IS_BF16=bf16, BT=dag.LUT_BT, ROPE=rope, KNOUT=nout,
-                  VNOUT=nout, NWIN=2, PDL=True)
+        cx = dict(H=8, REP=4, S=1, R=0, MASK_KIND=mask, IS_BF16=bf16, BT=dag.LUT_BT, KB=dag.LUT_KB, ROPE=rope,
+                  KNOUT=nout, VNOUT=nout, NWIN=2, PDL=True)
         b = compile_sm90(dag._lut_decode_kernel, sig, cx, [i for i in range(0, 17) if i not in (1, 2)],
                          maxnreg=dag.LUT_MAXNREG)
         out.append(("lut", rope, b.shared, b.stack, b.sass.count("HMMA"), b.sass.count("STS"), b.sass.count("LDS"),
