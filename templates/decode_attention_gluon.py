@@ -1250,9 +1250,9 @@ KIVI_BT = 32       # tokens per tile of `_kivi_decode_kernel`: a Key group (32) 
                    # batch 8-32 on an H100, bench/lut_variants.py, bench/RESULTS.md session 13)
 LUT_BT = 16        # tokens per tile of `_lut_decode_kernel`: faster than 32 at every shape of session 12 (at the cap,
                    # 6-14%; bench/RESULTS.md), which spills twice as much there (48 bytes against 24)
-LUT_KB = 8         # Key tokens per mma of `_lut_decode_kernel`: a tile's Keys in two halves (LUT_BT where not its
-                   # half), so that the Keys' codebook stays in registers under the cap (951 against 1004 sm_90
-                   # instructions per tile: no per-use copies of its 8 registers; session 14)
+LUT_KB = 16        # Key tokens per mma of `_lut_decode_kernel`: the whole tile, or 8 (its Keys in two halves, LUT_BT
+                   # 16): the Keys' codebook then stays in registers under the cap (951 against 1004 sm_90 instructions
+                   # per tile) but 8 registers spill against 6, 7-9% slower on an H100 (bench/RESULTS.md, session 14)
 LUT_MAXNREG = 168  # its register cap: 12 programs per SM instead of 8 (178 registers uncapped), 6 spills (16 at 32-token
                    # tiles); 1.26-1.35x faster than uncapped at batch >= 8 on an H100, even at batch 1
 
