@@ -24,8 +24,8 @@ def main():
                scale="fp32", T="i32", NSPLIT="i32")
     for bt, cap, nout in ((16, dag.LUT_MAXNREG, 0), (16, None, 0), (32, dag.LUT_MAXNREG, 0), (32, None, 0),
                           (16, dag.LUT_MAXNREG, 1)):
-        cx = dict(H=8, REP=4, S=1, R=0, MASK_KIND=1, IS_BF16=False, BT=bt, KT=dag.LUT_KT, ROPE=True, KNOUT=nout,
-                  VNOUT=nout, NWIN=2, PDL=True)
+        cx = dict(H=8, REP=4, S=1, R=0, MASK_KIND=1, IS_BF16=False, BT=bt, ROPE=True, KNOUT=nout, VNOUT=nout, NWIN=2,
+                  PDL=True)
         b = compile_sm90(dag._lut_decode_kernel, lut, cx, [i for i in range(17) if i not in (1, 2)],
                                          **({"maxnreg": cap} if cap else {}))
         ops = main_loop(b.sass)

@@ -628,23 +628,6 @@ if HAVE_GLUON:
         LN2: gl.constexpr = 0.6931471805599453
         gl.store(OUT_M + o, m_i * LN2, mask=rows < REP)
         gl.store(OUT_L + o, l_i, mask=rows < REP)
-        _store_acc(OUT_ACC, bh, split, NSPLIT, NWIN, acc, REP, mma)
-
-    @gluon.jit
-    def _store_partials8(OUT_M, OUT_L, OUT_ACC, bh, split, NSPLIT, NWIN: gl.constexpr, m_i, l_i, acc,
-                         REP: gl.constexpr, mma: gl.constexpr):
-        """`_store_partials` with the per-row max and sum of the 8 rows laid out along the accumulator's columns."""
-        r8 = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
-        o = (bh * 16 + r8) * (NSPLIT + NWIN) + split
-        LN2: gl.constexpr = 0.6931471805599453
-        gl.store(OUT_M + o, m_i * LN2, mask=r8 < REP)
-        gl.store(OUT_L + o, l_i, mask=r8 < REP)
-        _store_acc(OUT_ACC, bh, split, NSPLIT, NWIN, acc, REP, mma)
-
-    @gluon.jit
-    def _store_acc(OUT_ACC, bh, split, NSPLIT, NWIN: gl.constexpr, acc, REP: gl.constexpr, mma: gl.constexpr):
-        """The transposed accumulator acc^T [128 (n = 8j + w: channel 16w + j), 8] into slot `split` of each real
-        row, in channel order."""
         n = gl.arange(0, 128, layout=gl.SliceLayout(1, mma))
         r8 = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
         chan = 16 * (n & 7) + (n >> 3)
@@ -995,37 +978,12 @@ if HAVE_GLUON:
         return 32 * b + 8 * a + c
 
     @gluon.jit
-    def _lut_keys(t0, stop, kt, kc_base, kword3, KHALF, KCEN, ksoff, ktab, KOIDX, KOVAL, bh64, T, kchan4, COS, SIN,
-                  rbase, BT: gl.constexpr, KNOUT: gl.constexpr, ROPE: gl.constexpr, IS_BF16: gl.constexpr):
-        """kvquant's Keys at positions t0 + [0, BT) as k^T [128 (the mma's reduction order), BT]: codebook lookup,
-        outliers, RoPE (see `_lut_decode_kernel`)."""
-        D: gl.constexpr = D_
-        # Keys (and RoPE rows) past the slice: the last row of the slice instead, unmasked (their logits are masked)
-        krow = gl.expand_dims(gl.expand_dims(gl.minimum(t0 + kt, stop - 1), 0), 0)                   # [1, 1, BT]
-        kwords = gl.load(kc_base + krow * 16 + kword3)
-        # the static statistics are read per tile (L1 hits): held across the loop they cost 32 registers
-        wb, ks4 = gl.broadcast(gl.expand_dims(kwords, 2), gl.expand_dims(gl.load(KHALF + ksoff), 3))
-        wb, kz4 = gl.broadcast(wb, gl.expand_dims(gl.load(KCEN + ksoff), 3))
-        wb, kt4 = gl.broadcast(wb, ktab)
-        kv = _lut_unpack(wb, ks4, kz4, kt4, "k", IS_BF16)                                           # [4, 4, 8, BT]
-        for j in gl.static_range(KNOUT):   # outliers replace their channels (before RoPE)
-            orow = gl.expand_dims(krow, 2) * KNOUT + j                                               # [1, 1, 1, BT]
-            oidx = gl.load(KOIDX + bh64 * T * KNOUT + orow).to(gl.int32)
-            kv = gl.where(kchan4 == oidx, gl.load(KOVAL + bh64 * T * KNOUT + orow), kv)
-        if ROPE:
-            rrow = gl.expand_dims(krow, 2) * D
-            cos = gl.load(COS + rbase + rrow + kchan4)
-            sin = gl.load(SIN + rbase + rrow + kchan4)
-            kv = _rotate(kv, cos, sin, IS_BF16, BT)
-        return kv.reshape([2, 2, 2, 2, 2, 2, 2, BT]).permute([0, 1, 4, 5, 2, 3, 6, 7]).reshape([128, BT])
-
-    @gluon.jit
     def _lut_decode_kernel(
             Q, stride_qb, stride_qh, KC, KCEN, KHALF, KLEV, KOIDX, KOVAL, VC, VCEN, VHALF, VLEV, VOIDX, VOVAL, COS, SIN,
             POS, AMASK, stride_mb, OUT_M, OUT_L, OUT_ACC, scale, T, NSPLIT,
             H: gl.constexpr, REP: gl.constexpr, S: gl.constexpr, R: gl.constexpr, MASK_KIND: gl.constexpr,
             IS_BF16: gl.constexpr, BT: gl.constexpr, ROPE: gl.constexpr, KNOUT: gl.constexpr, VNOUT: gl.constexpr,
-            NWIN: gl.constexpr, PDL: gl.constexpr, KT: gl.constexpr):
+            NWIN: gl.constexpr, PDL: gl.constexpr):
         """Decode over kvquant's layout: 4-bit codebook Keys with one static range per channel (optionally stored
         before RoPE) and 4-bit codebook Values with one range per token, each with KNOUT / VNOUT dense-and-sparse
         outliers per token (exact values at stored channel indices; kvquant-4, kvquant-4-1%):
@@ -1071,7 +1029,8 @@ if HAVE_GLUON:
         ktab = gl.expand_dims(gl.expand_dims(gl.expand_dims(_lut_regs(KLEV, sc, IS_BF16), 0), 0), 3)  # [1, 1, 8, 1]
         kc_base = KC + bh64 * T * 16
         kchan4 = gl.expand_dims(schan, 3)                                                            # [4, 4, 8, 1]
-        rbase = b.to(gl.int64) * T * D    # the RoPE rows of sequence b (ROPE)
+        if ROPE:
+            rbase = b.to(gl.int64) * T * D
         # Value words: chunk (w, jh) of token t is word 2w + jh (channels 16w + 8jh + jl); one range per token
         vt = gl.arange(0, BT, layout=gl.SliceLayout(1, VW))
         vw = gl.arange(0, 8, layout=gl.SliceLayout(0, VW))
@@ -1088,54 +1047,39 @@ if HAVE_GLUON:
             gl.expand_dims(gl.expand_dims(gl.expand_dims(jl, 0), 0), 0)                               # [1, 8, 2, 8]
 
         # q [16, 128] in the Key mma's reduction order k = 64 a1 + 32 a0 + 16 c2 + 8 c1 + 4 b1 + 2 b0 + c0
+        qm = gl.arange(0, 16, layout=gl.SliceLayout(1, a_l))
+        qk = gl.arange(0, 128, layout=gl.SliceLayout(0, a_l))
+        qchan = _lut_chan((qk >> 5) & 3, (qk >> 1) & 3, ((qk >> 3) & 3) * 2 + (qk & 1), ROPE)
+        q = _load_q(Q, b, h, stride_qb, stride_qh, qm, qchan, REP)
+
         qscale = scale * 1.4426950408889634   # log2(e): the softmax runs in base 2
-        if KT:   # q^T [128, 8] as the B operand of k @ q^T (the query rows as the mma's 8 columns)
-            qn = gl.arange(0, 8, layout=gl.SliceLayout(0, b_l))
-            qk = gl.arange(0, 128, layout=gl.SliceLayout(1, b_l))
-            qchan = _lut_chan((qk >> 5) & 3, (qk >> 1) & 3, ((qk >> 3) & 3) * 2 + (qk & 1), ROPE)
-            q = gl.load(Q + b.to(gl.int64) * stride_qb + gl.expand_dims((h * REP + qn) * stride_qh, 0)
-                        + gl.expand_dims(qchan, 1), mask=gl.expand_dims(qn < REP, 0), other=0.0)
-            tcol = gl.arange(0, BT, layout=gl.SliceLayout(1, mma))     # tokens: the logits' rows
-            r8 = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))        # query rows: its columns
-            m_i = gl.full([8], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
-            l_i = gl.zeros([8], gl.float32, gl.SliceLayout(0, mma))
-            acc = gl.zeros([128, 8], gl.float32, mma)
-        else:   # q [16, 128] (rows past REP zero) as the A operand of q @ k^T
-            qm = gl.arange(0, 16, layout=gl.SliceLayout(1, a_l))
-            qk = gl.arange(0, 128, layout=gl.SliceLayout(0, a_l))
-            qchan = _lut_chan((qk >> 5) & 3, (qk >> 1) & 3, ((qk >> 3) & 3) * 2 + (qk & 1), ROPE)
-            q = _load_q(Q, b, h, stride_qb, stride_qh, qm, qchan, REP)
-            rows, cols, m_i, l_i, acc = _softmax_state(BT, mma)
+        rows, cols, m_i, l_i, acc = _softmax_state(BT, mma)
 
         for it in range(0, n_iter):
             t0 = start + it * BT
             # Keys (and RoPE rows) past the slice: the last row of the slice instead, unmasked (their logits are
             # masked); Value rows past it load zero statistics (a masked token's p is 0, its value must be finite)
-            kv = _lut_keys(t0, stop, kt, kc_base, kword3, KHALF, KCEN, ksoff, ktab, KOIDX, KOVAL, bh64, T, kchan4, COS,
-                           SIN, rbase, BT, KNOUT, ROPE, IS_BF16)                                     # k^T [128, BT]
-            if KT:   # logits^T [BT, 8] = k @ q^T, the online softmax down its columns
-                s = mma_v2(gl.convert_layout(kv.permute([1, 0]), a_l), q, gl.zeros([BT, 8], gl.float32, mma)) * qscale
-                tt = t0 + tcol
-                allowed = gl.expand_dims(tt < stop, 1) & gl.expand_dims(r8 < REP, 0)
-                if MASK_KIND == 1:
-                    mv = gl.load(AMASK + b.to(gl.int64) * stride_mb + tt, mask=tt < stop, other=0)
-                    allowed = allowed & gl.expand_dims(mv != 0, 1)
-                elif MASK_KIND == 2:
-                    mv = gl.load(AMASK + b.to(gl.int64) * stride_mb + tt, mask=tt < stop, other=0.0).to(gl.float32)
-                    s = s + gl.expand_dims(mv * 1.4426950408889634, 1)
-                    allowed = allowed & gl.expand_dims(mv > float("-inf"), 1)
-                s = gl.where(allowed, s, float("-inf"))
-                m_new = gl.maximum(m_i, gl.max(s, 0))
-                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-                p = gl.exp2(s - gl.expand_dims(m_use, 0))
-                alpha = gl.exp2(m_i - m_use)
-                m_i = m_new
-                l_i = l_i * alpha + gl.sum(p, 0)
-            else:
-                s = mma_v2(q, gl.convert_layout(kv, b_l), gl.zeros([16, BT], gl.float32, mma)) * qscale
-                s, allowed = _mask_scores(s, rows, t0 + cols, stop, AMASK, b.to(gl.int64) * stride_mb, REP,
-                                          MASK_KIND)
-                p, alpha, m_i, l_i = _softmax_step(s, allowed, m_i, l_i)
+            krow = gl.expand_dims(gl.expand_dims(gl.minimum(t0 + kt, stop - 1), 0), 0)               # [1, 1, BT]
+            kwords = gl.load(kc_base + krow * 16 + kword3)
+            # the static statistics are read per tile (L1 hits): held across the loop they cost 32 registers
+            wb, ks4 = gl.broadcast(gl.expand_dims(kwords, 2), gl.expand_dims(gl.load(KHALF + ksoff), 3))
+            wb, kz4 = gl.broadcast(wb, gl.expand_dims(gl.load(KCEN + ksoff), 3))
+            wb, kt4 = gl.broadcast(wb, ktab)
+            kv = _lut_unpack(wb, ks4, kz4, kt4, "k", IS_BF16)                                       # [4, 4, 8, BT]
+            for j in gl.static_range(KNOUT):   # outliers replace their channels (before RoPE)
+                orow = gl.expand_dims(krow, 2) * KNOUT + j                                           # [1, 1, 1, BT]
+                oidx = gl.load(KOIDX + bh64 * T * KNOUT + orow).to(gl.int32)
+                kv = gl.where(kchan4 == oidx, gl.load(KOVAL + bh64 * T * KNOUT + orow), kv)
+            if ROPE:
+                rrow = gl.expand_dims(krow, 2) * D
+                cos = gl.load(COS + rbase + rrow + kchan4)
+                sin = gl.load(SIN + rbase + rrow + kchan4)
+                kv = _rotate(kv, cos, sin, IS_BF16, BT)
+            kv = kv.reshape([2, 2, 2, 2, 2, 2, 2, BT]).permute([0, 1, 4, 5, 2, 3, 6, 7]).reshape([128, BT])
+            kv = gl.convert_layout(kv, b_l)
+            s = mma_v2(q, kv, gl.zeros([16, BT], gl.float32, mma)) * qscale
+            s, allowed = _mask_scores(s, rows, t0 + cols, stop, AMASK, b.to(gl.int64) * stride_mb, REP, MASK_KIND)
+            p, alpha, m_i, l_i = _softmax_step(s, allowed, m_i, l_i)
 
             vvalid = gl.expand_dims((t0 + vt) < stop, 1)
             vwords = gl.load(vc_base + t0 * 16 + voff, mask=gl.expand_dims(vvalid, 2), other=0)      # [BT, 8, 2]
@@ -1153,15 +1097,9 @@ if HAVE_GLUON:
                 vv = gl.where(vchan4 == oidx, gl.load(VOVAL + bh64 * T * VNOUT + orow), vv)
             vv = vv.permute([0, 2, 3, 1]).reshape([BT, 128]).permute([1, 0])          # v^T [128 (n = 8j + w), BT]
             vv = gl.convert_layout(vv, a_l)
-            if KT:
-                acc = mma_v2(vv, gl.convert_layout(p.to(dt), b_l), acc * gl.expand_dims(alpha, 0))
-            else:
-                acc = mma_v2(vv, _p_operand(p.to(dt), b_l, BT), acc * gl.expand_dims(_first8(alpha, mma), 0))
+            acc = mma_v2(vv, _p_operand(p.to(dt), b_l, BT), acc * gl.expand_dims(_first8(alpha, mma), 0))
 
-        if KT:
-            _store_partials8(OUT_M, OUT_L, OUT_ACC, bh, split, NSPLIT, NWIN, m_i, l_i, acc, REP, mma)
-        else:
-            _store_partials(OUT_M, OUT_L, OUT_ACC, bh, split, NSPLIT, NWIN, m_i, l_i, acc, REP, mma)
+        _store_partials(OUT_M, OUT_L, OUT_ACC, bh, split, NSPLIT, NWIN, m_i, l_i, acc, REP, mma)
 
     @gluon.constexpr_function
     def _value8_layout(bt):
@@ -1293,8 +1231,6 @@ KIVI_BT = 32       # tokens per tile of `_kivi_decode_kernel`: a Key group (32) 
                    # batch 8-32 on an H100, bench/lut_variants.py, bench/RESULTS.md session 13)
 LUT_BT = 16        # tokens per tile of `_lut_decode_kernel`: faster than 32 at every shape of session 12 (at the cap,
                    # 6-14%; bench/RESULTS.md), which spills twice as much there (48 bytes against 24)
-LUT_KT = True      # `_lut_decode_kernel` computes logits^T = k @ q^T (q^T, 8 columns: 16 registers, not 32 with
-                   # the 8 padding rows of q @ k^T), so that the codebook's registers fit under the cap (session 14)
 LUT_MAXNREG = 168  # its register cap: 12 programs per SM instead of 8 (178 registers uncapped), 6 spills (16 at 32-token
                    # tiles); 1.26-1.35x faster than uncapped at batch >= 8 on an H100, even at batch 1
 
@@ -1414,8 +1350,7 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
         return _lut_decode_kernel, (
             query, query.stride(0), query.stride(1), *(p[n] for p in (kp, vp) for n in _LUT_BUFFERS), cos, sin,
             positions, amask, smb, m_buf, l_buf, acc_buf, float(scale), T, nsplit), dict(
-            H=H, REP=rep, S=sink, R=recent, MASK_KIND=mask_kind, IS_BF16=bf16, BT=LUT_BT, KT=LUT_KT,
-            ROPE=rope is not None,
+            H=H, REP=rep, S=sink, R=recent, MASK_KIND=mask_kind, IS_BF16=bf16, BT=LUT_BT, ROPE=rope is not None,
             KNOUT=nout[0], VNOUT=nout[1], NWIN=nwin, PDL=pdl, num_warps=1, maxnreg=LUT_MAXNREG)
     if kind == "post":  # calibquant: plain loads (a word per token and side; no per-tile statistics)
         return _post_decode_kernel, (
@@ -1487,7 +1422,7 @@ def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mas
     dev = query.device
     tma = kind == "kivi" and _use_tma(query, sink, T, use_tma)
     key = (kind, dev.index, query.dtype, amask.dtype, mask_kind, kbits, vbits, H, rep, sink, recent, tpg_v, nwin,
-           tma, NSTAGES, phase, rope is not None, tuple(nout), LUT_BT, LUT_KT, LUT_MAXNREG, SYM8_BT, KIVI_BT, pdl)
+           tma, NSTAGES, phase, rope is not None, tuple(nout), LUT_BT, LUT_MAXNREG, SYM8_BT, KIVI_BT, pdl)
     if key not in _RESIDENT:
         one = torch.empty(1, dtype=torch.float32, device=dev)   # stand-ins for the partial buffers, temperatures
         props = torch.cuda.get_device_properties(dev)
