@@ -28,31 +28,37 @@ from kvq_compile.templates.decode_attention import decode_attention  # noqa: E40
 from kvq_compile.templates.quantize_append import append_decode  # noqa: E402
 
 
+def completes(cfg, p: int) -> bool:
+    """Whether the decode step at position p completes a group on both sides (a flush)."""
+    return all(st.fill_boundary(p + 1, cfg.sink, cfg.recent, q.tokens_per_group)
+               > st.fill_boundary(p, cfg.sink, cfg.recent, q.tokens_per_group) for q in (cfg.key, cfg.value))
+
+
+def append_setup(name: str, B: int, ctx: int, dtype=torch.bfloat16):
+    """(cfg, model store, layer, append buffers by name, key, value, first flush position >= ctx) of one layer of
+    `name` holding ctx random tokens."""
+    cfg = KVQConfig.preset(name)
+    li = pick_layer(cfg)
+    ms = random_store(cfg, li, li + 1, B, ctx + 64, dtype)
+    lay = ms.layers[li]
+    bufs = dict(zip(*lay.append_tensors()))
+    k, v = (torch.randn(B, H, 1, D, device="cuda", dtype=dtype) for _ in range(2))
+    return cfg, ms, lay, bufs, k, v, next(p for p in range(ctx, ctx + 64) if completes(cfg, p))
+
+
 def main(quick: bool = False):
     """quick: the template and the attention only (not the Inductor-compiled and eager appends)."""
     dtype = torch.bfloat16
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__}")
     for B, ctx in ((8, 8192), (32, 4096)):
         for name in ("int8", "kivi-4", "kivi-2", "kvquant-4", "innerq-2", "xquant-1.38", "calibquant-1"):
-            cfg = KVQConfig.preset(name)
-            li = pick_layer(cfg)
-            ms = random_store(cfg, li, li + 1, B, ctx + 64, dtype)
-            lay = ms.layers[li]
-            names, tensors = lay.append_tensors()
-            layout = lay.descriptor(names)
-            k = torch.randn(B, H, 1, D, device="cuda", dtype=dtype)
-            v = torch.randn(B, H, 1, D, device="cuda", dtype=dtype)
-            quiet = next((p for p in range(ctx, ctx + 64) if not all(  # a step that completes no group on a side
-                st.fill_boundary(p + 1, cfg.sink, cfg.recent, q.tokens_per_group)
-                > st.fill_boundary(p, cfg.sink, cfg.recent, q.tokens_per_group) for q in (cfg.key, cfg.value))),
-                ctx)   # (per-token groups on both sides: every step completes one)
+            cfg, ms, lay, bufs, k, v, flush = append_setup(name, B, ctx, dtype)
+            layout = lay.descriptor(list(bufs))
+            # a step that completes no group on a side (per-token groups on both sides: every step completes one)
+            quiet = next((p for p in range(ctx, ctx + 64) if not completes(cfg, p)), ctx)
             pos = torch.tensor([quiet], device="cuda")
             cs = (torch.randn(B, 1, D, device="cuda", dtype=dtype),) * 2 if cfg.keys_before_rope else (None, None)
-            bufs = dict(zip(names, tensors))
             t_op = graph_time(lambda: append_decode(bufs, cfg, lay.spec, ms.geo, k, v, pos, *cs))
-            flush = next(p for p in range(ctx, ctx + 64) if all(  # a step that quantizes a group on both sides
-                st.fill_boundary(p + 1, cfg.sink, cfg.recent, q.tokens_per_group)
-                > st.fill_boundary(p, cfg.sink, cfg.recent, q.tokens_per_group) for q in (cfg.key, cfg.value)))
             pos_f = torch.tensor([flush], device="cuda")
             t_flush = graph_time(lambda: append_decode(bufs, cfg, lay.spec, ms.geo, k, v, pos_f, *cs))
             t_ind = t_eager = float("nan")
@@ -70,7 +76,7 @@ def main(quick: bool = False):
                   f"mean over {g} steps {t_mean:6.1f})  append (inductor) {t_ind:7.1f} us  append (eager ops) "
                   f"{t_eager:7.1f} us  attention {t_att:7.1f} us  append/attention {t_op / t_att:5.3f} (flush "
                   f"{t_flush / t_att:5.3f}, mean {t_mean / t_att:5.3f})", flush=True)
-            del ms, bufs, ab, tensors, at
+            del ms, bufs, ab, at
             torch.cuda.empty_cache()
 
 
@@ -84,17 +90,7 @@ def sweep():
     default = qa.FLUSH_CHANNELS
     for B, ctx in ((8, 8192), (32, 4096)):
         for name in ("kivi-2", "kivi-4", "xquant-1.38"):
-            cfg = KVQConfig.preset(name)
-            li = pick_layer(cfg)
-            ms = random_store(cfg, li, li + 1, B, ctx + 64, dtype)
-            lay = ms.layers[li]
-            names, tensors = lay.append_tensors()
-            bufs = dict(zip(names, tensors))
-            k = torch.randn(B, H, 1, D, device="cuda", dtype=dtype)
-            v = torch.randn(B, H, 1, D, device="cuda", dtype=dtype)
-            flush = next(p for p in range(ctx, ctx + 64) if all(
-                st.fill_boundary(p + 1, cfg.sink, cfg.recent, q.tokens_per_group)
-                > st.fill_boundary(p, cfg.sink, cfg.recent, q.tokens_per_group) for q in (cfg.key, cfg.value)))
+            cfg, ms, lay, bufs, k, v, flush = append_setup(name, B, ctx, dtype)
             pos, pos_f = torch.tensor([flush + 1], device="cuda"), torch.tensor([flush], device="cuda")
             for ch in (128, 32, 16):
                 qa.FLUSH_CHANNELS = ch
@@ -104,7 +100,7 @@ def sweep():
                     print(f"sweep {name:12s} B={B:2d} ctx={ctx:5d} channels/program {ch:3d} warps {nw}  step "
                           f"{t_op:6.1f} us  flush {t_fl:6.1f} us", flush=True)
             qa.FLUSH_CHANNELS = default
-            del ms, bufs, tensors
+            del ms, bufs
             torch.cuda.empty_cache()
 
 

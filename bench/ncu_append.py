@@ -13,10 +13,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_decode_attention import D, H, pick_layer, random_store  # noqa: E402
+from bench_append import append_setup  # noqa: E402
 
-from kvq_compile import KVQConfig  # noqa: E402
-from kvq_compile import store as st  # noqa: E402
 from kvq_compile.templates import quantize_append as qa  # noqa: E402
 
 
@@ -24,15 +22,7 @@ def main():
     for spec in sys.argv[1:]:
         preset, shape, ch, nw = spec.split(":")
         B, ctx = map(int, shape.split("x"))
-        cfg = KVQConfig.preset(preset)
-        li = pick_layer(cfg)
-        ms = random_store(cfg, li, li + 1, B, ctx + 64, torch.bfloat16)
-        lay = ms.layers[li]
-        bufs = dict(zip(*lay.append_tensors()))
-        k, v = (torch.randn(B, H, 1, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        flush = next(p for p in range(ctx, ctx + 64) if all(
-            st.fill_boundary(p + 1, cfg.sink, cfg.recent, q.tokens_per_group)
-            > st.fill_boundary(p, cfg.sink, cfg.recent, q.tokens_per_group) for q in (cfg.key, cfg.value)))
+        cfg, ms, lay, bufs, k, v, flush = append_setup(preset, B, ctx)
         qa.FLUSH_CHANNELS = int(ch)
         print(f"== {spec}", flush=True)
         for _ in range(2):
