@@ -28,8 +28,9 @@ from bench_generate import build, copy_bandwidth, roofline_tok_s, write_rows  # 
 
 @torch.no_grad()
 def decode_loop(model, ids, step_fn, warmup: int, steps: int, quanto_bits: int = 0) -> float:
-    """Seconds per decode step: an eager prefill into a fresh StaticCache, then warmup + steps compiled steps.
-    quanto_bits: HF's QuantizedCache (quanto backend, its defaults otherwise) instead, the mask growing each step."""
+    """Seconds per decode step: an eager prefill into a fresh StaticCache, then warmup + steps steps of step_fn
+    (compiled). quanto_bits: HF's QuantizedCache instead (quanto backend, its defaults otherwise: group 64, a
+    128-token residual, so these few steps never requantize), the mask growing each step, step_fn eager."""
     from transformers import StaticCache
 
     B, P = ids.shape
@@ -54,7 +55,8 @@ def decode_loop(model, ids, step_fn, warmup: int, steps: int, quanto_bits: int =
         # position ids passed in ([B, 1]): the kvq pass recomputes the rotation tables of the eagerly written
         # prefix from them for Keys stored before RoPE (kvquant), and declines the rewrite without them
         logits = step_fn(tok, attention_mask=mask[:, :P + i + 1] if quanto_bits else mask, past_key_values=cache,
-                         cache_position=pos[P + i:P + i + 1], position_ids=pos[P + i:P + i + 1].expand(B, 1), use_cache=True).logits
+                         cache_position=pos[P + i:P + i + 1], position_ids=pos[P + i:P + i + 1].expand(B, 1),
+                         use_cache=True).logits
         tok = logits[:, -1:].argmax(-1)
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / steps
@@ -97,10 +99,12 @@ def main():
             except Exception as e:  # noqa: BLE001  report and go on
                 print(f"{preset} B={B} P={P}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
-            if preset != "hf-compiled" and not quanto_bits and "main" not in da.LAST_KERNELS:   # the pass declined: not a kvq number
+            if preset != "hf-compiled" and not quanto_bits and "main" not in da.LAST_KERNELS:
+                # the pass declined: not a kvq number
                 print(f"{preset} B={B} P={P}: no kvq decode kernel ran (the pass left the graph unchanged: see the "
                       f"kvq_compile log); not reported", flush=True)
                 continue
+            # HF: an fp16 cache of the valid length (quanto's too: its bytes are not modelled, its % is of that)
             roof = roofline_tok_s(model, None if preset == "hf-compiled" or quanto_bits else preset, args.layers, B,
                                   P + (args.warmup + args.steps) // 2, bw)
             row = dict(preset=preset, batch=B, prompt=P, ms_step=step * 1e3, tok_s=B / step, roofline_tok_s=roof)

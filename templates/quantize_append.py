@@ -1,8 +1,8 @@
 """Quantize-on-append of one decode token per sequence, in Triton: K and V of a layer in one launch.
 
 The same writes as `kvq_compile.store.append_decode` (the reference this is tested against), per
-(sequence b, KV head h, side K|V), with the token x = chunk[b, h, 0] at device position p0 and the side's
-fill boundary Q(L) = S + floor(max(0, L - S - R) / G) * G:
+(sequence b, KV head h, side K|V; a side whose groups span tokens also per chunk of channels: `_chunks`), with the
+token x = chunk[b, h, 0] at device position p0 and the side's fill boundary Q(L) = S + floor(max(0, L - S - R) / G) * G:
 
     unquantized side:  data[p0] = x
     p0 == 0:           norm = sqrt(max_t |x|) (InnerQ Keys); static per-channel ranges from x / norm:
@@ -375,16 +375,19 @@ def _side(bufs: dict, side: str, q, cfg, geo):
                       NCH=_chunks(q.bits, axis, gs, G, g("out_val") is not None, geo.head_dim))
 
 
-FLUSH_CHANNELS = 16   # channels per program of a side whose groups span tokens (KIVI's Keys), at least a word's:
-# `_chunks`. Best of 128 / 32 / 16 with 1 / 2 / 4 warps on an H100 (bench/RESULTS.md, session 14)
+FLUSH_CHANNELS = 16   # channels per program of a side whose groups span tokens (KIVI's Keys), at least a word's
+# (`_chunks`; a power of two). Of 128 / 32 / 16 on an H100 (bench/RESULTS.md, session 14): 16 the fastest group step
 
 
 def _chunks(bits: int, axis: int, gs: int, tokens_per_group: int, outliers: bool, head_dim: int) -> int:
     """Programs per (KV head, side): a side whose groups span tokens (channel groups of G > 1 tokens: KIVI's
     Keys) quantizes a whole group on the step that completes it, G x head_dim values. Split by channels into
     programs of FLUSH_CHANNELS or one word's channels if more (each program reads and writes only its channels,
-    so the ring's read-before-overwrite stays within one program), that step runs across more SMs. Other sides:
-    one program (a token's outliers and its per-token groups span the channels)."""
+    so the ring's read-before-overwrite stays within one program), that step runs across more SMs. Other sides
+    run one program: per-token groups and a token's outliers span the channels, static ranges quantize one token
+    per step, and 3-bit words (10 codes) straddle any power-of-two split."""
+    if FLUSH_CHANNELS < 1 or FLUSH_CHANNELS & (FLUSH_CHANNELS - 1):
+        raise ValueError(f"quantize_append.FLUSH_CHANNELS must be a power of two, not {FLUSH_CHANNELS}")
     if 32 % bits or tokens_per_group == 1 or axis != 1 or not gs or outliers:
         return 1
     return max(1, head_dim // max(FLUSH_CHANNELS, 32 // bits))
@@ -413,8 +416,11 @@ def append_decode(bufs: dict, cfg, spec, geo, key, value, positions, cos=None, s
     key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (key, value))
     kp, kc = _side(bufs, "k", spec.key, cfg, geo)
     vp, vc = _side(bufs, "v", spec.value, cfg, geo)
-    if num_warps is None:   # 2 (faster: bench/RESULTS.md, session 14) except with outliers, where 2 warps
-        # miscomputed channel-grouped codes on an H100 (session 14, tests/test_append_template.py; not root-caused)
+    if num_warps is None:
+        # 2: every group step within 10% of its attention on an H100 (1 warp: steps that complete no group 0.4-0.9 us
+        # faster, xquant's 1-bit group step 4.1 us, 10.3%; bench/RESULTS.md, session 14). 4 where a side keeps
+        # outliers: at 1 and 2 warps the H100 miscomputed a channel-grouped side's codes with outliers (the GPU run
+        # of tests/test_append_template.py; not root-caused: ties in the outliers' argmax are the suspect)
         num_warps = 4 if kc["NOUT"] or vc["NOUT"] else 2
     rope = cos is not None and "rope.cos" in bufs
     if rope:

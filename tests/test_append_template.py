@@ -189,6 +189,18 @@ def test_per_sequence_rope_rows_and_outliers_strided():
     check(small_windows("kvquant-4-1%"), strided=True, seed=7)
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("kbits,vbits", [(4, 1), (8, 2)])
+def test_both_sides_split_at_head_dim_128(kbits, vbits):
+    """Keys and Values both in channel groups at head_dim 128: both sides run several programs (the Values'
+    programs follow the Keys' in the grid), against the reference after every step."""
+    from kvq_compile.templates.quantize_append import _chunks
+
+    cfg = KVQConfig(key=_q(kbits, Axis.CHANNEL, 4), value=_q(vbits, Axis.CHANNEL, 4), sink=1, recent=4)
+    assert _chunks(kbits, 1, 4, 4, False, 128) > 1 and _chunks(vbits, 1, 4, 4, False, 128) > 1
+    check(cfg, D=128, dtype=torch.float16, steps=10, seed=kbits)
+
+
 def test_flush_splits_by_channels():
     """Sides whose groups span tokens run in programs of FLUSH_CHANNELS (at least a word's) channels, so the
     comparisons above (head_dim 64 and 128, 1-8 bits, channel groups) run the split path; other sides one."""
@@ -201,3 +213,7 @@ def test_flush_splits_by_channels():
     assert _chunks(2, 1, 4, 4, True, 64) == 1         # outliers: a token's farthest channels span them all
     assert _chunks(2, 0, 32, 1, False, 128) == 1      # per-token groups
     assert _chunks(2, 1, 0, 1, False, 128) == 1       # static ranges
+    with pytest.raises(ValueError, match="power of two"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr("kvq_compile.templates.quantize_append.FLUSH_CHANNELS", 24)
+            _chunks(2, 1, 4, 4, False, 64)

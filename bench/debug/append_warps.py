@@ -1,5 +1,5 @@
-"""Session 14: the outlier + channel-group append config of tests/test_append_template.py at 2 and 4 warps, several
-seeds, on the GPU: which warp counts match the reference."""
+"""Session 14: the outlier + channel-group append config of tests/test_append_template.py at 2, 4 and 1 warps,
+several seeds, on the GPU: which warp counts match the reference."""
 import functools
 import os
 import sys
@@ -15,8 +15,8 @@ from kvq_compile.templates import quantize_append as qa  # noqa: E402
 base = qa.append_decode
 for nw in (2, 4, 1):
     t.append_decode = functools.partial(base, num_warps=nw)
-    for name, kq, vq in (("k3 static+out, v2 chan+out", t._q(3, Axis.CHANNEL, None, levels=Levels.NORMAL_FLOAT, outliers=0.03),
-                          t._q(2, Axis.CHANNEL, 4, outliers=0.05)),
+    k3 = t._q(3, Axis.CHANNEL, None, levels=Levels.NORMAL_FLOAT, outliers=0.03)
+    for name, kq, vq in (("k3 static+out, v2 chan+out", k3, t._q(2, Axis.CHANNEL, 4, outliers=0.05)),
                          ("v2 chan+out only", t._q(2, Axis.TOKEN, 16), t._q(2, Axis.CHANNEL, 4, outliers=0.05)),
                          ("v2 chan, no outliers", t._q(2, Axis.TOKEN, 16), t._q(2, Axis.CHANNEL, 4)),
                          ("v2 token+out", t._q(2, Axis.TOKEN, 16), t._q(2, Axis.TOKEN, 16, outliers=0.05))):
