@@ -116,7 +116,7 @@ def _code_mask(bits: int) -> str:
     return f"0x{m:04X}{m:04X}"
 
 
-def _key_asm(bits: int, bf16: bool) -> str:
+def _key_asm(bits: int, bf16: bool, tokenwise: bool = False) -> str:
     """The codes of one word (16 at 1 or 2 bits, 8 at 4 bits) -> registers of (value 2i, value 2i+1). Operands:
     P = codes per block, $0..$(P/2 - 1) out, then P copies of the word, P/2 scale pairs, P/2 offset pairs
     (channels 2i, 2i+1). `lop3` puts a code into the mantissa of the magic number M (1024 fp16, 128 bf16):
@@ -125,25 +125,29 @@ def _key_asm(bits: int, bf16: bool) -> str:
     (M + code, M + 4 code: the high scale is pre-divided by 4, `_scale_offset`); y >> 4 brings codes 2, 3 down.
     4 bits: `prmt` pairs byte i of the word (low half) with byte i of word >> 4 (high half): its two codes at bit 0.
     1 bit (the word pre-shifted: its 16 codes at bits 0-15): `prmt` pairs byte i of the word with byte i of
-    word >> 1, so codes (2m, 2m+1) sit at bit 2m of the halves; y >> 2 steps to the next pair."""
+    word >> 1, so codes (2m, 2m+1) sit at bit 2m of the halves; y >> 2 steps to the next pair.
+    tokenwise (InnerQ's Keys: one scale per token and 32-channel group, the same for both halves of a register):
+    2 bits as 4 bits, byte i of the word beside byte i of word >> 2 (codes 4i, 4i + 1 at bit 0), y >> 4 brings
+    codes 4i + 2, 4i + 3 down; no scale divided by 4 (one more `shr` per word)."""
     ty = "bf16x2" if bf16 else "f16x2"
     magic, neg = _magic(bf16)
     P = 8 if bits == 4 else 16
     w, sc, of = P // 2, P // 2 + P, P + P
-    lines = ["{ .reg .b32 y, x, n;" if bits == 2 else "{ .reg .b32 y, x, n, h;", f"mov.b32 n, {neg};"]
+    paired = bits == 2 and not tokenwise   # KIVI's 2-bit Keys: codes at bits 0 and 2 of one byte copy
+    lines = ["{ .reg .b32 y, x, n;" if paired else "{ .reg .b32 y, x, n, h;", f"mov.b32 n, {neg};"]
 
     def value(r: int, mask: str):
         lines.append(f"lop3.b32 x, y, {mask}, {magic}, 0xea; add.rn.{ty} x, x, n; "
                      f"fma.rn.{ty} ${r}, x, ${sc + r}, ${of + r};")
 
-    if bits == 2:
+    if paired:
         for i in range(4):
             lines.append(f"prmt.b32 y, ${w}, ${w}, 0x{i:x}{i:x}{i:x}{i:x};")
             for half in range(2):
                 if half:
                     lines.append("shr.b32 y, y, 4;")
                 value(2 * i + half, "0x000C0003")
-    elif bits in (1, 4):  # byte i of the word beside byte i of word >> bits; 4 / bits code pairs per byte
+    elif bits in (1, 2, 4):  # byte i of the word beside byte i of word >> bits; 4 / bits code pairs per byte
         lines.append(f"shr.b32 h, ${w}, {bits};")
         for i in range(P * bits // 8):
             lines.append(f"prmt.b32 y, ${w}, h, 0x{4 + i:x}{4 + i:x}{i:x}{i:x};")
@@ -157,28 +161,33 @@ def _key_asm(bits: int, bf16: bool) -> str:
     return "\n".join(lines)
 
 
-def _value_asm(bits: int, bf16: bool) -> str:
+def _value_asm(bits: int, bf16: bool, per_code: bool = False) -> str:
     """Codes 0-7 of two tokens' words (pre-shifted so they sit at bits 0 .. 8 * bits - 1) -> 8 registers (token t,
     token t+1) of code j = 0..7. Operands: $0-$7 out, $8-$23 words (even: token t, odd: token t+1), $24-$31 scale
     pairs, $32-$39 offset pairs (t, t+1). `prmt` interleaves a byte of the two words (low half: token t, high
     half: token t+1); `lop3` puts a code of each half into the mantissa of M; `add` removes M; `fma` applies the
     scale and the offset.
     2 bits: codes m = 0, 1 of the byte at bits 0 and 2 (M + 4^m code, the scale divided by 4^m); y >> 4 brings
-    codes 2, 3 down. 4 bits: code 0 of the byte at bit 0, y >> 4 brings code 1 down. 1 bit: y >> 1 per code."""
+    codes 2, 3 down. 4 bits: code 0 of the byte at bit 0, y >> 4 brings code 1 down. 1 bit: y >> 1 per code.
+    KIVI's Values (one group per block) read the scale and offset pair of $24 and $32 only; per_code (InnerQ's
+    Values, statistics per channel) reads register j's own $(24 + j), $(32 + j), at 2 bits its odd codes' scale
+    handed over divided by 4."""
     ty = "bf16x2" if bf16 else "f16x2"
     magic, neg = _magic(bf16)
     lines = ["{ .reg .b32 y, x, n, s1, z0;", f"mov.b32 n, {neg};"]
 
     def value(r: int, mask: str, scale: str = "$24"):
+        scale, offset = (f"${24 + r}", f"${32 + r}") if per_code else (scale, "$32")
         lines.append(f"lop3.b32 x, y, {mask}, {magic}, 0xea; add.rn.{ty} x, x, n; "
-                     f"fma.rn.{ty} ${r}, x, {scale}, $32;")
+                     f"fma.rn.{ty} ${r}, x, {scale}, {offset};")
 
     def interleave(byte: int):
         lines.append(f"prmt.b32 y, $8, $9, 0x{4 + byte:x}{4 + byte:x}{byte:x}{byte:x};")
 
     if bits == 2:
-        lines[-1] += f" mov.b32 z0, {_NEG0};"
-        lines.append(f"mov.b32 s1, {_f16x2(0.25, 0.25, bf16)}; fma.rn.{ty} s1, $24, s1, z0;")
+        if not per_code:
+            lines[-1] += f" mov.b32 z0, {_NEG0};"
+            lines.append(f"mov.b32 s1, {_f16x2(0.25, 0.25, bf16)}; fma.rn.{ty} s1, $24, s1, z0;")
         for byte in range(2):
             interleave(byte)
             for j in range(4):
@@ -350,6 +359,9 @@ def split_scale(scale: float, bf16: bool) -> tuple[float, float]:
 BITS = (1, 2, 4)  # code widths the kernel unpacks (per side: xquant pairs 2-bit Keys with 1-bit Values)
 _ASM = {(side, bits, bf): (_key_asm if side == "k" else _value_asm)(bits, bf)
         for side in "kv" for bits in BITS for bf in (False, True)}
+# InnerQ's layout: Keys with statistics per token ("kt"), Values with statistics per channel ("vc")
+_ASM.update({(side, bits, bf): _key_asm(bits, bf, tokenwise=True) if side == "kt" else _value_asm(bits, bf, True)
+             for side in ("kt", "vc") for bits in BITS for bf in (False, True)})
 _STATS = {bf: _stats_asm(bf) for bf in (False, True)}
 _ASM.update({(side + "post", 1, bf): (_post_key_asm if side == "k" else _post_value_asm)(bf)
              for side in "kv" for bf in (False, True)})
@@ -696,12 +708,18 @@ if HAVE_GLUON:
     @gluon.jit
     def _kivi_decode_kernel(
             Q, stride_qb, stride_qh, KC, KCEN, KHALF, VC, VCEN, VHALF, POS, AMASK, stride_mb,
-            OUT_M, OUT_L, OUT_ACC, scale, T, NG_K, NSPLIT,
+            OUT_M, OUT_L, OUT_ACC, scale, T, NG_K, NSPLIT, KMASK, VMASK, KNORM,
             H: gl.constexpr, REP: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
             TPG_K: gl.constexpr, TPG_V: gl.constexpr, MASK_KIND: gl.constexpr, IS_BF16: gl.constexpr,
             BT: gl.constexpr, KBITS: gl.constexpr, VBITS: gl.constexpr, KA_HI: gl.constexpr, KA_LO: gl.constexpr,
             VA_HI: gl.constexpr, VA_LO: gl.constexpr, NWIN: gl.constexpr, TMA: gl.constexpr, NST: gl.constexpr,
-            PDL: gl.constexpr):
+            PDL: gl.constexpr, INNER: gl.constexpr = False, KHYB: gl.constexpr = False,
+            VHYB: gl.constexpr = False, NORM: gl.constexpr = False):
+        """KIVI's layout, or with INNER InnerQ's (Keys per token in groups of 32 channels, Values per channel in
+        groups of 32 tokens: the same packed words, the statistics the other way round; plain loads). NG_K: the
+        statistics rows per KV head of the token-grouped side (KIVI's Keys, InnerQ's Values). InnerQ's extras:
+        KHYB / VHYB hybrid groups (KMASK / VMASK: True = symmetric levels, spacing KA / VA; else twice that),
+        NORM its per-channel Key normalization KNORM [B * H, 128] folded into q (q * norm, rounded once)."""
         bh = gl.program_id(0)
         split = gl.program_id(1)
         b = bh // H
@@ -734,19 +752,27 @@ if HAVE_GLUON:
         kword = gl.expand_dims(gl.expand_dims(ka * KBW, 1) + gl.expand_dims(kb * KBITS, 0), 2)     # [NA, 4, 1]
         koff = gl.expand_dims(gl.expand_dims(kt, 0), 0) * KW_ + kword                             # [NA, 4, BT]
         kshift = gl.expand_dims(gl.expand_dims(ka * 16, 1), 2)
-        sa = gl.arange(0, NA, layout=gl.SliceLayout(1, gl.SliceLayout(2, KS)))
-        sb = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, KS)))
-        sc = gl.arange(0, KP, layout=gl.SliceLayout(0, gl.SliceLayout(0, KS)))
-        schan = gl.expand_dims(gl.expand_dims(sa * KP, 1) + gl.expand_dims(sb * 32, 0), 2) + \
-            gl.expand_dims(gl.expand_dims(sc, 0), 0)                                    # [NA, 4, KP] channels
-        # the level spacing 2 / (2^B - 1) as hi + lo; at 2 bits the odd channels' scale divided by 4 (their code
-        # sits at bit 2, `_key_asm`)
-        if KBITS == 2:
-            kfac = gl.where(sc % 2 == 0, 1.0, 0.25)
+        if INNER:  # InnerQ's Key statistics: one per token t and lane group b (its 32 channels), [4, BT]
+            gl.static_assert(not TMA, "InnerQ's layout takes plain loads")
+            KT: gl.constexpr = gl.SliceLayout(0, KW)
+            tb = gl.arange(0, 4, layout=gl.SliceLayout(1, KT))
+            ksoff = gl.expand_dims(kt, 0) * 4 + gl.expand_dims(tb, 1)                  # [4, BT] (t, group b)
+            kc16 = gl.arange(0, KP, layout=gl.SliceLayout(0, gl.SliceLayout(0, KS)))
+            kdummy = gl.expand_dims(gl.expand_dims(gl.expand_dims(kc16, 0), 0), 3)     # [1, 1, KP, 1], broadcast only
         else:
-            kfac = gl.full([KP], 1.0, gl.float32, gl.SliceLayout(0, gl.SliceLayout(0, KS)))
-        khi = gl.expand_dims(gl.expand_dims((kfac * KA_HI).to(dt), 0), 0)            # [1, 1, KP]
-        klo = gl.expand_dims(gl.expand_dims((kfac * KA_LO).to(dt), 0), 0)
+            sa = gl.arange(0, NA, layout=gl.SliceLayout(1, gl.SliceLayout(2, KS)))
+            sb = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, KS)))
+            sc = gl.arange(0, KP, layout=gl.SliceLayout(0, gl.SliceLayout(0, KS)))
+            schan = gl.expand_dims(gl.expand_dims(sa * KP, 1) + gl.expand_dims(sb * 32, 0), 2) + \
+                gl.expand_dims(gl.expand_dims(sc, 0), 0)                                # [NA, 4, KP] channels
+            # the level spacing 2 / (2^B - 1) as hi + lo; at 2 bits the odd channels' scale divided by 4 (their
+            # code sits at bit 2, `_key_asm`)
+            if KBITS == 2:
+                kfac = gl.where(sc % 2 == 0, 1.0, 0.25)
+            else:
+                kfac = gl.full([KP], 1.0, gl.float32, gl.SliceLayout(0, gl.SliceLayout(0, KS)))
+            khi = gl.expand_dims(gl.expand_dims((kfac * KA_HI).to(dt), 0), 0)        # [1, 1, KP]
+            klo = gl.expand_dims(gl.expand_dims((kfac * KA_LO).to(dt), 0), 0)
         # Value words: chunk (w, jh) of token t starts at code 16w + 8jh
         vt = gl.arange(0, BT, layout=gl.SliceLayout(1, VW))
         vw = gl.arange(0, 8, layout=gl.SliceLayout(0, VW))
@@ -764,8 +790,21 @@ if HAVE_GLUON:
         vsoff = gl.expand_dims(vt, 1) * 4 + gl.expand_dims(vw // 2, 0)                # [BT, 8] group w // 2
         jl = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, PV))))
         jdummy = gl.expand_dims(gl.expand_dims(gl.expand_dims(jl, 0), 0), 0)         # [1, 1, 1, 8], broadcast only
-        vhi = gl.full([BT, 8], VA_HI, dt, VW)
-        vlo = gl.full([BT, 8], VA_LO, dt, VW)
+        if INNER:  # InnerQ's Value statistics: one per channel 16w + 8jh + jl of the tile's group row, [8, 2, 8]
+            PVS: gl.constexpr = gl.SliceLayout(0, PV)
+            cw = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, PVS)))
+            cjh = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, PVS)))
+            cjl = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, PVS)))
+            vchan = gl.expand_dims(gl.expand_dims(cw * 16, 1) + gl.expand_dims(cjh * 8, 0), 2) + \
+                gl.expand_dims(gl.expand_dims(cjl, 0), 1)                               # [8, 2, 8] channels
+            # at 2 bits the odd codes' scale divided by 4 (their code sits at bit 2, `_value_asm` per_code)
+            if VBITS == 2:
+                vfac = gl.expand_dims(gl.expand_dims(gl.where(cjl % 2 == 0, 1.0, 0.25), 0), 1)
+            else:
+                vfac = gl.full([1, 1, 8], 1.0, gl.float32, PVS)
+        else:
+            vhi = gl.full([BT, 8], VA_HI, dt, VW)
+            vlo = gl.full([BT, 8], VA_LO, dt, VW)
 
         if TMA:  # a ring of NST tiles in shared memory, filled by the tensor-memory accelerator
             kbuf = gl.allocate_shared_memory(gl.int32, [NST, BT, KW_], KC.layout)
@@ -788,9 +827,13 @@ if HAVE_GLUON:
         else:
             bh64 = bh.to(gl.int64)
             kc_base = KC + bh64 * T * KW_
-            ks_base = bh64 * NG_K * D
             vc_base = VC + bh64 * T * VW_
-            vs_base = bh64 * T * 4
+            if INNER:  # the statistics the other way round
+                ks_base = bh64 * T * 4
+                vs_base = bh64 * NG_K * D
+            else:
+                ks_base = bh64 * NG_K * D
+                vs_base = bh64 * T * 4
 
         # q [16, 128] in the Key mma's reduction order
         qm = gl.arange(0, 16, layout=gl.SliceLayout(1, a_l))
@@ -798,6 +841,9 @@ if HAVE_GLUON:
         qc = (qk & 1) + ((qk >> 3) & 1) * 2 + ((qk >> 4) & 1) * 4 + ((qk >> 5) & 1) * 8
         qchan = 16 * ((qk >> 6) & 1) + 32 * ((qk >> 1) & 3) + qc
         q = _load_q(Q, b, h, stride_qb, stride_qh, qm, qchan, REP)
+        if NORM:  # InnerQ's Key normalization: k = k~ * norm, so q . k = (q * norm) . k~
+            nrm = gl.load(KNORM + bh.to(gl.int64) * D + qchan)
+            q = (q.to(gl.float32) * gl.expand_dims(nrm, 0)).to(dt)
 
         qscale = scale * 1.4426950408889634   # log2(e): the softmax runs in base 2
         rows, cols, m_i, l_i, acc = _softmax_state(BT, mma)
@@ -813,16 +859,27 @@ if HAVE_GLUON:
                 vvalid = gl.expand_dims((t0 + vt) < stop, 1)
                 vh = gl.where(vvalid, vh, 0.0)   # statistics past the slice may be unwritten memory
                 vcen = gl.where(vvalid, vcen, 0.0)
+            elif INNER:
+                kwords, vwords, kh, kcen, khyb, vh, vcen, vhyb = _load_inner_tile(
+                    kc_base, KHALF, KCEN, KMASK, vc_base, VHALF, VCEN, VMASK, ks_base, vs_base, t0, stop, S, koff,
+                    ksoff, kt, voff, vchan, vt, BT, D, KW_, VW_, VBITS, KHYB, VHYB)
             else:
                 kwords, kh, kcen, vwords, vh, vcen = _load_tile(kc_base, KHALF, KCEN, vc_base, VHALF, VCEN, ks_base,
                                                                 vs_base, t0, stop, S, koff, schan, kt, voff, vsoff,
                                                                 vt, BT, D, KW_, VW_, VBITS)
             if KBITS == 1:
                 kwords = kwords >> kshift
-            ks, kz = _scale_offset(kh, kcen, khi, klo, IS_BF16)
-            wb, ks4 = gl.broadcast(gl.expand_dims(kwords, 2), gl.expand_dims(ks, 3))
-            wb, kz4 = gl.broadcast(wb, gl.expand_dims(kz, 3))
-            kv = _unpack(wb, ks4, kz4, "k", KBITS, KP, IS_BF16)
+            if INNER:  # [4, BT] -> [1, 4, 1, BT]: one scale and offset per token and lane group
+                ks, kz = _scale_offset(kh, kcen, (khyb * KA_HI).to(dt), (khyb * KA_LO).to(dt), IS_BF16)
+                wb, _ = gl.broadcast(gl.expand_dims(kwords, 2), kdummy)                  # [NA, 4, KP, BT]
+                wb, ks4 = gl.broadcast(wb, gl.expand_dims(gl.expand_dims(ks, 0), 2))
+                wb, kz4 = gl.broadcast(wb, gl.expand_dims(gl.expand_dims(kz, 0), 2))
+                kv = _unpack(wb, ks4, kz4, "kt", KBITS, KP, IS_BF16)
+            else:
+                ks, kz = _scale_offset(kh, kcen, khi, klo, IS_BF16)
+                wb, ks4 = gl.broadcast(gl.expand_dims(kwords, 2), gl.expand_dims(ks, 3))
+                wb, kz4 = gl.broadcast(wb, gl.expand_dims(kz, 3))
+                kv = _unpack(wb, ks4, kz4, "k", KBITS, KP, IS_BF16)
             # [NA, 4, KP] -> the reduction index k = 64 x4 + 32 x3 + 16 x2 + 8 x1 + 4 b1 + 2 b0 + x0, where the
             # 5 bits x = KP * a + c (q is loaded in the same order)
             if KP == 16:
@@ -835,15 +892,24 @@ if HAVE_GLUON:
             s, allowed = _mask_scores(s, rows, t0 + cols, stop, AMASK, b.to(gl.int64) * stride_mb, REP, MASK_KIND)
             p, alpha, m_i, l_i = _softmax_step(s, allowed, m_i, l_i)
 
-            vs, vz = _scale_offset(vh, vcen, vhi, vlo, IS_BF16)
+            if INNER:
+                vfh = vhyb * vfac
+                vs, vz = _scale_offset(vh, vcen, (vfh * VA_HI).to(dt), (vfh * VA_LO).to(dt), IS_BF16)
+            else:
+                vs, vz = _scale_offset(vh, vcen, vhi, vlo, IS_BF16)
             if VBITS == 4:
                 vw3 = vwords
             else:
                 vw3 = vwords >> vshift                                                  # [BT, 8, 2]
             wv, _ = gl.broadcast(gl.expand_dims(vw3, 3), jdummy)                      # [BT, 8, 2, 8]
-            wv, vs4 = gl.broadcast(wv, gl.expand_dims(gl.expand_dims(vs, 2), 3))
-            wv, vz4 = gl.broadcast(wv, gl.expand_dims(gl.expand_dims(vz, 2), 3))
-            vv = _unpack(wv, vs4, vz4, "v", VBITS, 16, IS_BF16)
+            if INNER:  # [8, 2, 8] -> [1, 8, 2, 8]: one scale and offset per channel
+                wv, vs4 = gl.broadcast(wv, gl.expand_dims(vs, 0))
+                wv, vz4 = gl.broadcast(wv, gl.expand_dims(vz, 0))
+                vv = _unpack(wv, vs4, vz4, "vc", VBITS, 16, IS_BF16)
+            else:
+                wv, vs4 = gl.broadcast(wv, gl.expand_dims(gl.expand_dims(vs, 2), 3))
+                wv, vz4 = gl.broadcast(wv, gl.expand_dims(gl.expand_dims(vz, 2), 3))
+                vv = _unpack(wv, vs4, vz4, "v", VBITS, 16, IS_BF16)
             vv = vv.permute([0, 2, 3, 1]).reshape([BT, 128]).permute([1, 0])          # v^T [128 (n = 8j + w), BT]
             vv = gl.convert_layout(vv, a_l)
             acc = mma_v2(vv, _p_operand(p.to(dt), b_l, BT), acc * gl.expand_dims(_first8(alpha, mma), 0))
@@ -917,6 +983,38 @@ if HAVE_GLUON:
         vh = gl.load(VHALF + vs_base + t0 * 4 + vsoff, mask=vvalid, other=0.0)
         vcen = gl.load(VCEN + vs_base + t0 * 4 + vsoff, mask=vvalid, other=0.0)
         return kwords, kh, kcen, vwords, vh, vcen
+
+    @gluon.jit
+    def _load_inner_tile(kc_base, KHALF, KCEN, KMASK, vc_base, VHALF, VCEN, VMASK, ks_base, vs_base, t0, stop,
+                         S: gl.constexpr, koff, ksoff, kt, voff, vchan, vt, BT: gl.constexpr, D: gl.constexpr,
+                         KW_: gl.constexpr, VW_: gl.constexpr, VBITS: gl.constexpr, KHYB: gl.constexpr,
+                         VHYB: gl.constexpr):
+        """InnerQ's tile at t0: packed words as `_load_tile` loads them; the Keys' raw statistics per token and
+        group [4, BT] (positions >= stop load 0) and the Values' per channel of the tile's group row [8, 2, 8];
+        each side's level-spacing factor (hybrid: 1 for a symmetric group, 2 for an asymmetric one; else 1)."""
+        kvalid = (t0 + kt) < stop
+        kwords = gl.load(kc_base + t0 * KW_ + koff, mask=gl.expand_dims(gl.expand_dims(kvalid, 0), 0), other=0)
+        kvalid2 = gl.expand_dims(kvalid, 0) & (ksoff >= 0)   # [4, BT]
+        ksrow = ks_base + t0 * 4 + ksoff
+        kh = gl.load(KHALF + ksrow, mask=kvalid2, other=0.0)
+        kcen = gl.load(KCEN + ksrow, mask=kvalid2, other=0.0)
+        if KHYB:
+            khyb = gl.where(gl.load(KMASK + ksrow, mask=kvalid2, other=0) != 0, 1.0, 2.0)
+        else:
+            khyb = gl.where(kvalid2, 1.0, 1.0)
+        vvalid = gl.expand_dims((t0 + vt) < stop, 1)
+        if VBITS == 4:
+            vwords = gl.load(vc_base + t0 * VW_ + voff, mask=gl.expand_dims(vvalid, 2), other=0)
+        else:
+            vwords = gl.expand_dims(gl.load(vc_base + t0 * VW_ + voff, mask=vvalid, other=0), 2)
+        vsrow = vs_base + (t0 - S) // 32 * D + vchan   # t0 < stop: the tile's group row is written
+        vh = gl.load(VHALF + vsrow)
+        vcen = gl.load(VCEN + vsrow)
+        if VHYB:
+            vhyb = gl.where(gl.load(VMASK + vsrow) != 0, 1.0, 2.0)
+        else:
+            vhyb = gl.where(vchan >= 0, 1.0, 1.0)
+        return kwords, vwords, kh, kcen, khyb, vh, vcen, vhyb
 
     @gluon.jit
     def _lut_regs(LEV, e, IS_BF16: gl.constexpr):
@@ -1219,6 +1317,8 @@ if HAVE_GLUON:
 
 
 _POST = dict(BITS=1, AXIS=1, GS=0, NG=1, SYM=0, LUT=False, NOUT=0, NORM=False, TPG=1)
+_INNER_K = dict(AXIS=0, GS=32, LUT=False, NOUT=0, TPG=1)     # and SYM 0 or 2 (hybrid), either NORM
+_INNER_V = dict(AXIS=1, GS=32, LUT=False, NOUT=0, TPG=32)
 
 
 _LUT_K = dict(BITS=4, AXIS=1, GS=0, NG=1, SYM=0, LUT=True, NORM=False, TPG=1)
@@ -1236,7 +1336,9 @@ LUT_MAXNREG = 168  # its register cap: 12 programs per SM instead of 8 (178 regi
 
 
 def layout_kind(kc: dict, vc: dict, head_dim: int = D) -> str | None:
-    """"kivi": KIVI's layout at 1, 2 or 4 bits (`_kivi_decode_kernel`); "post": 1-bit channel-wise Keys and
+    """"kivi": KIVI's layout at 1, 2 or 4 bits (`_kivi_decode_kernel`); "inner": InnerQ's at 1, 2 or 4 bits, Keys
+    per token in groups of 32 channels and Values per channel in groups of 32 tokens, asymmetric or hybrid (innerq-2;
+    the same kernel); "post": 1-bit channel-wise Keys and
     Values with one static range per channel, calibquant-1 (`_post_decode_kernel`); "lut": kvquant's 4-bit
     codebooks, Keys with one static range per channel, Values one range per token, with or without outliers
     (kvquant-4, kvquant-4-1%: `_lut_decode_kernel`); "sym8": symmetric 8-bit codes with one scale per token vector on
@@ -1247,6 +1349,11 @@ def layout_kind(kc: dict, vc: dict, head_dim: int = D) -> str | None:
     if kc["BITS"] in BITS and vc["BITS"] in BITS and all(kc[n] == v for n, v in key.items()) \
             and all(vc[n] == v for n, v in val.items()):
         return "kivi"
+    # InnerQ's: the other way round, asymmetric or hybrid (not at 1 bit: no 0-bit asymmetric half), any Key norm
+    if kc["BITS"] in BITS and vc["BITS"] in BITS and all(kc[n] == v for n, v in _INNER_K.items()) \
+            and all(vc[n] == v for n, v in _INNER_V.items()) \
+            and all(c["SYM"] == 0 or (c["SYM"] == 2 and c["BITS"] > 1) for c in (kc, vc)):
+        return "inner"
     if all(kc[n] == v for n, v in _POST.items()) and all(vc[n] == v for n, v in _POST.items()):
         return "post"
     if all(kc[n] == v for n, v in _LUT_K.items()) and all(vc[n] == v for n, v in _LUT_V.items()) \
@@ -1266,7 +1373,7 @@ def supports(query, rep: int, kc: dict, vc: dict, kp: dict, rope: bool, mask_kin
 
     kind = layout_kind(kc, vc, query.shape[-1])
     if kind is None:
-        return ("the store is in none of KIVI's layout at 1, 2 or 4 bits, calibquant's 1-bit channel-wise one and "
+        return ("the store is in none of KIVI's or InnerQ's layouts at 1, 2 or 4 bits, calibquant's 1-bit channel-wise one and "
                 "kvquant's 4-bit codebooks and int8's per-token 8-bit codes")
     if query.shape[-1] != D:
         return "needs head_dim 128"
@@ -1358,21 +1465,39 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
             vp["half"], positions, amask, smb, query if temp is None else temp, m_buf, l_buf, acc_buf, float(scale),
             T, nsplit), dict(H=H, REP=rep, S=sink, R=recent, MASK_KIND=mask_kind, IS_BF16=bf16, BT=BT,
                              TAU_PHASE=phase, NWIN=nwin, PDL=pdl, num_warps=1)
-    if kind != "kivi" or phase:
+    if kind not in ("kivi", "inner") or phase:
         raise ValueError(f"no Gluon launch for layout {kind!r} with calibrated-softmax phase {phase}")
+    stores = [kp["codes"], kp["cen"], kp["half"], vp["codes"], vp["cen"], vp["half"]]
+    extra = [query, query, query]   # KMASK, VMASK, KNORM: InnerQ's only
+    if kind == "inner":  # plain loads; the Values' group rows take NG_K's place; hybrid: the spacing of symmetric levels
+        khyb, vhyb, norm = inner_flags(kp, vp)
+        ka_hi, ka_lo = split_scale(2.0 / (2 ** kbits - (2 if khyb else 1)), bf16)
+        va_hi, va_lo = split_scale(2.0 / (2 ** vbits - (2 if vhyb else 1)), bf16)
+        extra = [kp["hmask"].view(torch.uint8) if khyb else query, vp["hmask"].view(torch.uint8) if vhyb else query,
+                 kp["norm"] if norm else query]
+        return _kivi_decode_kernel, (
+            query, query.stride(0), query.stride(1), *stores, positions, amask, smb, m_buf, l_buf, acc_buf,
+            float(scale), T, vp["half"].shape[2], nsplit, *extra), dict(
+            H=H, REP=rep, S=sink, R=recent, TPG_K=1, TPG_V=32, MASK_KIND=mask_kind, IS_BF16=bf16, BT=KIVI_BT,
+            KBITS=kbits, VBITS=vbits, KA_HI=ka_hi, KA_LO=ka_lo, VA_HI=va_hi, VA_LO=va_lo, NWIN=nwin, TMA=False,
+            NST=NSTAGES, PDL=pdl, INNER=True, KHYB=khyb, VHYB=vhyb, NORM=norm, num_warps=1)
     ka_hi, ka_lo = split_scale(2.0 / (2 ** kbits - 1), bf16)
     va_hi, va_lo = split_scale(2.0 / (2 ** vbits - 1), bf16)
     use_tma = _use_tma(query, sink, T, use_tma)
     if use_tma:
         stores = descriptors(kp, vp, kbits, vbits)
-    else:
-        stores = [kp["codes"], kp["cen"], kp["half"], vp["codes"], vp["cen"], vp["half"]]
     return _kivi_decode_kernel, (
         query, query.stride(0), query.stride(1), *stores, positions, amask, smb, m_buf, l_buf, acc_buf,
-        float(scale), T, ng_k, nsplit), dict(
+        float(scale), T, ng_k, nsplit, *extra), dict(
         H=H, REP=rep, S=sink, R=recent, TPG_K=32, TPG_V=tpg_v, MASK_KIND=mask_kind,
         IS_BF16=bf16, BT=KIVI_BT, KBITS=kbits, VBITS=vbits, KA_HI=ka_hi, KA_LO=ka_lo, VA_HI=va_hi, VA_LO=va_lo,
         NWIN=nwin, TMA=use_tma, NST=NSTAGES, PDL=pdl, num_warps=1)
+
+
+def inner_flags(kp: dict, vp: dict) -> tuple[bool, bool, bool]:
+    """(Keys hybrid, Values hybrid, Key normalization) of an InnerQ-layout store: which of the optional buffers it
+    has (`decode_attention._side_args` puts the side's `half` where one is absent)."""
+    return kp["hmask"] is not kp["half"], vp["hmask"] is not vp["half"], kp["norm"] is not kp["half"]
 
 
 def launch(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int, m_buf, l_buf, acc_buf,
@@ -1421,7 +1546,7 @@ def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mas
 
     dev = query.device
     tma = kind == "kivi" and _use_tma(query, sink, T, use_tma)
-    key = (kind, dev.index, query.dtype, amask.dtype, mask_kind, kbits, vbits, H, rep, sink, recent, tpg_v, nwin,
+    key = (kind, inner_flags(kp, vp) if kind == "inner" else None, dev.index, query.dtype, amask.dtype, mask_kind, kbits, vbits, H, rep, sink, recent, tpg_v, nwin,
            tma, NSTAGES, phase, rope is not None, tuple(nout), LUT_BT, LUT_MAXNREG, SYM8_BT, KIVI_BT, pdl)
     if key not in _RESIDENT:
         one = torch.empty(1, dtype=torch.float32, device=dev)   # stand-ins for the partial buffers, temperatures

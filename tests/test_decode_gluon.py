@@ -52,11 +52,25 @@ def kvquant_recent() -> KVQConfig:
     return cfg
 
 
+def innerq_layout(key_bits: int, value_bits: int, hybrid_values: bool, norm: bool) -> KVQConfig:
+    """InnerQ's layout at other widths, asymmetric Keys, hybrid or asymmetric Values, with or without the Key norm."""
+    from kvq_compile.config import Symmetry
+
+    cfg = KVQConfig.preset("innerq-2")
+    cfg.key = QuantizerSpec(bits=key_bits, axis=Axis.TOKEN, group_size=32)
+    cfg.value = QuantizerSpec(bits=value_bits, axis=Axis.CHANNEL, group_size=32,
+                              symmetry=Symmetry.HYBRID if hybrid_values else Symmetry.ASYMMETRIC)
+    cfg.key_norm = norm
+    return cfg
+
+
 LAYOUTS = {"kivi-2": lambda: KVQConfig.preset("kivi-2"), "kivi-4": lambda: KVQConfig.preset("kivi-4"),
            "calibquant-1": lambda: KVQConfig.preset("calibquant-1"), "kvquant-4": lambda: KVQConfig.preset("kvquant-4"),
            "kvquant-4-after-rope": kvquant_after_rope, "kvquant-4-1%-recent": kvquant_recent,
            "kvquant-4-nout3": kvquant_outliers, "int8": lambda: KVQConfig.preset("int8"),
-           "k2v1": lambda: kivi_layout(2, 1), "k1v1": lambda: kivi_layout(1, 1), "k4v2": lambda: kivi_layout(4, 2)}
+           "k2v1": lambda: kivi_layout(2, 1), "k1v1": lambda: kivi_layout(1, 1), "k4v2": lambda: kivi_layout(4, 2),
+           "innerq-2": lambda: KVQConfig.preset("innerq-2"), "innerq-k4v1": lambda: innerq_layout(4, 1, False, False),
+           "innerq-k1v4h": lambda: innerq_layout(1, 4, True, True)}
 
 
 def _store(preset, B, H, T, n0, dtype, device, D=128, seed=0, sink=None, magnitude=1.0):
@@ -103,7 +117,7 @@ def _reason(preset, dtype=torch.bfloat16, rep=4, D=128, mask_kind=1, mask_shared
 
 def test_where_the_kernel_applies():
     assert "head_dim" in _reason("int8", D=64)
-    assert "KIVI" in _reason("innerq-2")
+    assert "KIVI" in _reason("innerq-k3v2")   # 3-bit Keys: the Triton template
     assert "KIVI" in _reason("calibquant-2")
     assert "KIVI" in _reason("kvquant-3-1%")   # 3-bit codebooks: the Triton template
     assert "head_dim" in _reason("kivi-2", D=64)
@@ -127,7 +141,7 @@ def test_layout_kinds():
     the layouts only the Triton template serves."""
     want = {"kivi-2": "kivi", "kivi-4": "kivi", "xquant-1.38": "kivi", "calibquant-1": "post", "kvquant-4": "lut",
             "kvquant-4-1%": "lut", "int8": "sym8", "kvquant-3": None, "kvquant-2-1%": None, "calibquant-2": None,
-            "innerq-2": None, "fp16": None}
+            "innerq-2": "inner", "innerq-k3v2": None, "fp16": None}
     for preset, kind in want.items():
         cfg, ms, lay, *_ = _store(preset, 1, 1, 256, 200, torch.float16, "cpu")
         bufs = dict(zip(*lay.attend_tensors()))
@@ -202,6 +216,19 @@ SCRIPT = textwrap.dedent('''
                          maxnreg=dag.LUT_MAXNREG)
         out.append(("lut", rope, b.shared, b.stack, b.sass.count("HMMA"), b.sass.count("STS"), b.sass.count("LDS"),
                     b.sass.count("PRMT")))
+    for bf16, mask, kb, vb, hyb, norm in ((False, 1, 2, 2, True, True), (True, 0, 4, 1, False, False)):   # InnerQ's
+        ty = "*bf16" if bf16 else "*fp16"
+        sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KCEN=ty, KHALF=ty, VC="*i32", VCEN=ty, VHALF=ty,
+                   POS="*i64", AMASK="*i1" if mask == 1 else ty, stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32",
+                   OUT_ACC="*fp32", scale="fp32", T="i32", NG_K="i32", NSPLIT="i32", KMASK="*u8" if hyb else ty,
+                   VMASK="*u8" if hyb else ty, KNORM="*fp32" if norm else ty)
+        ka, va = (dag.split_scale(2 / (2 ** n - (2 if hyb else 1)), bf16) for n in (kb, vb))
+        cx = dict(H=8, REP=4, S=32, R=96, TPG_K=1, TPG_V=32, MASK_KIND=mask, IS_BF16=bf16, BT=32, KBITS=kb, VBITS=vb,
+                  KA_HI=ka[0], KA_LO=ka[1], VA_HI=va[0], VA_LO=va[1], NWIN=3, TMA=False, NST=2, PDL=True, INNER=True,
+                  KHYB=hyb, VHYB=hyb, NORM=norm)
+        b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 3, 4, 5, 6, 7, 8, 12, 13, 14))
+        out.append(("inner", bf16, b.shared, b.stack == b.local == 0, b.sass.count("HMMA"), b.sass.count("STS"),
+                    b.sass.count("LDS")))
     for bf16, mask in ((False, 1), (True, 2)):   # int8's kernel
         ty = "*bf16" if bf16 else "*fp16"
         sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KHALF=ty, VC="*i32", VHALF=ty, POS="*i64",
@@ -226,10 +253,13 @@ def test_compiles_for_sm90_into_registers_only():
     r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = eval(r.stdout.strip().splitlines()[-1])  # noqa: S307  (our own repr of a list of tuples)
-    assert len(rows) == 16
-    for _, bf16, shared, no_spill, hmma, sts, lds in rows[14:]:
+    assert len(rows) == 18
+    for _, bf16, shared, no_spill, hmma, sts, lds in rows[16:]:
         # int8's kernel: per 16-token tile 16 + 8 HMMA, no shared memory, no spills
         assert shared == 0 and sts == 0 and lds == 0 and no_spill and hmma >= 24, rows
+    for _, bf16, shared, no_spill, hmma, sts, lds in rows[14:16]:
+        # InnerQ's layout in the KIVI kernel: plain loads straight into the mma operands, as KIVI's
+        assert shared == 0 and sts == 0 and lds == 0 and no_spill and hmma >= 48, rows
     for _, rope, shared, stack, hmma, sts, lds, prmt in rows[11:14]:
         # kvquant's kernel: per 16-token tile 16 HMMA (q @ k^T) + 8 (v^T @ p^T); no shared memory; at its register
         # cap (`LUT_MAXNREG`) at most 8 spilled registers (6 measured on the H100: faster than no cap, no spills at
@@ -300,7 +330,8 @@ GPU_CASES = [("kivi-2", c, m) for c in CASES for m in (None, "bool", "additive",
     + [(lay, c, m) for lay in ("kvquant-4", "kvquant-4-after-rope", "kvquant-4-1%") for c in CASES
        for m in (None, "bool")] \
     + [(lay, c, "bool") for lay in ("kvquant-4-1%-recent", "kvquant-4-nout3") for c in CASES] \
-    + [("int8", c, m) for c in CASES for m in (None, "bool", "additive")]
+    + [("int8", c, m) for c in CASES for m in (None, "bool", "additive")] \
+    + [(lay, c, m) for lay in ("innerq-2", "innerq-k4v1", "innerq-k1v4h") for c in CASES for m in (None, "bool")]
 KERNELS = {"calibquant-1": "_post_decode_kernel", "kvquant-4": "_lut_decode_kernel",
            "kvquant-4-after-rope": "_lut_decode_kernel", "kvquant-4-1%": "_lut_decode_kernel",
            "kvquant-4-1%-recent": "_lut_decode_kernel", "kvquant-4-nout3": "_lut_decode_kernel",
@@ -455,6 +486,43 @@ def test_inline_ptx_unpacks_every_code(bf16, bits):
             assert abs(got - _bits(_exact(h * a, bf16), bf16)) <= 1, (trial, "scale", h, hex(got))
         out = run(offset_asm, {1: _pair(s[0], s[1], bf16), 2: _pair(z[0], z[1], bf16)})
         assert out["$0"] == _pair(_exact(z[0] - s[0], bf16), _exact(z[1] - s[1], bf16), bf16)
+
+
+@pytest.mark.parametrize("bits", dag.BITS)
+@pytest.mark.parametrize("bf16", [False, True])
+def test_innerq_blocks_take_their_own_statistics(bf16, bits):
+    """InnerQ's blocks: Keys ("kt") with one statistics pair per register whose two channels share it (no scale
+    divided by 4 at 2 bits), Values ("vc") with register j's own scale and offset (per channel; at 2 bits the odd
+    codes' scale handed over divided by 4): code * scale + offset of the right channel and token, rounded once."""
+    from ptx_emulator import run
+
+    key_asm, value_asm = dag._ASM[("kt", bits, bf16)], dag._ASM[("vc", bits, bf16)]
+    P = dag.key_pack(bits)
+    gen = torch.Generator().manual_seed(10 + bits)
+    code = lambda w, j: (w >> bits * j) & ((1 << bits) - 1)  # noqa: E731
+    for trial in range(40):
+        words = [int(w) & 0xFFFFFFFF for w in torch.randint(-2**31, 2**31 - 1, (2,), generator=gen)]
+        mag = 10.0 ** float(torch.empty(()).uniform_(-3, 1, generator=gen))
+        s = [_exact(float(x) * mag, bf16) for x in torch.rand(16, generator=gen) + 0.05]
+        z = [_exact(float(x) * mag, bf16) for x in torch.randn(16, generator=gen)]
+        for shift in ((0, 16) if bits == 1 else (0,)):
+            w = words[0] >> shift
+            ops = {P // 2 + i: w for i in range(P)}
+            ops.update({3 * P // 2 + i: _pair(s[i], s[i], bf16) for i in range(P // 2)})
+            ops.update({2 * P + i: _pair(z[i], z[i], bf16) for i in range(P // 2)})
+            out = run(key_asm, ops)
+            for i in range(P // 2):
+                want = _pair(*(_exact(code(w, c) * s[i] + z[i], bf16) for c in (2 * i, 2 * i + 1)), bf16)
+                _same(out[f"${i}"], want, bf16, (False, False), (trial, "key", shift, i))
+        div = [4 if bits == 2 and j % 2 else 1 for j in range(8)]
+        for shift in range(0, 32, 8 * bits):
+            ops = {8 + i: words[i % 2] >> shift for i in range(16)}
+            ops.update({24 + j: _pair(s[j] / div[j], s[j] / div[j], bf16) for j in range(8)})
+            ops.update({32 + j: _pair(z[j], z[j], bf16) for j in range(8)})
+            out = run(value_asm, ops)
+            for j in range(8):
+                want = _pair(*(_exact(code(words[t] >> shift, j) * s[j] + z[j], bf16) for t in (0, 1)), bf16)
+                _same(out[f"${j}"], want, bf16, [div[j] > 1 and s[j] / 4 < 2 ** -14] * 2, (trial, "value", shift, j))
 
 
 @pytest.mark.parametrize("bf16", [False, True])
