@@ -354,10 +354,11 @@ def test_matches_reference_on_gpu(dtype, layout, case, mask, monkeypatch):
     bufs = dict(zip(names, tensors))
     ref = attend_cpu_reference(q, tensors, k, v, p, am, 128 ** -0.5, False, lay.descriptor(names)).float()
     tol = 1.5e-2 if dtype == torch.bfloat16 else 3e-3
-    # 4-bit Keys with one scale per token and group (InnerQ's layout): the kernel rounds that scale to the cache
-    # dtype and the code (up to 15) multiplies its error, where the template dequantizes in fp32: measured at up to
-    # 1.08x the tolerance and 1.6x the bound against the template on an H100 (bench/RESULTS.md, session 15)
-    loose = 2.0 if layout == "innerq-k4v1" else 1.0
+    # a 4-bit side in InnerQ's layout (Keys per token, Values per channel): the kernel rounds the group's scale to
+    # the cache dtype and the code (up to 15) multiplies its error, where the template dequantizes in fp32: measured
+    # at up to 1.25x the tolerance (bf16, near-uniform attention over 800 tokens of magnitude 1e-3) and 1.6x the
+    # bound against the template on an H100 (bench/RESULTS.md, session 15)
+    loose = 2.0 if layout in ("innerq-k4v1", "innerq-k1v4h") else 1.0
     if "%" in layout or "nout" in layout:
         with pytest.raises(ValueError, match="block_t=16 with outliers"):
             da.decode_attention(q, bufs, k, v, p, am, 128 ** -0.5, False, cfg, lay.spec, ms.geo, block_t=16)
