@@ -862,9 +862,6 @@ if HAVE_GLUON:
 
         qscale = scale * 1.4426950408889634   # log2(e): the softmax runs in base 2
         rows, cols, m_i, l_i, acc = _softmax_state(BT, mma)
-        if TMA and INNER:
-            khyb_n, vhyb_n = _inner_factors(KMASK, VMASK, ks_base, vs_base, start, stop, S, ksoff, kt, vchan, D, KHYB,
-                                            VHYB)
 
         for it in range(0, n_iter):
             t0 = start + it * BT
@@ -877,11 +874,8 @@ if HAVE_GLUON:
                 kvalid2 = gl.expand_dims((t0 + kt) < stop, 0) & (ksoff >= 0)   # [4, BT]
                 kh = gl.where(kvalid2, kh, 0.0)   # statistics past the slice may be unwritten memory
                 kcen = gl.where(kvalid2, kcen, 0.0)
-                # the hybrid masks take plain loads, one tile ahead (loaded with the tile they would stall on)
-                khyb = khyb_n
-                vhyb = vhyb_n
-                khyb_n, vhyb_n = _inner_factors(KMASK, VMASK, ks_base, vs_base, t0 + BT, stop, S, ksoff, kt, vchan, D,
-                                                KHYB, VHYB)
+                khyb, vhyb = _inner_factors(KMASK, VMASK, ks_base + t0 * 4 + ksoff, vs_base + (t0 - S) // 32 * D + vchan,
+                                            kvalid2, KHYB, VHYB)
             elif TMA:
                 st = it % NST
                 mbarrier.wait(bars.index(st), (it // NST) & 1)
@@ -1065,25 +1059,21 @@ if HAVE_GLUON:
         vsrow = vs_base + (t0 - S) // 32 * D + vchan   # t0 < stop: the tile's group row is written
         vh = gl.load(VHALF + vsrow)
         vcen = gl.load(VCEN + vsrow)
-        khyb, vhyb = _inner_factors(KMASK, VMASK, ks_base, vs_base, t0, stop, S, ksoff, kt, vchan, D, KHYB, VHYB)
+        khyb, vhyb = _inner_factors(KMASK, VMASK, ksrow, vsrow, kvalid2, KHYB, VHYB)
         return kwords, vwords, kh, kcen, khyb, vh, vcen, vhyb
 
     @gluon.jit
-    def _inner_factors(KMASK, VMASK, ks_base, vs_base, t0, stop, S: gl.constexpr, ksoff, kt, vchan, D: gl.constexpr,
-                       KHYB: gl.constexpr, VHYB: gl.constexpr):
-        """Each InnerQ side's level-spacing factor in the tile at t0, at the Keys' [4, BT] and the Values' [8, 2, 8]
-        statistics: hybrid groups 1 (symmetric) or 2 (asymmetric, whose spacing is twice the symmetric one), else 1
-        (and 1 past stop)."""
-        kvalid2 = gl.expand_dims((t0 + kt) < stop, 0) & (ksoff >= 0)
+    def _inner_factors(KMASK, VMASK, ksrow, vsrow, kvalid2, KHYB: gl.constexpr, VHYB: gl.constexpr):
+        """Each InnerQ side's level-spacing factor, at the Keys' [4, BT] and the Values' [8, 2, 8] statistics
+        offsets: hybrid groups 1 (symmetric) or 2 (asymmetric, whose spacing is twice the symmetric one), else 1."""
         if KHYB:
-            khyb = gl.where(gl.load(KMASK + ks_base + t0 * 4 + ksoff, mask=kvalid2, other=1) != 0, 1.0, 2.0)
+            khyb = gl.where(gl.load(KMASK + ksrow, mask=kvalid2, other=0) != 0, 1.0, 2.0)
         else:
             khyb = gl.where(kvalid2, 1.0, 1.0)
-        vvalid = (vchan >= 0) & (t0 < stop)   # a tile that starts before stop: its group row is written
         if VHYB:
-            vhyb = gl.where(gl.load(VMASK + vs_base + (t0 - S) // 32 * D + vchan, mask=vvalid, other=1) != 0, 1.0, 2.0)
+            vhyb = gl.where(gl.load(VMASK + vsrow) != 0, 1.0, 2.0)
         else:
-            vhyb = gl.where(vvalid, 1.0, 1.0)
+            vhyb = gl.where(vsrow >= 0, 1.0, 1.0)
         return khyb, vhyb
 
     @gluon.jit
