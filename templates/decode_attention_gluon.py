@@ -380,9 +380,6 @@ def key_pack(bits: int) -> int:
 if HAVE_GLUON:
     D_ = gl.constexpr(D)
 
-    _FLAT3 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))   # ring slots read back as plain arrays
-    _FLAT2 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-
     @gluon.constexpr_function
     def _asm(side, bits, bf16):
         return _ASM[(side, bits, bf16)]
@@ -719,7 +716,7 @@ if HAVE_GLUON:
             PDL: gl.constexpr, INNER: gl.constexpr = False, KHYB: gl.constexpr = False,
             VHYB: gl.constexpr = False, NORM: gl.constexpr = False):
         """KIVI's layout, or with INNER InnerQ's (Keys per token in groups of 32 channels, Values per channel in
-        groups of 32 tokens: the same packed words, the statistics the other way round). NG_K: the
+        groups of 32 tokens: the same packed words, the statistics the other way round; plain loads). NG_K: the
         statistics rows per KV head of the token-grouped side (KIVI's Keys, InnerQ's Values). InnerQ's extras:
         KHYB / VHYB hybrid groups (KMASK / VMASK: True = symmetric levels, spacing KA / VA; else twice that),
         NORM its per-channel Key normalization KNORM [B * H, 128] folded into q (q * norm, rounded once)."""
@@ -756,6 +753,7 @@ if HAVE_GLUON:
         koff = gl.expand_dims(gl.expand_dims(kt, 0), 0) * KW_ + kword                             # [NA, 4, BT]
         kshift = gl.expand_dims(gl.expand_dims(ka * 16, 1), 2)
         if INNER:  # InnerQ's Key statistics: one per token t and lane group b (its 32 channels), [4, BT]
+            gl.static_assert(not TMA, "InnerQ's layout takes plain loads")
             KT: gl.constexpr = gl.SliceLayout(0, KW)
             tb = gl.arange(0, 4, layout=gl.SliceLayout(1, KT))
             ksoff = gl.expand_dims(kt, 0) * 4 + gl.expand_dims(tb, 1)                  # [4, BT] (t, group b)
@@ -809,25 +807,12 @@ if HAVE_GLUON:
             vlo = gl.full([BT, 8], VA_LO, dt, VW)
 
         if TMA:  # a ring of NST tiles in shared memory, filled by the tensor-memory accelerator
-            if INNER:  # statistics by group row (r*) and per token (t*): InnerQ's Values and Keys
-                RHALF = VHALF
-                RCEN = VCEN
-                THALF = KHALF
-                TCEN = KCEN
-                bh64 = bh.to(gl.int64)
-                ks_base = bh64 * T * 4   # InnerQ's masks take plain loads
-                vs_base = bh64 * NG_K * D
-            else:      # KIVI's Keys and Values
-                RHALF = KHALF
-                RCEN = KCEN
-                THALF = VHALF
-                TCEN = VCEN
             kbuf = gl.allocate_shared_memory(gl.int32, [NST, BT, KW_], KC.layout)
             vbuf = gl.allocate_shared_memory(gl.int32, [NST, BT, VW_], VC.layout)
-            rhbuf = gl.allocate_shared_memory(dt, [NST, 1, D], RHALF.layout)
-            rzbuf = gl.allocate_shared_memory(dt, [NST, 1, D], RCEN.layout)
-            thbuf = gl.allocate_shared_memory(dt, [NST, BT * 4], THALF.layout)
-            tzbuf = gl.allocate_shared_memory(dt, [NST, BT * 4], TCEN.layout)
+            khbuf = gl.allocate_shared_memory(dt, [NST, 1, D], KHALF.layout)
+            kzbuf = gl.allocate_shared_memory(dt, [NST, 1, D], KCEN.layout)
+            vhbuf = gl.allocate_shared_memory(dt, [NST, BT * 4], VHALF.layout)
+            vzbuf = gl.allocate_shared_memory(dt, [NST, BT * 4], VCEN.layout)
             bars = gl.allocate_shared_memory(gl.int64, [NST, 1], mbarrier.MBarrierLayout())
             for i in gl.static_range(NST):
                 mbarrier.init(bars.index(i), count=1)
@@ -835,8 +820,8 @@ if HAVE_GLUON:
             row0 = bh * T
             grow0 = bh * NG_K
             for i in gl.static_range(NST):
-                _issue(KC, VC, RHALF, RCEN, THALF, TCEN, kbuf.index(i), vbuf.index(i), rhbuf.index(i),
-                       rzbuf.index(i), thbuf.index(i), tzbuf.index(i), bars.index(i), row0, grow0, start + i * BT, S,
+                _issue(KC, VC, KHALF, KCEN, VHALF, VCEN, kbuf.index(i), vbuf.index(i), khbuf.index(i),
+                       kzbuf.index(i), vhbuf.index(i), vzbuf.index(i), bars.index(i), row0, grow0, start + i * BT, S,
                        i < n_iter, NBYTES)
             L4: gl.constexpr = _stats4_layout(BT)
         else:
@@ -865,22 +850,11 @@ if HAVE_GLUON:
 
         for it in range(0, n_iter):
             t0 = start + it * BT
-            if TMA and INNER:
+            if TMA:
                 st = it % NST
                 mbarrier.wait(bars.index(st), (it // NST) & 1)
-                kwords, vwords, kh, kcen, vh, vcen = _smem_inner_tile(
-                    kbuf.index(st), vbuf.index(st), rhbuf.index(st), rzbuf.index(st), thbuf.index(st),
-                    tzbuf.index(st), KW, KT, VW, VW3, L4, PVS, BT, KBITS, VBITS, KP)
-                kvalid2 = gl.expand_dims((t0 + kt) < stop, 0) & (ksoff >= 0)   # [4, BT]
-                kh = gl.where(kvalid2, kh, 0.0)   # statistics past the slice may be unwritten memory
-                kcen = gl.where(kvalid2, kcen, 0.0)
-                khyb, vhyb = _inner_factors(KMASK, VMASK, ks_base + t0 * 4 + ksoff, vs_base + (t0 - S) // 32 * D + vchan,
-                                            kvalid2, KHYB, VHYB)
-            elif TMA:
-                st = it % NST
-                mbarrier.wait(bars.index(st), (it // NST) & 1)
-                kwords, kh, kcen, vwords, vh, vcen = _smem_tile(kbuf.index(st), vbuf.index(st), rhbuf.index(st),
-                                                                rzbuf.index(st), thbuf.index(st), tzbuf.index(st),
+                kwords, kh, kcen, vwords, vh, vcen = _smem_tile(kbuf.index(st), vbuf.index(st), khbuf.index(st),
+                                                                kzbuf.index(st), vhbuf.index(st), vzbuf.index(st),
                                                                 KW, KS, VW, VW3, L4, BT, D, KBITS, VBITS, KP)
                 vvalid = gl.expand_dims((t0 + vt) < stop, 1)
                 vh = gl.where(vvalid, vh, 0.0)   # statistics past the slice may be unwritten memory
@@ -940,26 +914,25 @@ if HAVE_GLUON:
             vv = gl.convert_layout(vv, a_l)
             acc = mma_v2(vv, _p_operand(p.to(dt), b_l, BT), acc * gl.expand_dims(_first8(alpha, mma), 0))
             if TMA:  # the ring slot just read takes the tile NST ahead (its registers are consumed by now)
-                _issue(KC, VC, RHALF, RCEN, THALF, TCEN, kbuf.index(st), vbuf.index(st), rhbuf.index(st),
-                       rzbuf.index(st), thbuf.index(st), tzbuf.index(st), bars.index(st), row0, grow0,
+                _issue(KC, VC, KHALF, KCEN, VHALF, VCEN, kbuf.index(st), vbuf.index(st), khbuf.index(st),
+                       kzbuf.index(st), vhbuf.index(st), vzbuf.index(st), bars.index(st), row0, grow0,
                        t0 + NST * BT, S, it + NST < n_iter, NBYTES)
 
         _store_partials(OUT_M, OUT_L, OUT_ACC, bh, split, NSPLIT, NWIN, m_i, l_i, acc, REP, mma)
 
     @gluon.jit
-    def _issue(KC, VC, RHALF, RCEN, THALF, TCEN, kb, vb, rhb, rzb, thb, tzb, bar, row0, grow0, t0, S: gl.constexpr,
+    def _issue(KC, VC, KHALF, KCEN, VHALF, VCEN, kb, vb, khb, kzb, vhb, vzb, bar, row0, grow0, t0, S: gl.constexpr,
                pred, NBYTES: gl.constexpr):
-        """Start the copies of the tile at t0 into one ring slot (codes [BT, W] rows, the group's statistics row
-        (KIVI's Keys, InnerQ's Values), the [BT * 4] per-token statistics (KIVI's Values, InnerQ's Keys)); `bar`
-        completes when all NBYTES have landed."""
+        """Start the copies of the tile at t0 into one ring slot (codes [BT, W] rows, the Key group's statistics
+        row, the Values' [BT * 4] statistics); `bar` completes when all NBYTES have landed."""
         mbarrier.expect(bar, NBYTES, pred=pred)
         tma.async_copy_global_to_shared(KC, [row0 + t0, 0], bar, kb, pred=pred)
         tma.async_copy_global_to_shared(VC, [row0 + t0, 0], bar, vb, pred=pred)
         g = grow0 + (t0 - S) // 32
-        tma.async_copy_global_to_shared(RHALF, [g, 0], bar, rhb, pred=pred)
-        tma.async_copy_global_to_shared(RCEN, [g, 0], bar, rzb, pred=pred)
-        tma.async_copy_global_to_shared(THALF, [(row0 + t0) * 4], bar, thb, pred=pred)
-        tma.async_copy_global_to_shared(TCEN, [(row0 + t0) * 4], bar, tzb, pred=pred)
+        tma.async_copy_global_to_shared(KHALF, [g, 0], bar, khb, pred=pred)
+        tma.async_copy_global_to_shared(KCEN, [g, 0], bar, kzb, pred=pred)
+        tma.async_copy_global_to_shared(VHALF, [(row0 + t0) * 4], bar, vhb, pred=pred)
+        tma.async_copy_global_to_shared(VCEN, [(row0 + t0) * 4], bar, vzb, pred=pred)
 
     @gluon.jit
     def _widen(x4, VW: gl.constexpr, BT: gl.constexpr):
@@ -967,54 +940,28 @@ if HAVE_GLUON:
         return gl.convert_layout(gl.join(x4, x4).reshape([BT, 8]), VW)
 
     @gluon.jit
-    def _smem_kwords(kb, KW: gl.constexpr, BT: gl.constexpr, KBITS: gl.constexpr, KP: gl.constexpr):
-        """A ring slot's Key words in the layout `_load_tile` returns (at 1 bit unshifted)."""
-        if KBITS == 1:   # word b of each token; the block a is its half (shifted by the caller)
-            kwords = gl.expand_dims(kb._reinterpret(gl.int32, [BT, 4], _FLAT2).permute([1, 0]).load(
-                gl.SliceLayout(0, KW)), 0)
-        else:            # word a + (KBITS / KBW) b, i.e. [BT, 4 (b), NA (a)]
-            kwords = kb._reinterpret(gl.int32, [BT, 4, 32 // KP], _FLAT3).permute([2, 1, 0]).load(KW)
-        return kwords
-
-    @gluon.jit
-    def _smem_vwords(vb, VW: gl.constexpr, VW3: gl.constexpr, L4: gl.constexpr, BT: gl.constexpr,
-                     VBITS: gl.constexpr):
-        """A ring slot's Value words in the layout `_load_tile` returns."""
-        if VBITS == 4:
-            vwords = vb._reinterpret(gl.int32, [BT, 8, 2], _FLAT3).load(VW3)
-        elif VBITS == 2:
-            vwords = gl.expand_dims(vb._reinterpret(gl.int32, [BT, 8], _FLAT2).load(VW), 2)
-        else:
-            vwords = gl.expand_dims(_widen(vb._reinterpret(gl.int32, [BT, 4], _FLAT2).load(L4), VW, BT), 2)
-        return vwords
-
-    @gluon.jit
     def _smem_tile(kb, vb, khb, kzb, vhb, vzb, KW: gl.constexpr, KS: gl.constexpr, VW: gl.constexpr,
                    VW3: gl.constexpr, L4: gl.constexpr, BT: gl.constexpr, D: gl.constexpr, KBITS: gl.constexpr,
                    VBITS: gl.constexpr, KP: gl.constexpr):
         """One ring slot into registers, in the layouts `_load_tile` returns (Key words at 1 bit unshifted)."""
-        kwords = _smem_kwords(kb, KW, BT, KBITS, KP)
-        kh = khb._reinterpret(khb.dtype, [4, 32 // KP, KP], _FLAT3).permute([1, 0, 2]).load(KS)
-        kcen = kzb._reinterpret(kzb.dtype, [4, 32 // KP, KP], _FLAT3).permute([1, 0, 2]).load(KS)
-        vwords = _smem_vwords(vb, VW, VW3, L4, BT, VBITS)
-        vh = _widen(vhb._reinterpret(vhb.dtype, [BT, 4], _FLAT2).load(L4), VW, BT)
-        vcen = _widen(vzb._reinterpret(vzb.dtype, [BT, 4], _FLAT2).load(L4), VW, BT)
+        flat3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
+        flat2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+        if KBITS == 1:   # word b of each token; the block a is its half (shifted by the caller)
+            kwords = gl.expand_dims(kb._reinterpret(gl.int32, [BT, 4], flat2).permute([1, 0]).load(
+                gl.SliceLayout(0, KW)), 0)
+        else:            # word a + (KBITS / KBW) b, i.e. [BT, 4 (b), NA (a)]
+            kwords = kb._reinterpret(gl.int32, [BT, 4, 32 // KP], flat3).permute([2, 1, 0]).load(KW)
+        kh = khb._reinterpret(khb.dtype, [4, 32 // KP, KP], flat3).permute([1, 0, 2]).load(KS)
+        kcen = kzb._reinterpret(kzb.dtype, [4, 32 // KP, KP], flat3).permute([1, 0, 2]).load(KS)
+        if VBITS == 4:
+            vwords = vb._reinterpret(gl.int32, [BT, 8, 2], flat3).load(VW3)
+        elif VBITS == 2:
+            vwords = gl.expand_dims(vb._reinterpret(gl.int32, [BT, 8], flat2).load(VW), 2)
+        else:
+            vwords = gl.expand_dims(_widen(vb._reinterpret(gl.int32, [BT, 4], flat2).load(L4), VW, BT), 2)
+        vh = _widen(vhb._reinterpret(vhb.dtype, [BT, 4], flat2).load(L4), VW, BT)
+        vcen = _widen(vzb._reinterpret(vzb.dtype, [BT, 4], flat2).load(L4), VW, BT)
         return kwords, kh, kcen, vwords, vh, vcen
-
-    @gluon.jit
-    def _smem_inner_tile(kb, vb, rhb, rzb, thb, tzb, KW: gl.constexpr, KT: gl.constexpr, VW: gl.constexpr,
-                         VW3: gl.constexpr, L4: gl.constexpr, PVS: gl.constexpr, BT: gl.constexpr,
-                         KBITS: gl.constexpr, VBITS: gl.constexpr, KP: gl.constexpr):
-        """One ring slot of InnerQ's layout into registers, in the layouts `_load_inner_tile` returns: the Keys'
-        statistics from the per-token slot ([BT * 4] -> [4, BT]), the Values' from the group-row slot
-        ([1, 128] -> [8, 2, 8])."""
-        kwords = _smem_kwords(kb, KW, BT, KBITS, KP)
-        vwords = _smem_vwords(vb, VW, VW3, L4, BT, VBITS)
-        kh = thb._reinterpret(thb.dtype, [BT, 4], _FLAT2).permute([1, 0]).load(KT)
-        kcen = tzb._reinterpret(tzb.dtype, [BT, 4], _FLAT2).permute([1, 0]).load(KT)
-        vh = rhb._reinterpret(rhb.dtype, [8, 2, 8], _FLAT3).load(PVS)
-        vcen = rzb._reinterpret(rzb.dtype, [8, 2, 8], _FLAT3).load(PVS)
-        return kwords, vwords, kh, kcen, vh, vcen
 
     @gluon.jit
     def _load_tile(kc_base, KHALF, KCEN, vc_base, VHALF, VCEN, ks_base, vs_base, t0, stop, S: gl.constexpr, koff,
@@ -1051,6 +998,10 @@ if HAVE_GLUON:
         ksrow = ks_base + t0 * 4 + ksoff
         kh = gl.load(KHALF + ksrow, mask=kvalid2, other=0.0)
         kcen = gl.load(KCEN + ksrow, mask=kvalid2, other=0.0)
+        if KHYB:
+            khyb = gl.where(gl.load(KMASK + ksrow, mask=kvalid2, other=0) != 0, 1.0, 2.0)
+        else:
+            khyb = gl.where(kvalid2, 1.0, 1.0)
         vvalid = gl.expand_dims((t0 + vt) < stop, 1)
         if VBITS == 4:
             vwords = gl.load(vc_base + t0 * VW_ + voff, mask=gl.expand_dims(vvalid, 2), other=0)
@@ -1059,22 +1010,11 @@ if HAVE_GLUON:
         vsrow = vs_base + (t0 - S) // 32 * D + vchan   # t0 < stop: the tile's group row is written
         vh = gl.load(VHALF + vsrow)
         vcen = gl.load(VCEN + vsrow)
-        khyb, vhyb = _inner_factors(KMASK, VMASK, ksrow, vsrow, kvalid2, KHYB, VHYB)
-        return kwords, vwords, kh, kcen, khyb, vh, vcen, vhyb
-
-    @gluon.jit
-    def _inner_factors(KMASK, VMASK, ksrow, vsrow, kvalid2, KHYB: gl.constexpr, VHYB: gl.constexpr):
-        """Each InnerQ side's level-spacing factor, at the Keys' [4, BT] and the Values' [8, 2, 8] statistics
-        offsets: hybrid groups 1 (symmetric) or 2 (asymmetric, whose spacing is twice the symmetric one), else 1."""
-        if KHYB:
-            khyb = gl.where(gl.load(KMASK + ksrow, mask=kvalid2, other=0) != 0, 1.0, 2.0)
-        else:
-            khyb = gl.where(kvalid2, 1.0, 1.0)
         if VHYB:
             vhyb = gl.where(gl.load(VMASK + vsrow) != 0, 1.0, 2.0)
         else:
-            vhyb = gl.where(vsrow >= 0, 1.0, 1.0)
-        return khyb, vhyb
+            vhyb = gl.where(vchan >= 0, 1.0, 1.0)
+        return kwords, vwords, kh, kcen, khyb, vh, vcen, vhyb
 
     @gluon.jit
     def _lut_regs(LEV, e, IS_BF16: gl.constexpr):
@@ -1464,12 +1404,11 @@ NSTAGES = 2       # ring slots of the TMA path: 2 was best of 2 / 3 / 4 (bench/R
 USE_TMA = None    # the TMA path: None = on compute capability 9.0+ while capturing a CUDA graph (check_gluon.py flips it)
 
 
-def descriptors(kp: dict, vp: dict, kbits: int, vbits: int, inner: bool = False) -> list:
+def descriptors(kp: dict, vp: dict, kbits: int, vbits: int) -> list:
     """Host TMA descriptors of the store, in the kernel's argument order (KC, KCEN, KHALF, VC, VCEN, VHALF): codes
     as [rows, words per token] (a block: one tile's rows), the Keys' statistics as [group rows, 128] (one row), the
     Values' as flat [T * 4] (one tile's 128 entries, 8 bytes a token: a box must start 16-byte aligned, so tiles
-    must start at even rows; `_use_tma` takes plain loads for an odd sink or cache length). inner (InnerQ's
-    layout): the statistics the other way round, the Keys' flat and the Values' by group row."""
+    must start at even rows; `_use_tma` takes plain loads for an odd sink or cache length)."""
     import torch
 
     def desc(t, block, bits):
@@ -1477,16 +1416,10 @@ def descriptors(kp: dict, vp: dict, kbits: int, vbits: int, inner: bool = False)
         return TensorDescriptor.from_tensor(t, block, layout)
 
     sbits = 16 if kp["half"].dtype in (torch.float16, torch.bfloat16) else 32
-
-    def rows(t):
-        return desc(t.view(-1, D), [1, D], sbits)
-
-    def flat(t):
-        return desc(t.view(-1), [KIVI_BT * 4], sbits)
-
-    kstat, vstat = (flat, rows) if inner else (rows, flat)
-    return [desc(kp["codes"].view(-1, 4 * kbits), [KIVI_BT, 4 * kbits], 32), kstat(kp["cen"]), kstat(kp["half"]),
-            desc(vp["codes"].view(-1, 4 * vbits), [KIVI_BT, 4 * vbits], 32), vstat(vp["cen"]), vstat(vp["half"])]
+    return [desc(kp["codes"].view(-1, 4 * kbits), [KIVI_BT, 4 * kbits], 32),
+            desc(kp["cen"].view(-1, D), [1, D], sbits), desc(kp["half"].view(-1, D), [1, D], sbits),
+            desc(vp["codes"].view(-1, 4 * vbits), [KIVI_BT, 4 * vbits], 32),
+            desc(vp["cen"].view(-1), [KIVI_BT * 4], sbits), desc(vp["half"].view(-1), [KIVI_BT * 4], sbits)]
 
 
 def _use_tma(query, sink: int, T: int, use_tma: bool | None) -> bool:
@@ -1536,10 +1469,7 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
         raise ValueError(f"no Gluon launch for layout {kind!r} with calibrated-softmax phase {phase}")
     stores = [kp["codes"], kp["cen"], kp["half"], vp["codes"], vp["cen"], vp["half"]]
     extra = [query, query, query]   # KMASK, VMASK, KNORM: InnerQ's only
-    use_tma = _use_tma(query, sink, T, use_tma)
-    if use_tma:
-        stores = descriptors(kp, vp, kbits, vbits, inner=kind == "inner")
-    if kind == "inner":  # the Values' group rows take NG_K's place; hybrid: the spacing of symmetric levels
+    if kind == "inner":  # plain loads; the Values' group rows take NG_K's place; hybrid: the spacing of symmetric levels
         khyb, vhyb, norm = inner_flags(kp, vp)
         ka_hi, ka_lo = split_scale(2.0 / (2 ** kbits - (2 if khyb else 1)), bf16)
         va_hi, va_lo = split_scale(2.0 / (2 ** vbits - (2 if vhyb else 1)), bf16)
@@ -1549,10 +1479,13 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
             query, query.stride(0), query.stride(1), *stores, positions, amask, smb, m_buf, l_buf, acc_buf,
             float(scale), T, vp["half"].shape[2], nsplit, *extra), dict(
             H=H, REP=rep, S=sink, R=recent, TPG_K=1, TPG_V=32, MASK_KIND=mask_kind, IS_BF16=bf16, BT=KIVI_BT,
-            KBITS=kbits, VBITS=vbits, KA_HI=ka_hi, KA_LO=ka_lo, VA_HI=va_hi, VA_LO=va_lo, NWIN=nwin,
-            TMA=use_tma, NST=NSTAGES, PDL=pdl, INNER=True, KHYB=khyb, VHYB=vhyb, NORM=norm, num_warps=1)
+            KBITS=kbits, VBITS=vbits, KA_HI=ka_hi, KA_LO=ka_lo, VA_HI=va_hi, VA_LO=va_lo, NWIN=nwin, TMA=False,
+            NST=NSTAGES, PDL=pdl, INNER=True, KHYB=khyb, VHYB=vhyb, NORM=norm, num_warps=1)
     ka_hi, ka_lo = split_scale(2.0 / (2 ** kbits - 1), bf16)
     va_hi, va_lo = split_scale(2.0 / (2 ** vbits - 1), bf16)
+    use_tma = _use_tma(query, sink, T, use_tma)
+    if use_tma:
+        stores = descriptors(kp, vp, kbits, vbits)
     return _kivi_decode_kernel, (
         query, query.stride(0), query.stride(1), *stores, positions, amask, smb, m_buf, l_buf, acc_buf,
         float(scale), T, ng_k, nsplit, *extra), dict(
@@ -1572,8 +1505,8 @@ def launch(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int
            tpg_v: int, kbits: int, vbits: int, *, kind: str, use_tma: bool | None = None, phase: int = 0,
            temp=None, rope=None, nout: tuple = (0, 0), pdl: bool = False):
     """Run the quantized-region launch into slots [0, nsplit) of the partial buffers (grid (B * H, nsplit); each
-    row has nsplit + nwin slots, the last nwin the window launch's). kind: `layout_kind` of the store. use_tma (KIVI's
-    and InnerQ's layouts): stream the tiles through shared memory with the tensor-memory accelerator (None: `USE_TMA`, whose
+    row has nsplit + nwin slots, the last nwin the window launch's). kind: `layout_kind` of the store. use_tma (KIVI
+    layout only): stream the tiles through shared memory with the tensor-memory accelerator (None: `USE_TMA`, whose
     None means on sm_90+ inside CUDA-graph capture; never for an odd sink or cache length). phase, temp: the
     calibrated softmax's phase (calibquant only) and, in phase 2, its per-row temperatures. rope (kvquant's layout
     only): the (cos, sin) tables [B, T, 128] of Keys stored before RoPE, else None; nout (the same): outliers per
@@ -1612,7 +1545,7 @@ def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mas
     import torch
 
     dev = query.device
-    tma = kind in ("kivi", "inner") and _use_tma(query, sink, T, use_tma)
+    tma = kind == "kivi" and _use_tma(query, sink, T, use_tma)
     key = (kind, inner_flags(kp, vp) if kind == "inner" else None, dev.index, query.dtype, amask.dtype, mask_kind, kbits, vbits, H, rep, sink, recent, tpg_v, nwin,
            tma, NSTAGES, phase, rope is not None, tuple(nout), LUT_BT, LUT_MAXNREG, SYM8_BT, KIVI_BT, pdl)
     if key not in _RESIDENT:

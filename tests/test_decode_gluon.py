@@ -216,27 +216,19 @@ SCRIPT = textwrap.dedent('''
                          maxnreg=dag.LUT_MAXNREG)
         out.append(("lut", rope, b.shared, b.stack, b.sass.count("HMMA"), b.sass.count("STS"), b.sass.count("LDS"),
                     b.sass.count("PRMT")))
-    for bf16, mask, kb, vb, hyb, norm, tma in ((False, 1, 2, 2, True, True, False), (True, 0, 4, 1, False, False, True),
-                                               (False, 2, 2, 2, True, True, True)):   # InnerQ's layout
+    for bf16, mask, kb, vb, hyb, norm in ((False, 1, 2, 2, True, True), (True, 0, 4, 1, False, False)):   # InnerQ's
         ty = "*bf16" if bf16 else "*fp16"
-        stores = dict(KC="*i32", KCEN=ty, KHALF=ty, VC="*i32", VCEN=ty, VHALF=ty)
-        if tma:  # the statistics the other way round: the Keys' per token, the Values' by group row
-            dt = torch.bfloat16 if bf16 else torch.float16
-            kp = dict(codes=torch.zeros(2, 2, 64, 4 * kb, dtype=torch.int32), cen=torch.zeros(2, 2, 64, 4, dtype=dt),
-                      half=torch.zeros(2, 2, 64, 4, dtype=dt))
-            vp = dict(codes=torch.zeros(2, 2, 64, 4 * vb, dtype=torch.int32), cen=torch.zeros(2, 2, 2, 128, dtype=dt),
-                      half=torch.zeros(2, 2, 2, 128, dtype=dt))
-            stores = dict(zip(stores, map(mangle_type, dag.descriptors(kp, vp, kb, vb, inner=True))))
-        sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", **stores, POS="*i64", AMASK="*i1" if mask == 1 else ty,
-                   stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32", OUT_ACC="*fp32", scale="fp32", T="i32", NG_K="i32",
-                   NSPLIT="i32", KMASK="*u8" if hyb else ty, VMASK="*u8" if hyb else ty, KNORM="*fp32" if norm else ty)
+        sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KCEN=ty, KHALF=ty, VC="*i32", VCEN=ty, VHALF=ty,
+                   POS="*i64", AMASK="*i1" if mask == 1 else ty, stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32",
+                   OUT_ACC="*fp32", scale="fp32", T="i32", NG_K="i32", NSPLIT="i32", KMASK="*u8" if hyb else ty,
+                   VMASK="*u8" if hyb else ty, KNORM="*fp32" if norm else ty)
         ka, va = (dag.split_scale(2 / (2 ** n - (2 if hyb else 1)), bf16) for n in (kb, vb))
         cx = dict(H=8, REP=4, S=32, R=96, TPG_K=1, TPG_V=32, MASK_KIND=mask, IS_BF16=bf16, BT=32, KBITS=kb, VBITS=vb,
-                  KA_HI=ka[0], KA_LO=ka[1], VA_HI=va[0], VA_LO=va[1], NWIN=3, TMA=tma, NST=2, PDL=True, INNER=True,
+                  KA_HI=ka[0], KA_LO=ka[1], VA_HI=va[0], VA_LO=va[1], NWIN=3, TMA=False, NST=2, PDL=True, INNER=True,
                   KHYB=hyb, VHYB=hyb, NORM=norm)
-        b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 12, 13, 14) + (() if tma else (3, 4, 5, 6, 7, 8)))
-        out.append(("inner", tma, b.shared, b.stack == b.local == 0, b.sass.count("HMMA"), b.sass.count("STS"),
-                    b.sass.count("LDS"), b.sass.count("UTMALDG")))
+        b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 3, 4, 5, 6, 7, 8, 12, 13, 14))
+        out.append(("inner", bf16, b.shared, b.stack == b.local == 0, b.sass.count("HMMA"), b.sass.count("STS"),
+                    b.sass.count("LDS")))
     for bf16, mask in ((False, 1), (True, 2)):   # int8's kernel
         ty = "*bf16" if bf16 else "*fp16"
         sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KHALF=ty, VC="*i32", VHALF=ty, POS="*i64",
@@ -261,17 +253,13 @@ def test_compiles_for_sm90_into_registers_only():
     r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = eval(r.stdout.strip().splitlines()[-1])  # noqa: S307  (our own repr of a list of tuples)
-    assert len(rows) == 19
-    for _, bf16, shared, no_spill, hmma, sts, lds in rows[17:]:
+    assert len(rows) == 18
+    for _, bf16, shared, no_spill, hmma, sts, lds in rows[16:]:
         # int8's kernel: per 16-token tile 16 + 8 HMMA, no shared memory, no spills
         assert shared == 0 and sts == 0 and lds == 0 and no_spill and hmma >= 24, rows
-    for _, tma, shared, no_spill, hmma, sts, lds, tma_loads in rows[14:17]:
-        # InnerQ's layout in the KIVI kernel: as KIVI's, plain loads straight into the mma operands or the TMA ring
-        if tma:
-            assert shared > 0 and sts == 0 and lds > 0 and tma_loads >= 12, rows
-        else:
-            assert shared == 0 and sts == 0 and lds == 0 and tma_loads == 0, rows
-        assert no_spill and hmma >= 48, rows
+    for _, bf16, shared, no_spill, hmma, sts, lds in rows[14:16]:
+        # InnerQ's layout in the KIVI kernel: plain loads straight into the mma operands, as KIVI's
+        assert shared == 0 and sts == 0 and lds == 0 and no_spill and hmma >= 48, rows
     for _, rope, shared, stack, hmma, sts, lds, prmt in rows[11:14]:
         # kvquant's kernel: per 16-token tile 16 HMMA (q @ k^T) + 8 (v^T @ p^T); no shared memory; at its register
         # cap (`LUT_MAXNREG`) at most 8 spilled registers (6 measured on the H100: faster than no cap, no spills at
