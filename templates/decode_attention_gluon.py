@@ -28,7 +28,12 @@ per-token scale on the logits), Values dequantized per element, 16-token tiles a
 Scope of `_kivi_decode_kernel` (`supports`, `layout_kind`): KIVI's layout at 1, 2 or 4 bits per side (kivi-2,
 kivi-4, xquant's 2-bit / 1-bit layers, shared codes included): asymmetric uniform codes, Keys per channel in groups of 32 tokens (statistics rows
 [NG, D]), Values per token in groups of 32 channels (statistics [T, D / 32]), head_dim 128, at most 8 query heads
-per KV head, fp16 or bf16, an attention mask of one row per sequence (HF's decode mask) or none. Layouts that
+per KV head, fp16 or bf16, an attention mask of one row per sequence (HF's decode mask) or none. With INNER, InnerQ's
+layout (innerq-2, `layout_kind` "inner"): the same packed words with the statistics the other way round, Keys per
+token in groups of 32 channels (statistics [T, 4], one per lane group b of the Key layout below) and Values per
+channel in groups of 32 tokens (rows [NG, D], one 32-token tile per row), asymmetric or hybrid (a group's mask picks
+symmetric levels, spacing 2 / (2^B - 2), or asymmetric ones at twice that), its per-channel Key norm folded into q;
+plain loads (through the TMA ring it was 1-6% slower on an H100, bench/RESULTS.md, session 15). Layouts that
 none of the kernels covers run the Triton template, as do the exact windows (sink, ring, chunk) of every layout: the
 kernels write the same (max, sum, acc) partial results into slots [0, NSPLIT) that `_decode_kernel` would, its
 window launch slots [NSPLIT, NSPLIT + NWIN), and `_combine_kernel` merges them. With PDL (sm_90+) each program
