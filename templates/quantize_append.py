@@ -236,10 +236,7 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
             flat_x = tl.reshape(xg, [GP, WP * CP])
             for k in tl.static_range(NOUT):
                 fs = tl.reshape(score, [GP, WP * CP])
-                # the lowest flat index (channel order) among the highest scores, written out rather than tl.argmax's
-                # tie rule: a token often ties (its channel max and min both score 1 against the group's own range)
-                best = tl.max(fs, 1)
-                f = tl.min(tl.where(fs == best[:, None], flat_i, WP * CP), 1)  # [GP]
+                f = tl.argmax(fs, 1)  # [GP]
                 pick = flat_i == f[:, None]
                 oidx = tl.sum(tl.where(pick, flat_d, 0), 1)
                 oval = tl.sum(tl.where(pick, flat_x, 0.0), 1)
