@@ -420,7 +420,8 @@ def append_decode(bufs: dict, cfg, spec, geo, key, value, positions, cos=None, s
         # 2: every group step within 10% of its attention on an H100 (1 warp: steps that complete no group 0.4-0.9 us
         # faster, xquant's 1-bit group step 4.1 us, 10.3%; bench/RESULTS.md, session 14). 4 where a side keeps
         # outliers: at 1 and 2 warps the H100 miscomputed a channel-grouped side's codes with outliers (the GPU run
-        # of tests/test_append_template.py; not root-caused: ties in the outliers' argmax are the suspect)
+        # of tests/test_append_template.py; not root-caused; not ties in the outliers' argmax: picking the lowest
+        # channel among the highest scores explicitly changed nothing, bench/RESULTS.md session 15)
         num_warps = 4 if kc["NOUT"] or vc["NOUT"] else 2
     rope = cos is not None and "rope.cos" in bufs
     if rope:
