@@ -813,7 +813,8 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
     pdl = _use_pdl(query)   # the window launch and the final reduction start early (sm_90+)
     early = dict(launch_pdl=True) if pdl else {}
     # the layer as both `dag.resident_programs` and `dag.launch` take it
-    gluon_layer = dict(positions=positions, amask=amask, smb=smb, mask_kind=mask_kind, T=T, ng_k=kc["NG"], nwin=nwin,
+    gluon_layer = dict(positions=positions, amask=amask, smb=smb, mask_kind=mask_kind, T=T, nwin=nwin,
+                       ng_k=vc["NG"] if kind == "inner" else kc["NG"],   # the token-grouped side's statistics rows
                        H=H, rep=rep, sink=cfg.sink, recent=cfg.recent, tpg_v=vc["TPG"], kbits=kc["BITS"],
                        vbits=vc["BITS"], kind=kind, rope=(cos, sin) if rope else None, nout=(kc["NOUT"], vc["NOUT"]),
                        pdl=pdl)

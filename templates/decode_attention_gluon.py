@@ -1,4 +1,4 @@
-"""Decode attention over a KIVI-layout store, in Gluon: the quantized-region launch of `decode_attention`
+"""Decode attention over a KIVI-, InnerQ-, calibquant-, kvquant- or int8-layout store, in Gluon: the quantized-region launch of `decode_attention`
 with its layouts written out, so that packed words go straight into the registers of the tensor-core operands.
 
 Why a second kernel. In the Triton template (`decode_attention._decode_kernel`) the codes are unpacked in a
@@ -33,7 +33,8 @@ layout (innerq-2, `layout_kind` "inner"): the same packed words with the statist
 token in groups of 32 channels (statistics [T, 4], one per lane group b of the Key layout below) and Values per
 channel in groups of 32 tokens (rows [NG, D], one 32-token tile per row), asymmetric or hybrid (a group's mask picks
 symmetric levels, spacing 2 / (2^B - 2), or asymmetric ones at twice that), its per-channel Key norm folded into q;
-plain loads (through the TMA ring it was 1-6% slower on an H100, bench/RESULTS.md, session 15). Layouts that
+plain loads (through the TMA ring it was 0-3% slower on an H100, slower still with its masks loaded a tile ahead:
+bench/RESULTS.md, session 15). Layouts that
 none of the kernels covers run the Triton template, as do the exact windows (sink, ring, chunk) of every layout: the
 kernels write the same (max, sum, acc) partial results into slots [0, NSPLIT) that `_decode_kernel` would, its
 window launch slots [NSPLIT, NSPLIT + NWIN), and `_combine_kernel` merges them. With PDL (sm_90+) each program
@@ -42,12 +43,14 @@ first lets the window launch start (`griddepcontrol.launch_dependents`): see `de
 Loads (TMA): on sm_90+ inside CUDA-graph capture (`launch`), each tile's codes and statistics are copied by the
 tensor-memory accelerator into a ring of NST shared-memory slots (one mbarrier each; the slot just read takes the
 tile NST ahead), then read into the same register layouts; 7-15% faster than plain loads at 2 and 4 bits on an
-H100, no faster with 1-bit Values (bench/RESULTS.md, session 10). Used at every width. Otherwise (and for an odd sink or cache length, where a Value-statistics
+H100, no faster with 1-bit Values (bench/RESULTS.md, session 10). Used at every width of KIVI's layout. Otherwise (and for an odd sink or cache length, where a Value-statistics
 box would start misaligned) every lane loads its words from global memory.
 
 Math (one program = one KV head of one sequence and one slice of the quantized region, one warp):
     k[t, c] = s_k[g, c] * code + z_k[g, c]     s = half * 2 / (2^B - 1), z = center - half, g = (t - S) // 32
     v[t, c] = s_v[t, c // 32] * code + z_v[t, c // 32]
+    InnerQ (INNER): k[t, c] = s_k[t, c // 32] * code + z_k[t, c // 32], v[t, c] = s_v[g, c] * code + z_v[g, c],
+    hybrid groups s = half * (2 - mask) * 2 / (2^B - 2); q <- q * norm (the Key norm, rounded once).
     per 32-token tile: logits = q @ k^T (mma m16n8k16, the <= 8 query rows padded to 16), online softmax in base
     2, acc^T = acc^T * alpha + v^T @ p^T (m16n8k16 with the 8 query rows as its columns).
     Scale and offset are rounded to the cache dtype before the multiply-add (one rounding of the value after
@@ -179,7 +182,7 @@ def _value_asm(bits: int, bf16: bool, per_code: bool = False) -> str:
     handed over divided by 4."""
     ty = "bf16x2" if bf16 else "f16x2"
     magic, neg = _magic(bf16)
-    lines = ["{ .reg .b32 y, x, n, s1, z0;", f"mov.b32 n, {neg};"]
+    lines = ["{ .reg .b32 y, x, n;" if per_code else "{ .reg .b32 y, x, n, s1, z0;", f"mov.b32 n, {neg};"]
 
     def value(r: int, mask: str, scale: str = "$24"):
         scale, offset = (f"${24 + r}", f"${32 + r}") if per_code else (scale, "$32")
@@ -1006,7 +1009,7 @@ if HAVE_GLUON:
         if KHYB:
             khyb = gl.where(gl.load(KMASK + ksrow, mask=kvalid2, other=0) != 0, 1.0, 2.0)
         else:
-            khyb = gl.where(kvalid2, 1.0, 1.0)
+            khyb = gl.full(ksrow.shape, 1.0, gl.float32, ksrow.type.layout)
         vvalid = gl.expand_dims((t0 + vt) < stop, 1)
         if VBITS == 4:
             vwords = gl.load(vc_base + t0 * VW_ + voff, mask=gl.expand_dims(vvalid, 2), other=0)
@@ -1018,7 +1021,7 @@ if HAVE_GLUON:
         if VHYB:
             vhyb = gl.where(gl.load(VMASK + vsrow) != 0, 1.0, 2.0)
         else:
-            vhyb = gl.where(vchan >= 0, 1.0, 1.0)
+            vhyb = gl.full(vchan.shape, 1.0, gl.float32, vchan.type.layout)
         return kwords, vwords, kh, kcen, khyb, vh, vcen, vhyb
 
     @gluon.jit
@@ -1474,7 +1477,7 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
         raise ValueError(f"no Gluon launch for layout {kind!r} with calibrated-softmax phase {phase}")
     stores = [kp["codes"], kp["cen"], kp["half"], vp["codes"], vp["cen"], vp["half"]]
     extra = [query, query, query]   # KMASK, VMASK, KNORM: InnerQ's only
-    if kind == "inner":  # plain loads; the Values' group rows take NG_K's place; hybrid: the spacing of symmetric levels
+    if kind == "inner":  # plain loads; ng_k: the Values' group rows; hybrid: the spacing of symmetric levels
         khyb, vhyb, norm = inner_flags(kp, vp)
         ka_hi, ka_lo = split_scale(2.0 / (2 ** kbits - (2 if khyb else 1)), bf16)
         va_hi, va_lo = split_scale(2.0 / (2 ** vbits - (2 if vhyb else 1)), bf16)
@@ -1482,7 +1485,7 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
                  kp["norm"] if norm else query]
         return _kivi_decode_kernel, (
             query, query.stride(0), query.stride(1), *stores, positions, amask, smb, m_buf, l_buf, acc_buf,
-            float(scale), T, vp["half"].shape[2], nsplit, *extra), dict(
+            float(scale), T, ng_k, nsplit, *extra), dict(
             H=H, REP=rep, S=sink, R=recent, TPG_K=1, TPG_V=32, MASK_KIND=mask_kind, IS_BF16=bf16, BT=KIVI_BT,
             KBITS=kbits, VBITS=vbits, KA_HI=ka_hi, KA_LO=ka_lo, VA_HI=va_hi, VA_LO=va_lo, NWIN=nwin, TMA=False,
             NST=NSTAGES, PDL=pdl, INNER=True, KHYB=khyb, VHYB=vhyb, NORM=norm, num_warps=1)
@@ -1510,8 +1513,9 @@ def launch(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int
            tpg_v: int, kbits: int, vbits: int, *, kind: str, use_tma: bool | None = None, phase: int = 0,
            temp=None, rope=None, nout: tuple = (0, 0), pdl: bool = False):
     """Run the quantized-region launch into slots [0, nsplit) of the partial buffers (grid (B * H, nsplit); each
-    row has nsplit + nwin slots, the last nwin the window launch's). kind: `layout_kind` of the store. use_tma (KIVI
-    layout only): stream the tiles through shared memory with the tensor-memory accelerator (None: `USE_TMA`, whose
+    row has nsplit + nwin slots, the last nwin the window launch's). kind: `layout_kind` of the store. ng_k: the
+    statistics rows per KV head of the token-grouped side (KIVI's Keys, InnerQ's Values). use_tma (KIVI's layout
+    only): stream the tiles through shared memory with the tensor-memory accelerator (None: `USE_TMA`, whose
     None means on sm_90+ inside CUDA-graph capture; never for an odd sink or cache length). phase, temp: the
     calibrated softmax's phase (calibquant only) and, in phase 2, its per-row temperatures. rope (kvquant's layout
     only): the (cos, sin) tables [B, T, 128] of Keys stored before RoPE, else None; nout (the same): outliers per
