@@ -360,13 +360,15 @@ def test_matches_reference_on_gpu(dtype, layout, case, mask, monkeypatch):
     bufs = dict(zip(names, tensors))
     ref = attend_cpu_reference(q, tensors, k, v, p, am, 128 ** -0.5, False, lay.descriptor(names)).float()
     tol = 1.5e-2 if dtype == torch.bfloat16 else 3e-3
-    # a 4-bit side in InnerQ's layout: the kernel rounds a group's scale to the cache dtype (the template dequantizes
-    # in fp32) and the code, up to 15, multiplies that error; one rounding error then spans a whole group, 32
-    # channels of a token's q . k (Keys per token) or 32 tokens of a channel's p . v (Values per channel), and adds up
-    # there instead of averaging out across independent per-channel (KIVI's Keys) or per-token (KIVI's Values)
-    # scales. Measured at up to 1.25x the tolerance (bf16, near-uniform attention over 800 tokens of magnitude 1e-3)
-    # and 1.6x the bound against the template on an H100 (bench/RESULTS.md, session 15): the bounds are doubled
-    loose = 2.0 if layout in ("innerq-k4v1", "innerq-k1v4h", "innerq-k4hv2") else 1.0
+    # InnerQ's layout with scales the cache dtype does not hold exactly (asymmetric 2 half / (2^B - 1), hybrid 4-bit
+    # half / 7; innerq-2's hybrid 2-bit scales, half or 2 half, are exact): the kernel rounds a group's scale (the
+    # template dequantizes in fp32) and the code multiplies that error; one rounding error then spans a whole group,
+    # 32 channels of a token's q . k (Keys per token) or 32 tokens of a channel's p . v (Values per channel), and
+    # adds up there instead of averaging out across independent per-channel (KIVI's Keys) or per-token (KIVI's
+    # Values) scales. Measured at up to 1.47x the tolerance (innerq-k2v2, bf16, near-uniform attention over 800
+    # tokens of magnitude 1e-3) and 1.6x the bound against the template (innerq-k4v1, fp16) on an H100
+    # (bench/RESULTS.md, session 15): the bounds are doubled
+    loose = 2.0 if layout.startswith("innerq-") and layout != "innerq-2" else 1.0
     if "%" in layout or "nout" in layout:
         with pytest.raises(ValueError, match="block_t=16 with outliers"):
             da.decode_attention(q, bufs, k, v, p, am, 128 ** -0.5, False, cfg, lay.spec, ms.geo, block_t=16)
