@@ -2,6 +2,7 @@
 on fp16/bf16 K/V of the same valid length. Llama-3-8B attention shapes: 32 query heads, 8 KV heads, head_dim 128.
 
     python bench/bench_decode_attention.py [--quick] [--out results.json]
+    python bench/bench_decode_attention.py --plot results.json --svg plot.svg   # no GPU: the plot of a saved run
 
 Per (preset, batch, context): median GPU time of one call, from replays of a CUDA graph of 20 calls
 (`graph_time`: launch overhead excluded, as in a reduce-overhead decode step; SDPA timed the same way), the bytes the kernel must read (every store
@@ -163,8 +164,61 @@ def check_small(name: str, dtype) -> float:
     return ((out - ref).norm() / ref.norm()).item()
 
 
+def svg_plot(result: dict, path: str) -> None:
+    """Two panels of grouped bars, one group per (batch, context) and one bar per preset of a saved run: the speedup
+    over SDPA (a dashed line at 1) and the effective bandwidth as a fraction of copy bandwidth (dashed: SDPA's)."""
+    rows = result["rows"]
+    shapes = list(dict.fromkeys((r["batch"], r["context"]) for r in rows))
+    presets = list(dict.fromkeys(r["preset"] for r in rows))
+    cell = {(r["preset"], r["batch"], r["context"]): r for r in rows}
+    colors = ["#7f7f7f", "#1f77b4", "#2ca02c", "#d62728", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
+    PW, PH, L, B, T = 560, 300, 50, 60, 30   # panel width / height, left / bottom / top margins
+    W, H = 2 * PW + 160, PH + B + T
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" '
+           f'font-size="11"><rect width="100%" height="100%" fill="white"/>',
+           f'<text x="{W / 2}" y="16" text-anchor="middle" font-size="13">decode attention, {result["device"]}, '
+           f'torch {result["torch"]}, {result.get("date", "")}</text>']
+    panels = (("speedup over SDPA (x)", "speedup", lambda r: 1.0),
+              ("effective bandwidth / copy bandwidth", "bw_frac", lambda r: r["sdpa_bw_frac"]))
+    for k, (label, key, ref_of) in enumerate(panels):
+        x0 = k * PW + L
+        top = max(max(r[key] for r in rows), max(ref_of(r) for r in rows)) * 1.1
+        sy = lambda v: T + PH - v / top * PH  # noqa: E731
+        out += [f'<line x1="{x0}" y1="{T + PH}" x2="{x0 + PW - L}" y2="{T + PH}" stroke="black"/>',
+                f'<line x1="{x0}" y1="{T}" x2="{x0}" y2="{T + PH}" stroke="black"/>',
+                f'<text x="{x0 + (PW - L) / 2}" y="{T + PH + 44}" text-anchor="middle">{label}</text>']
+        step = 0.5 if top <= 3 else 1.0 if top <= 6 else 2.0
+        for i in range(int(top / step) + 1):
+            v = i * step
+            out.append(f'<text x="{x0 - 4}" y="{sy(v) + 4:.1f}" text-anchor="end">{v:g}</text>')
+        gw = (PW - L) / len(shapes)
+        bw = gw * 0.8 / len(presets)
+        for g, (b, c) in enumerate(shapes):
+            gx = x0 + g * gw + gw * 0.1
+            out.append(f'<text x="{gx + gw * 0.4:.1f}" y="{T + PH + 14}" text-anchor="middle">({b}, {c})</text>')
+            for j, name in enumerate(presets):
+                r = cell.get((name, b, c))
+                if r is None:
+                    continue
+                y = sy(r[key])
+                out.append(f'<rect x="{gx + j * bw:.1f}" y="{y:.1f}" width="{bw * 0.9:.1f}" height="{T + PH - y:.1f}" '
+                           f'fill="{colors[j % len(colors)]}"><title>{name} ({b}, {c}): {r[key]:.3g}</title></rect>')
+            ref = ref_of(cell[next((n, b, c) for n in presets if (n, b, c) in cell)])
+            out.append(f'<line x1="{gx:.1f}" y1="{sy(ref):.1f}" x2="{gx + gw * 0.8:.1f}" y2="{sy(ref):.1f}" '
+                       'stroke="black" stroke-dasharray="4 3"/>')
+    for j, name in enumerate(presets):
+        out.append(f'<rect x="{2 * PW + 20}" y="{T + 14 * j}" width="10" height="10" fill="{colors[j % len(colors)]}"/>')
+        out.append(f'<text x="{2 * PW + 36}" y="{T + 9 + 14 * j}">{name}</text>')
+    out.append(f'<text x="{2 * PW + 20}" y="{T + 14 * len(presets) + 12}">- - SDPA (fp16)</text>')
+    out.append("</svg>")
+    with open(path, "w") as f:
+        f.write("\n".join(out) + "\n")
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--plot", default=None, metavar="JSON", help="no benchmark: plot this saved run (--out) to --svg")
+    ap.add_argument("--svg", default=None, help="the plot of this run (or of --plot's) as an SVG file")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--presets", default=",".join(PRESETS))
@@ -179,6 +233,12 @@ def main():
     ap.add_argument("--flush-l2", action="store_true",
                     help="write 256 MiB between timed calls (no call reads the last one's data from L2)")
     args = ap.parse_args()
+    if args.plot:
+        if not args.svg:
+            ap.error("--plot needs --svg")
+        with open(args.plot) as f:
+            svg_plot(json.load(f), args.svg)
+        return
     if args.flush_l2:
         global FLUSH
         FLUSH = torch.empty(2 ** 26, dtype=torch.float32, device="cuda")
@@ -263,6 +323,8 @@ def main():
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
+    if args.svg:
+        svg_plot(result, args.svg)
 
 
 if __name__ == "__main__":
