@@ -54,6 +54,15 @@ def main():
         ops = main_loop(b.sass)
         print(f"KIVI layout {bits}-bit: {b.regs} registers, stack {b.stack} B, loop {sum(ops.values())} "
               f"instructions per 32 tokens: {dict(ops.most_common(12))}", flush=True)
+    # InnerQ's layout (innerq-2: 2-bit hybrid groups on both sides, the Key norm) in the same kernel
+    inner = dict(kivi, KMASK="*u8", VMASK="*u8", KNORM="*fp32")
+    cx = dict(H=8, REP=4, S=32, R=96, TPG_K=1, TPG_V=32, MASK_KIND=1, IS_BF16=False, BT=32, KBITS=2, VBITS=2,
+              KA_HI=1.0, KA_LO=0.0, VA_HI=1.0, VA_LO=0.0, NWIN=3, TMA=False, NST=2, PDL=True, INNER=True, KHYB=True,
+              VHYB=True, NORM=True)
+    b = compile_sm90(dag._kivi_decode_kernel, inner, cx, (0, 3, 4, 5, 6, 7, 8, 12, 13, 14))
+    ops = main_loop(b.sass)
+    print(f"InnerQ layout 2-bit hybrid: {b.regs} registers, stack {b.stack} B, loop {sum(ops.values())} "
+          f"instructions per 32 tokens: {dict(ops.most_common(12))}", flush=True)
 
 
 if __name__ == "__main__":
