@@ -236,6 +236,45 @@ def _post_value_asm(bf16: bool) -> str:
                       + ["}"])
 
 
+def post_positions(bits: int, bf16: bool, n: int) -> list[tuple[int, int]]:
+    """(shift, bit) of each of the n registers of a post-scaled Key block (`_kpost_asm`): register r takes code r of
+    each half of the word shifted down by `shift`, at `bit` = r * bits - shift, as many codes per shift as the
+    mantissa window holds (fp16: bits 0-7 of a subnormal, value code * 2^(bit - 24); bf16: bits 0-6 below the magic
+    128, value 128 + code * 2^bit)."""
+    per = (7 if bf16 else 8) // bits
+    return [(r // per * per * bits, r % per * bits) for r in range(n)]
+
+
+POST_E = 2  # fp16 post-scaled Keys: q' = q s 2^(POST_E - bit), the logits 2^(24 - POST_E) times the mma (range of q')
+
+
+def _kpost_asm(bits: int, bf16: bool) -> str:
+    """Post-scaled KIVI Keys (the per-channel scale folded into q, `_kivi_decode_kernel` with KPOST): the codes of one
+    block (P = 16 at 1 and 2 bits, 8 at 4 bits) -> P / 2 registers, register r = (code r, code P / 2 + r) at bit b_r
+    of each half (`post_positions`), by one `lop3` each and a `shr` per group of registers: fp16 a subnormal
+    code * 2^(b_r - 24), bf16 128 + code * 2^b_r (the magic 128 and 2^-b_r go into q' and a per-row constant).
+    2 and 4 bits: the word's halves hold codes 0 .. P/2 - 1 and P/2 .. P - 1. 1 bit (the word pre-shifted: the
+    block's 16 codes at bits 0-15): `prmt` puts byte 1 into the high half. Operands: $0..$(P/2 - 1) out, then P
+    copies of the word."""
+    P = 8 if bits == 4 else 16   # `key_pack`
+    magic = "0x43004300" if bf16 else "0"
+    w = f"${P // 2}"
+    lines = ["{ .reg .b32 x, y;"]
+    base = w
+    if bits == 1:
+        lines.append(f"prmt.b32 x, {w}, 0, 0x4140;")
+        base = "x"
+    cur = 0
+    for r, (shift, bit) in enumerate(post_positions(bits, bf16, P // 2)):
+        if shift != cur:
+            lines.append(f"shr.b32 y, {base}, {shift};")
+            cur = shift
+        m = ((1 << bits) - 1) << bit
+        lines.append(f"lop3.b32 ${r}, {base if shift == 0 else 'y'}, 0x{m:04X}{m:04X}, {magic}, 0xea;")
+    lines.append("}")
+    return "\n".join(lines)
+
+
 _NEG0 = "0x80008000"  # (-0, -0): the addend of a product written as fma
 
 
@@ -376,6 +415,8 @@ _ASM.update({(side + "post", 1, bf): (_post_key_asm if side == "k" else _post_va
 _ASM.update({(side, "lut", bf): (_lut_key_asm if side == "k" else _lut_value_asm)(bf) for side in "kv"
              for bf in (False, True)})
 _ASM.update({("rope", sign, bf): _rope_asm(bf, sign) for sign in (-1, 1) for bf in (False, True)})
+_ASM.update({("kq", bits, bf): _kpost_asm(bits, bf) for bits in BITS for bf in (False, True)})
+_ASM.update({("mul", 0, bf): f"mul.rn.{'bf16x2' if bf else 'f16x2'} $0, $1, $2;" for bf in (False, True)})
 _ASM.update({("k", "sym8", bf): _sym8_key_asm() for bf in (False, True)})
 _ASM.update({("v", "sym8", bf): _sym8_value_asm(bf) for bf in (False, True)})
 
@@ -387,6 +428,7 @@ def key_pack(bits: int) -> int:
 
 if HAVE_GLUON:
     D_ = gl.constexpr(D)
+    POST_E_ = gl.constexpr(POST_E)
 
     @gluon.constexpr_function
     def _asm(side, bits, bf16):
@@ -483,6 +525,63 @@ if HAVE_GLUON:
             x = gl.inline_asm_elementwise(_asm(SIDE, 1, False), _cons(16, False), [words], dtype=gl.float16,
                                           is_pure=True, pack=16)
         return x
+
+    @gluon.jit
+    def _unpack_kq(words, BITS: gl.constexpr, PACK: gl.constexpr, IS_BF16: gl.constexpr):
+        """Post-scaled KIVI Key registers (`_kpost_asm`) from packed words broadcast over their PACK codes."""
+        if IS_BF16:
+            x = gl.inline_asm_elementwise(_asm("kq", BITS, True), _cons(PACK, False), [words], dtype=gl.bfloat16,
+                                          is_pure=True, pack=PACK)
+        else:
+            x = gl.inline_asm_elementwise(_asm("kq", BITS, False), _cons(PACK, False), [words], dtype=gl.float16,
+                                          is_pure=True, pack=PACK)
+        return x
+
+    @gluon.jit
+    def _offset(half, center, IS_BF16: gl.constexpr):
+        """center - half in the cache dtype, two per instruction."""
+        if IS_BF16:
+            z = gl.inline_asm_elementwise(_stats(True, 1), "=r,r,r", [half, center], dtype=gl.bfloat16,
+                                          is_pure=True, pack=2)
+        else:
+            z = gl.inline_asm_elementwise(_stats(False, 1), "=r,r,r", [half, center], dtype=gl.float16,
+                                          is_pure=True, pack=2)
+        return z
+
+    @gluon.jit
+    def _mul(x, y, IS_BF16: gl.constexpr):
+        """x * y in the cache dtype, rounded once, two per instruction."""
+        if IS_BF16:
+            z = gl.inline_asm_elementwise(_asm("mul", 0, True), "=r,r,r", [x, y], dtype=gl.bfloat16, is_pure=True,
+                                          pack=2)
+        else:
+            z = gl.inline_asm_elementwise(_asm("mul", 0, False), "=r,r,r", [x, y], dtype=gl.float16, is_pure=True,
+                                          pack=2)
+        return z
+
+    @gluon.jit
+    def _sigma(x, KP: gl.constexpr):
+        """[NA, 4, KP] statistics in channel order -> in a post-scaled Key block's element order (element 2r + h:
+        code r + KP / 2 h), registers only."""
+        NA: gl.constexpr = 32 // KP
+        return x.reshape([NA, 4, 2, KP // 2]).permute([0, 1, 3, 2]).reshape([NA, 4, KP])
+
+    @gluon.jit
+    def _kred(x, KP: gl.constexpr):
+        """[NA, 4, KP] -> [128] in the Key mma's reduction order (the permutation of the Key codes' reshape)."""
+        if KP == 16:
+            y = x.reshape([2, 2, 2, 2, 2, 2, 2]).permute([0, 3, 4, 5, 1, 2, 6]).reshape([128])
+        else:
+            y = x.reshape([2, 2, 2, 2, 2, 2, 2]).permute([0, 1, 4, 5, 2, 3, 6]).reshape([128])
+        return y
+
+    @gluon.jit
+    def _cols(x8, BT: gl.constexpr, mma: gl.constexpr):
+        """[16, 8] -> [16, BT] (column j reads column j % 8), in the accumulator layout."""
+        x = gl.join(x8, x8)
+        if BT == 32:
+            x = gl.join(x, x).reshape([16, 8, 4])
+        return gl.convert_layout(x.permute([0, 2, 1]).reshape([16, BT]), mma)
 
     @gluon.jit
     def _post_decode_kernel(
@@ -722,12 +821,18 @@ if HAVE_GLUON:
             BT: gl.constexpr, KBITS: gl.constexpr, VBITS: gl.constexpr, KA_HI: gl.constexpr, KA_LO: gl.constexpr,
             VA_HI: gl.constexpr, VA_LO: gl.constexpr, NWIN: gl.constexpr, TMA: gl.constexpr, NST: gl.constexpr,
             PDL: gl.constexpr, INNER: gl.constexpr = False, KHYB: gl.constexpr = False,
-            VHYB: gl.constexpr = False, NORM: gl.constexpr = False):
+            VHYB: gl.constexpr = False, NORM: gl.constexpr = False, KPOST: gl.constexpr = False):
         """KIVI's layout, or with INNER InnerQ's (Keys per token in groups of 32 channels, Values per channel in
         groups of 32 tokens: the same packed words, the statistics the other way round; plain loads). NG_K: the
         statistics rows per KV head of the token-grouped side (KIVI's Keys, InnerQ's Values). InnerQ's extras:
         KHYB / VHYB hybrid groups (KMASK / VMASK: True = symmetric levels, spacing KA / VA; else twice that),
-        NORM its per-channel Key normalization KNORM [B * H, 128] folded into q (q * norm, rounded once)."""
+        NORM its per-channel Key normalization KNORM [B * H, 128] folded into q (q * norm, rounded once).
+        KPOST (KIVI's layout): the Keys post-scaled, their per-channel scale folded into q per tile:
+            q . k = sum_c (q_c s_c 2^-b_c) (code_c 2^b_c) + q . z = U (q' @ e^T) + q . z
+        e: each code straight from one `lop3` (`_kpost_asm`; fp16 the subnormal code 2^(b - 24), bf16 128 + code 2^b),
+        q' = (q a 2^(E - b)) * half (a = 2 / (2^B - 1); q a 2^(E - b) rounded once per program, the product once per
+        tile; fp16 E = POST_E, U = 2^(24 - E); bf16 E = 0, U = 1); the per-row constant q . z (and bf16's
+        -128 sum(q')) by two more small mma into the logits' initial accumulator."""
         bh = gl.program_id(0)
         split = gl.program_id(1)
         b = bh // H
@@ -760,13 +865,13 @@ if HAVE_GLUON:
         kword = gl.expand_dims(gl.expand_dims(ka * KBW, 1) + gl.expand_dims(kb * KBITS, 0), 2)     # [NA, 4, 1]
         koff = gl.expand_dims(gl.expand_dims(kt, 0), 0) * KW_ + kword                             # [NA, 4, BT]
         kshift = gl.expand_dims(gl.expand_dims(ka * 16, 1), 2)
+        kc16 = gl.arange(0, KP, layout=gl.SliceLayout(0, gl.SliceLayout(0, KS)))
+        kdummy = gl.expand_dims(gl.expand_dims(gl.expand_dims(kc16, 0), 0), 3)         # [1, 1, KP, 1], broadcast only
         if INNER:  # InnerQ's Key statistics: one per token t and lane group b (its 32 channels), [4, BT]
             gl.static_assert(not TMA, "InnerQ's layout takes plain loads")
             KT: gl.constexpr = gl.SliceLayout(0, KW)
             tb = gl.arange(0, 4, layout=gl.SliceLayout(1, KT))
             ksoff = gl.expand_dims(kt, 0) * 4 + gl.expand_dims(tb, 1)                  # [4, BT] (t, group b)
-            kc16 = gl.arange(0, KP, layout=gl.SliceLayout(0, gl.SliceLayout(0, KS)))
-            kdummy = gl.expand_dims(gl.expand_dims(gl.expand_dims(kc16, 0), 0), 3)     # [1, 1, KP, 1], broadcast only
         else:
             sa = gl.arange(0, NA, layout=gl.SliceLayout(1, gl.SliceLayout(2, KS)))
             sb = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, KS)))
@@ -847,8 +952,21 @@ if HAVE_GLUON:
         qm = gl.arange(0, 16, layout=gl.SliceLayout(1, a_l))
         qk = gl.arange(0, 128, layout=gl.SliceLayout(0, a_l))
         qc = (qk & 1) + ((qk >> 3) & 1) * 2 + ((qk >> 4) & 1) * 4 + ((qk >> 5) & 1) * 8
-        qchan = 16 * ((qk >> 6) & 1) + 32 * ((qk >> 1) & 3) + qc
+        if KPOST:  # the block's element c = 2r + h holds its code r + KP / 2 h (`_kpost_asm`)
+            qx = qc + 16 * ((qk >> 6) & 1)
+            qcc = qx % KP
+            qchan = 32 * ((qk >> 1) & 3) + qx - qcc + (qcc >> 1) + (qcc & 1) * (KP // 2)
+        else:
+            qchan = 16 * ((qk >> 6) & 1) + 32 * ((qk >> 1) & 3) + qc
         q = _load_q(Q, b, h, stride_qb, stride_qh, qm, qchan, REP)
+        if KPOST:  # q a 2^(E - b): a the level spacing, b the code's bit in its register (`post_positions`)
+            PE: gl.constexpr = 0 if IS_BF16 else POST_E_
+            PER: gl.constexpr = (7 if IS_BF16 else 8) // KBITS
+            KAF: gl.constexpr = 2.0 / ((1 << KBITS) - 1)
+            qe = (PE - (qcc >> 1) % PER * KBITS).to(gl.float32)
+            qa = (q.to(gl.float32) * gl.expand_dims(gl.exp2(qe) * KAF, 0)).to(dt)
+            UP: gl.constexpr = 1.0 if IS_BF16 else float(2 ** (24 - POST_E_))
+            negm = gl.full([128, 8], -128.0, dt, b_l)
         if NORM:  # InnerQ's Key normalization: k = k~ * norm, so q . k = (q * norm) . k~
             nrm = gl.load(KNORM + bh.to(gl.int64) * D + qchan)
             q = (q.to(gl.float32) * gl.expand_dims(nrm, 0)).to(dt)
@@ -883,6 +1001,10 @@ if HAVE_GLUON:
                 wb, ks4 = gl.broadcast(wb, gl.expand_dims(gl.expand_dims(ks, 0), 2))
                 wb, kz4 = gl.broadcast(wb, gl.expand_dims(gl.expand_dims(kz, 0), 2))
                 kv = _unpack(wb, ks4, kz4, "kt", KBITS, KP, IS_BF16)
+            elif KPOST:
+                kz = _offset(kh, kcen, IS_BF16)
+                wb, _ = gl.broadcast(gl.expand_dims(kwords, 2), kdummy)                  # [NA, 4, KP, BT]
+                kv = _unpack_kq(wb, KBITS, KP, IS_BF16)
             else:
                 ks, kz = _scale_offset(kh, kcen, khi, klo, IS_BF16)
                 wb, ks4 = gl.broadcast(gl.expand_dims(kwords, 2), gl.expand_dims(ks, 3))
@@ -895,7 +1017,20 @@ if HAVE_GLUON:
             else:
                 kv = kv.reshape([2, 2, 2, 2, 2, 2, 2, BT]).permute([0, 1, 4, 5, 2, 3, 6, 7]).reshape([128, BT])
             kv = gl.convert_layout(kv, b_l)
-            s = mma_v2(q, kv, gl.zeros([16, BT], gl.float32, mma)) * qscale
+            if KPOST:  # q' = q a 2^(E - b) * half; the logits start from q . z (bf16: - 128 sum(q'))
+                hk = gl.convert_layout(_kred(_sigma(kh, KP), KP), gl.SliceLayout(0, a_l))
+                qa2, hk2 = gl.broadcast(qa, gl.expand_dims(hk, 0))
+                qp = _mul(qa2, hk2, IS_BF16)
+                zk = gl.convert_layout(_kred(_sigma(kz, KP), KP), gl.SliceLayout(1, b_l))
+                zb, _ = gl.broadcast(gl.expand_dims(zk, 1), negm)
+                c8 = mma_v2(q, zb, gl.zeros([16, 8], gl.float32, mma))
+                if IS_BF16:
+                    c8 = mma_v2(qp, negm, c8)
+                else:
+                    c8 = c8 * (1.0 / UP)
+                s = mma_v2(qp, kv, _cols(c8, BT, mma)) * (qscale * UP)
+            else:
+                s = mma_v2(q, kv, gl.zeros([16, BT], gl.float32, mma)) * qscale
 
             s, allowed = _mask_scores(s, rows, t0 + cols, stop, AMASK, b.to(gl.int64) * stride_mb, REP, MASK_KIND)
             p, alpha, m_i, l_i = _softmax_step(s, allowed, m_i, l_i)
@@ -1409,6 +1544,7 @@ def enabled() -> bool:
 
 
 NSTAGES = 2       # ring slots of the TMA path: 2 was best of 2 / 3 / 4 (bench/RESULTS.md, session 10)
+KEY_POST = True   # KIVI's layout: post-scaled Keys (`_kivi_decode_kernel` KPOST); KVQ_KEY_POST=0 turns them off
 USE_TMA = None    # the TMA path: None = on compute capability 9.0+ while capturing a CUDA graph (check_gluon.py flips it)
 
 
@@ -1499,7 +1635,13 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
         float(scale), T, ng_k, nsplit, *extra), dict(
         H=H, REP=rep, S=sink, R=recent, TPG_K=32, TPG_V=tpg_v, MASK_KIND=mask_kind,
         IS_BF16=bf16, BT=KIVI_BT, KBITS=kbits, VBITS=vbits, KA_HI=ka_hi, KA_LO=ka_lo, VA_HI=va_hi, VA_LO=va_lo,
-        NWIN=nwin, TMA=use_tma, NST=NSTAGES, PDL=pdl, num_warps=1)
+        NWIN=nwin, TMA=use_tma, NST=NSTAGES, PDL=pdl, KPOST=_key_post(), num_warps=1)
+
+
+def _key_post() -> bool:
+    import os
+
+    return KEY_POST and os.environ.get("KVQ_KEY_POST", "1") != "0"
 
 
 def inner_flags(kp: dict, vp: dict) -> tuple[bool, bool, bool]:
@@ -1556,7 +1698,8 @@ def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mas
     dev = query.device
     tma = kind == "kivi" and _use_tma(query, sink, T, use_tma)
     key = (kind, inner_flags(kp, vp) if kind == "inner" else None, dev.index, query.dtype, amask.dtype, mask_kind, kbits, vbits, H, rep, sink, recent, tpg_v, nwin,
-           tma, NSTAGES, phase, rope is not None, tuple(nout), LUT_BT, LUT_MAXNREG, SYM8_BT, KIVI_BT, pdl)
+           tma, NSTAGES, phase, rope is not None, tuple(nout), LUT_BT, LUT_MAXNREG, SYM8_BT, KIVI_BT, pdl,
+           _key_post())
     if key not in _RESIDENT:
         one = torch.empty(1, dtype=torch.float32, device=dev)   # stand-ins for the partial buffers, temperatures
         props = torch.cuda.get_device_properties(dev)

@@ -561,6 +561,34 @@ def test_post_scaled_blocks_place_each_bit(bf16):
             assert out[f"${j}"] == want, (trial, "value", j)
 
 
+@pytest.mark.parametrize("bits", dag.BITS)
+@pytest.mark.parametrize("bf16", [False, True])
+def test_post_scaled_key_blocks_place_each_code(bf16, bits):
+    """KIVI's post-scaled Key blocks ("kq", `_kivi_decode_kernel` with KPOST): register r is (code r, code P/2 + r)
+    of the block at bit b_r of each half (`post_positions`), exactly: fp16 the subnormal code * 2^(b_r - 24), bf16
+    128 + code * 2^b_r; every code of the block lands in exactly one half, with a window that fits the mantissa."""
+    from ptx_emulator import run
+
+    P = dag.key_pack(bits)
+    pos = dag.post_positions(bits, bf16, P // 2)
+    assert all(b + bits <= (7 if bf16 else 8) for _, b in pos)
+    gen = torch.Generator().manual_seed(20 + bits)
+    code = lambda w, j: (w >> bits * j) & ((1 << bits) - 1)  # noqa: E731
+    for trial in range(60):
+        w = int(torch.randint(-2**31, 2**31 - 1, (), generator=gen)) & 0xFFFFFFFF
+        if bits == 1:   # the kernel pre-shifts the word so that the block's 16 codes sit at bits 0-15
+            w = (w >> 16 * (trial % 2)) | (0xFFFF0000 if trial % 3 == 0 else 0)
+        out = run(dag._ASM[("kq", bits, bf16)], {P // 2 + i: w for i in range(P)})
+        for r, (_, b) in enumerate(pos):
+            got = [out[f"${r}"] & 0xFFFF, out[f"${r}"] >> 16]
+            for h, c in enumerate((r, P // 2 + r)):
+                want = (0x4300 if bf16 else 0) | code(w, c) << b
+                assert got[h] == want, (trial, r, h, hex(got[h]), hex(want))
+                val = (128 + code(w, c) * 2 ** b) if bf16 else code(w, c) * 2.0 ** (b - 24)
+                as_float = np.array(got[h] << 16, dtype=np.uint32).view(np.float32) if bf16 else _halves(got[h])[0]
+                assert float(as_float) == val, (trial, r, h)
+
+
 @pytest.mark.parametrize("bf16", [False, True])
 def test_codebook_blocks_look_up_every_level(bf16):
     """kvquant's 4-bit codebook blocks (`_lut_decode_kernel`): every output register holds level(code) * s + z of
