@@ -998,16 +998,23 @@ if HAVE_GLUON:
                 ks_base = bh64 * NG_K * D
                 vs_base = bh64 * T * 4
 
-        if KPOST:  # q^T [128, 8]: the B operand of the transposed logits mma (k as below, column n = query head n)
-            gl.static_assert(not INNER, "post-scaled Keys: KIVI's layout")
-            tk = gl.arange(0, 128, layout=gl.SliceLayout(1, b_l))
-            tn = gl.arange(0, 8, layout=gl.SliceLayout(0, b_l))
-            tx = (tk & 1) + ((tk >> 3) & 1) * 2 + ((tk >> 4) & 1) * 4 + ((tk >> 5) & 1) * 8 + ((tk >> 6) & 1) * 16
-            tcc = tx % KP   # the block's element c = 2r + h holds its code r + KP / 2 h (`_kpost_asm`)
+        # q^T [128, 8]: the B operand of the transposed logits mma, row k the Key layout's reduction index (below),
+        # column n query head n (zero past REP)
+        tk = gl.arange(0, 128, layout=gl.SliceLayout(1, b_l))
+        tn = gl.arange(0, 8, layout=gl.SliceLayout(0, b_l))
+        tx = (tk & 1) + ((tk >> 3) & 1) * 2 + ((tk >> 4) & 1) * 4 + ((tk >> 5) & 1) * 8 + ((tk >> 6) & 1) * 16
+        if KPOST:  # the block's element c = 2r + h holds its code r + KP / 2 h (`_kpost_asm`)
+            tcc = tx % KP
             tchan = 32 * ((tk >> 1) & 3) + tx - tcc + (tcc >> 1) + (tcc & 1) * (KP // 2)
-            qT = gl.load(Q + b.to(gl.int64) * stride_qb + gl.expand_dims((h * REP + tn) * stride_qh, 0)
-                         + gl.expand_dims(tchan, 1), mask=gl.expand_dims(tn < REP, 0), other=0.0)
-            # q a 2^(E - b): a the level spacing, b the code's bit in its register (`post_positions`)
+        else:
+            tchan = 32 * ((tk >> 1) & 3) + tx
+        qT = gl.load(Q + b.to(gl.int64) * stride_qb + gl.expand_dims((h * REP + tn) * stride_qh, 0)
+                     + gl.expand_dims(tchan, 1), mask=gl.expand_dims(tn < REP, 0), other=0.0)
+        if NORM:  # InnerQ's Key normalization: k = k~ * norm, so q . k = (q * norm) . k~
+            nrm = gl.load(KNORM + bh.to(gl.int64) * D + tchan)
+            qT = (qT.to(gl.float32) * gl.expand_dims(nrm, 1)).to(dt)
+        if KPOST:  # q a 2^(E - b): a the level spacing, b the code's bit in its register (`post_positions`)
+            gl.static_assert(not INNER, "post-scaled Keys: KIVI's layout")
             PE: gl.constexpr = 0 if IS_BF16 else POST_E_
             PER: gl.constexpr = (7 if IS_BF16 else 8) // KBITS
             KAF: gl.constexpr = 2.0 / ((1 << KBITS) - 1)
@@ -1015,22 +1022,13 @@ if HAVE_GLUON:
             qaT = (qT.to(gl.float32) * gl.expand_dims(gl.exp2(qe) * KAF, 1)).to(dt)
             UP: gl.constexpr = 1.0 if IS_BF16 else float(2 ** (24 - POST_E_))
             negm = gl.full([16, 128], -128.0, dt, a_l)
-            trow = gl.arange(0, BT, layout=gl.SliceLayout(1, mma))
-            tcol = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
-            m8 = gl.full([8], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
-            lacc = gl.zeros([BT, 8], gl.float32, mma)   # per-lane partial sums of p, reduced after the loop
-        else:  # q [16, 128] in the Key mma's reduction order
-            qm = gl.arange(0, 16, layout=gl.SliceLayout(1, a_l))
-            qk = gl.arange(0, 128, layout=gl.SliceLayout(0, a_l))
-            qc = (qk & 1) + ((qk >> 3) & 1) * 2 + ((qk >> 4) & 1) * 4 + ((qk >> 5) & 1) * 8
-            qchan = 16 * ((qk >> 6) & 1) + 32 * ((qk >> 1) & 3) + qc
-            q = _load_q(Q, b, h, stride_qb, stride_qh, qm, qchan, REP)
-        if NORM:  # InnerQ's Key normalization: k = k~ * norm, so q . k = (q * norm) . k~
-            nrm = gl.load(KNORM + bh.to(gl.int64) * D + qchan)
-            q = (q.to(gl.float32) * gl.expand_dims(nrm, 0)).to(dt)
 
         qscale = scale * 1.4426950408889634   # log2(e): the softmax runs in base 2
-        rows, cols, m_i, l_i, acc = _softmax_state(BT, mma)
+        trow = gl.arange(0, BT, layout=gl.SliceLayout(1, mma))   # logits^T [BT, 8]: position t0 + trow, head tcol
+        tcol = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
+        m8 = gl.full([8], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
+        lacc = gl.zeros([BT, 8], gl.float32, mma)   # per-lane partial sums of p, reduced after the loop
+        acc = gl.zeros([128, 8], gl.float32, mma)   # out^T [128 (n = 8j + w: channel 16w + j), 8]
 
         for it in range(0, n_iter):
             t0 = start + it * BT
@@ -1068,8 +1066,8 @@ if HAVE_GLUON:
                 wb, ks4 = gl.broadcast(gl.expand_dims(kwords, 2), gl.expand_dims(ks, 3))
                 wb, kz4 = gl.broadcast(wb, gl.expand_dims(kz, 3))
                 kv = _unpack(wb, ks4, kz4, "k", KBITS, KP, IS_BF16)
-            if KPOST:  # logits^T [BT, 8] = e @ q'^T, q'^T = (q a 2^(E - b))^T * half, from q . z (bf16: - 128 sum q')
-                kvT = gl.convert_layout(_kred_t(kv, KP, BT), a_l)
+            kvT = gl.convert_layout(_kred_t(kv, KP, BT), a_l)   # [BT, 128]
+            if KPOST:  # logits^T = e @ q'^T, q'^T = (q a 2^(E - b))^T * half, from q . z (bf16: - 128 sum q')
                 hk = gl.convert_layout(_kred(_sigma(kh, KP), KP), gl.SliceLayout(1, b_l))
                 qa2, hk2 = gl.broadcast(qaT, gl.expand_dims(hk, 1))
                 qp = _mul(qa2, hk2, IS_BF16)
@@ -1081,28 +1079,16 @@ if HAVE_GLUON:
                 else:
                     c = c * (1.0 / UP)
                 s = mma_v2(kvT, qp, _rows(c, BT, mma)) * (qscale * UP)
-                s, allowed = _mask_scores_t(s, trow, tcol, t0, stop, AMASK, b.to(gl.int64) * stride_mb, REP,
-                                            MASK_KIND)
-                s = gl.where(allowed, s, float("-inf"))
-                m_new = gl.maximum(m8, gl.max(s, 0))
-                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-                p = gl.exp2(s - gl.expand_dims(m_use, 0))
-                alpha8 = gl.exp2(m8 - m_use)
-                lacc = lacc * gl.expand_dims(alpha8, 0) + p
-                m8 = m_new
-                pB = _p_transposed(p.to(dt), b_l, BT, IS_BF16)
             else:
-                # [NA, 4, KP] -> the reduction index k = 64 x4 + 32 x3 + 16 x2 + 8 x1 + 4 b1 + 2 b0 + x0, where the
-                # 5 bits x = KP * a + c (q is loaded in the same order)
-                if KP == 16:
-                    kv = kv.reshape([2, 2, 2, 2, 2, 2, 2, BT]).permute([0, 3, 4, 5, 1, 2, 6, 7]).reshape([128, BT])
-                else:
-                    kv = kv.reshape([2, 2, 2, 2, 2, 2, 2, BT]).permute([0, 1, 4, 5, 2, 3, 6, 7]).reshape([128, BT])
-                kv = gl.convert_layout(kv, b_l)
-                s = mma_v2(q, kv, gl.zeros([16, BT], gl.float32, mma)) * qscale
-                s, allowed = _mask_scores(s, rows, t0 + cols, stop, AMASK, b.to(gl.int64) * stride_mb, REP,
-                                          MASK_KIND)
-                p, alpha, m_i, l_i = _softmax_step(s, allowed, m_i, l_i)
+                s = mma_v2(kvT, qT, gl.zeros([BT, 8], gl.float32, mma)) * qscale
+            s, allowed = _mask_scores_t(s, trow, tcol, t0, stop, AMASK, b.to(gl.int64) * stride_mb, REP, MASK_KIND)
+            s = gl.where(allowed, s, float("-inf"))
+            m_new = gl.maximum(m8, gl.max(s, 0))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            p = gl.exp2(s - gl.expand_dims(m_use, 0))
+            alpha8 = gl.exp2(m8 - m_use)
+            lacc = lacc * gl.expand_dims(alpha8, 0) + p
+            m8 = m_new
 
             if INNER:
                 vfh = vhyb * vfac
@@ -1124,19 +1110,13 @@ if HAVE_GLUON:
                 vv = _unpack(wv, vs4, vz4, "v", VBITS, 16, IS_BF16)
             vv = vv.permute([0, 2, 3, 1]).reshape([BT, 128]).permute([1, 0])          # v^T [128 (n = 8j + w), BT]
             vv = gl.convert_layout(vv, a_l)
-            if KPOST:
-                acc = mma_v2(vv, pB, acc * gl.expand_dims(alpha8, 0))
-            else:
-                acc = mma_v2(vv, _p_operand(p.to(dt), b_l, BT), acc * gl.expand_dims(_first8(alpha, mma), 0))
+            acc = mma_v2(vv, _p_transposed(p.to(dt), b_l, BT, IS_BF16), acc * gl.expand_dims(alpha8, 0))
             if TMA:  # the ring slot just read takes the tile NST ahead (its registers are consumed by now)
                 _issue(KC, VC, KHALF, KCEN, VHALF, VCEN, kbuf.index(st), vbuf.index(st), khbuf.index(st),
                        kzbuf.index(st), vhbuf.index(st), vzbuf.index(st), bars.index(st), row0, grow0,
                        t0 + NST * BT, S, it + NST < n_iter, NBYTES)
 
-        if KPOST:
-            _store_partials8(OUT_M, OUT_L, OUT_ACC, bh, split, NSPLIT, NWIN, m8, gl.sum(lacc, 0), acc, REP, mma)
-        else:
-            _store_partials(OUT_M, OUT_L, OUT_ACC, bh, split, NSPLIT, NWIN, m_i, l_i, acc, REP, mma)
+        _store_partials8(OUT_M, OUT_L, OUT_ACC, bh, split, NSPLIT, NWIN, m8, gl.sum(lacc, 0), acc, REP, mma)
 
     @gluon.jit
     def _issue(KC, VC, KHALF, KCEN, VHALF, VCEN, kb, vb, khb, kzb, vhb, vzb, bar, row0, grow0, t0, S: gl.constexpr,
@@ -1710,21 +1690,13 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
         float(scale), T, ng_k, nsplit, *extra), dict(
         H=H, REP=rep, S=sink, R=recent, TPG_K=32, TPG_V=tpg_v, MASK_KIND=mask_kind,
         IS_BF16=bf16, BT=KIVI_BT, KBITS=kbits, VBITS=vbits, KA_HI=ka_hi, KA_LO=ka_lo, VA_HI=va_hi, VA_LO=va_lo,
-        NWIN=nwin, TMA=use_tma, NST=NSTAGES, PDL=pdl, KPOST=_key_post(), num_warps=1,
-        **({"maxnreg": _kivi_maxnreg()} if _kivi_maxnreg() else {}))
+        NWIN=nwin, TMA=use_tma, NST=NSTAGES, PDL=pdl, KPOST=_key_post(), num_warps=1)
 
 
 def _key_post() -> bool:
     import os
 
     return KEY_POST and os.environ.get("KVQ_KEY_POST", "1") != "0"
-
-
-def _kivi_maxnreg() -> int | None:
-    import os
-
-    n = int(os.environ.get("KVQ_KIVI_MAXNREG", "0"))
-    return n or None
 
 
 def inner_flags(kp: dict, vp: dict) -> tuple[bool, bool, bool]:
@@ -1782,7 +1754,7 @@ def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mas
     tma = kind == "kivi" and _use_tma(query, sink, T, use_tma)
     key = (kind, inner_flags(kp, vp) if kind == "inner" else None, dev.index, query.dtype, amask.dtype, mask_kind, kbits, vbits, H, rep, sink, recent, tpg_v, nwin,
            tma, NSTAGES, phase, rope is not None, tuple(nout), LUT_BT, LUT_MAXNREG, SYM8_BT, KIVI_BT, pdl,
-           _key_post(), _kivi_maxnreg())
+           _key_post())
     if key not in _RESIDENT:
         one = torch.empty(1, dtype=torch.float32, device=dev)   # stand-ins for the partial buffers, temperatures
         props = torch.cuda.get_device_properties(dev)

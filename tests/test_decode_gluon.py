@@ -177,9 +177,10 @@ SCRIPT = textwrap.dedent('''
     from sm90_sass import compile_sm90
 
     out = []
-    for bf16, mask, kb, vb, tma in ((False, 0, 2, 2, False), (True, 1, 2, 2, False), (True, 2, 4, 4, False),
-                                    (False, 2, 2, 1, False), (True, 1, 1, 1, False), (False, 1, 4, 2, False),
-                                    (True, 1, 2, 2, True), (False, 1, 4, 1, True)):
+    for bf16, mask, kb, vb, tma, post in ((False, 0, 2, 2, False, True), (True, 1, 2, 2, False, True),
+                                          (True, 2, 4, 4, False, True), (False, 2, 2, 1, False, True),
+                                          (True, 1, 1, 1, False, False), (False, 1, 4, 2, False, True),
+                                          (True, 1, 2, 2, True, True), (False, 1, 4, 1, True, False)):
         ty = "*bf16" if bf16 else "*fp16"
         stores = dict(KC="*i32", KCEN=ty, KHALF=ty, VC="*i32", VCEN=ty, VHALF=ty)
         if tma:  # the host descriptors' types, from small CPU tensors of the store's shapes
@@ -195,10 +196,11 @@ SCRIPT = textwrap.dedent('''
         ka, va = (dag.split_scale(2 / (2 ** n - 1), bf16) for n in (kb, vb))
         cx = dict(H=8, REP=4, S=0, R=128, TPG_K=32, TPG_V=1, MASK_KIND=mask, IS_BF16=bf16, BT=32, KBITS=kb,
                   VBITS=vb, KA_HI=ka[0], KA_LO=ka[1], VA_HI=va[0], VA_LO=va[1], NWIN=3, TMA=tma, NST=2,
-                  PDL=tma)
+                  PDL=tma, KPOST=post)
         b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 12, 13, 14) + (() if tma else (3, 4, 5, 6, 7, 8)))
-        out.append((bf16, mask, kb, vb, tma, b.shared, b.stack == b.local == 0, b.sass.count("HMMA"),
-                    b.sass.count("STS"), b.sass.count("LDS"), b.sass.count("UTMALDG")))
+        out.append((bf16, mask, kb, vb, tma, post, b.shared, b.stack == b.local == 0, b.sass.count("HMMA"),
+                    b.sass.count("STS"), b.sass.count("LDS"), b.sass.count("UTMALDG"), b.sass.count("MOVM"),
+                    b.sass.count("HFMA2")))
     for bf16, mask, phase in ((True, 1, 2), (False, 2, 1), (False, 0, 0)):   # calibquant's kernel
         ty = "*bf16" if bf16 else "*fp16"
         sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KCEN=ty, KHALF=ty, VC="*i32", VCEN=ty,
@@ -233,7 +235,7 @@ SCRIPT = textwrap.dedent('''
                   KHYB=hyb, VHYB=hyb, NORM=norm)
         b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 3, 4, 5, 6, 7, 8, 12, 13, 14))
         out.append(("inner", bf16, b.shared, b.stack == b.local == 0, b.sass.count("HMMA"), b.sass.count("STS"),
-                    b.sass.count("LDS")))
+                    b.sass.count("LDS"), b.sass.count("MOVM")))
     for bf16, mask in ((False, 1), (True, 2)):   # int8's kernel
         ty = "*bf16" if bf16 else "*fp16"
         sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KHALF=ty, VC="*i32", VHALF=ty, POS="*i64",
@@ -262,9 +264,10 @@ def test_compiles_for_sm90_into_registers_only():
     for _, bf16, shared, no_spill, hmma, sts, lds in rows[16:]:
         # int8's kernel: per 16-token tile 16 + 8 HMMA, no shared memory, no spills
         assert shared == 0 and sts == 0 and lds == 0 and no_spill and hmma >= 24, rows
-    for _, bf16, shared, no_spill, hmma, sts, lds in rows[14:16]:
-        # InnerQ's layout in the KIVI kernel: plain loads straight into the mma operands, as KIVI's
-        assert shared == 0 and sts == 0 and lds == 0 and no_spill and hmma >= 48, rows
+    for _, bf16, shared, no_spill, hmma, sts, lds, movm in rows[14:16]:
+        # InnerQ's layout in the KIVI kernel: plain loads straight into the mma operands, as KIVI's; per 32-token
+        # tile 16 HMMA for the transposed logits, 16 for v^T @ p^T, p^T by 4 MOVM
+        assert shared == 0 and sts == 0 and lds == 0 and no_spill and hmma >= 32 and movm >= 4, rows
     for _, rope, shared, stack, hmma, sts, lds, prmt in rows[11:14]:
         # kvquant's kernel: per 16-token tile 16 HMMA (q @ k^T) + 8 (v^T @ p^T); no shared memory; at its register
         # cap (`LUT_MAXNREG`) at most 8 spilled registers (6 measured on the H100: faster than no cap, no spills at
@@ -274,13 +277,16 @@ def test_compiles_for_sm90_into_registers_only():
         # calibquant's kernel: tensor cores for q' @ codes^T (and p @ codes in phases 0 and 2), no packed-half
         # multiply-add (its codes leave the lop3 ready for the mma; HADD2 also converts halves to floats), no spills
         assert no_local and hmma >= (32 if phase == 1 else 48) and hfma2 == 0, rows
-    for bf16, mask, kb, vb, tma, shared, no_local, hmma, sts, lds, tma_loads in rows[:8]:
+    for bf16, mask, kb, vb, tma, post, shared, no_local, hmma, sts, lds, tma_loads, movm, hfma2 in rows[:8]:
         if tma:  # the ring: filled by TMA copies (six per tile, in the prologue and the loop), read by LDS
             assert shared > 0 and sts == 0 and lds > 0 and tma_loads >= 12, rows
         else:
             assert shared == 0 and sts == 0 and lds == 0 and tma_loads == 0, rows
-        assert no_local, rows
-        assert hmma >= 48, rows  # per 32-token tile: 32 (q @ k^T, m16n8k16) + 16 (v^T @ p^T)
+        assert no_local and movm >= 4, rows   # p^T for v^T @ p^T: one movmatrix per 8 tokens
+        # per 32-token tile: 16 (logits^T = k @ q^T, m16n8k16) + 16 (v^T @ p^T), post-scaled Keys 8 more for q . z
+        # (and bf16 8 for its magic); their dequantization drops out (88 HFMA2 in the kernel against 168)
+        assert hmma >= (40 + 8 * bf16 if post else 32), rows
+        assert hfma2 <= (100 if post else 400) and hfma2 >= (0 if post else 150), rows
 
 
 PDL_SCRIPT = textwrap.dedent('''
