@@ -620,6 +620,33 @@ if HAVE_GLUON:
         return s, allowed
 
     @gluon.jit
+    def _load_qT(Q, b, h, stride_qb, stride_qh, tchan, REP: gl.constexpr, b_l: gl.constexpr):
+        """q^T [128, 8] of the REP query heads of KV head h (columns past REP zero), row k = channel tchan[k]: the B
+        operand of the transposed logits mma."""
+        tn = gl.arange(0, 8, layout=gl.SliceLayout(0, b_l))
+        return gl.load(Q + b.to(gl.int64) * stride_qb + gl.expand_dims((h * REP + tn) * stride_qh, 0)
+                       + gl.expand_dims(tchan, 1), mask=gl.expand_dims(tn < REP, 0), other=0.0)
+
+    @gluon.jit
+    def _softmax_t(s, allowed, m8, lacc):
+        """One tile of the online softmax in base 2 over transposed logits [BT, 8] (a column per query head):
+        (p, alpha, new max, new per-lane partial sums); heads with nothing allowed yet keep max -inf and p = 0."""
+        s = gl.where(allowed, s, float("-inf"))
+        m_new = gl.maximum(m8, gl.max(s, 0))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - gl.expand_dims(m_use, 0))
+        alpha = gl.exp2(m8 - m_use)
+        return p, alpha, m_new, lacc * gl.expand_dims(alpha, 0) + p
+
+    @gluon.jit
+    def _softmax_state_t(BT: gl.constexpr, mma: gl.constexpr):
+        """(positions, heads of a transposed [BT, 8] logits tile, running max -inf, partial sums 0, accumulator 0)."""
+        trow = gl.arange(0, BT, layout=gl.SliceLayout(1, mma))
+        tcol = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
+        m8 = gl.full([8], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
+        return trow, tcol, m8, gl.zeros([BT, 8], gl.float32, mma), gl.zeros([128, 8], gl.float32, mma)
+
+    @gluon.jit
     def _store_partials8(OUT_M, OUT_L, OUT_ACC, bh, split, NSPLIT, NWIN: gl.constexpr, m8, l8, acc,
                          REP: gl.constexpr, mma: gl.constexpr):
         """`_store_partials` with (max, sum) per query head as [8] vectors along the accumulator's columns."""
@@ -1001,15 +1028,13 @@ if HAVE_GLUON:
         # q^T [128, 8]: the B operand of the transposed logits mma, row k the Key layout's reduction index (below),
         # column n query head n (zero past REP)
         tk = gl.arange(0, 128, layout=gl.SliceLayout(1, b_l))
-        tn = gl.arange(0, 8, layout=gl.SliceLayout(0, b_l))
         tx = (tk & 1) + ((tk >> 3) & 1) * 2 + ((tk >> 4) & 1) * 4 + ((tk >> 5) & 1) * 8 + ((tk >> 6) & 1) * 16
         if KPOST:  # the block's element c = 2r + h holds its code r + KP / 2 h (`_kpost_asm`)
             tcc = tx % KP
             tchan = 32 * ((tk >> 1) & 3) + tx - tcc + (tcc >> 1) + (tcc & 1) * (KP // 2)
         else:
             tchan = 32 * ((tk >> 1) & 3) + tx
-        qT = gl.load(Q + b.to(gl.int64) * stride_qb + gl.expand_dims((h * REP + tn) * stride_qh, 0)
-                     + gl.expand_dims(tchan, 1), mask=gl.expand_dims(tn < REP, 0), other=0.0)
+        qT = _load_qT(Q, b, h, stride_qb, stride_qh, tchan, REP, b_l)
         if NORM:  # InnerQ's Key normalization: k = k~ * norm, so q . k = (q * norm) . k~
             nrm = gl.load(KNORM + bh.to(gl.int64) * D + tchan)
             qT = (qT.to(gl.float32) * gl.expand_dims(nrm, 1)).to(dt)
@@ -1024,11 +1049,7 @@ if HAVE_GLUON:
             negm = gl.full([16, 128], -128.0, dt, a_l)
 
         qscale = scale * 1.4426950408889634   # log2(e): the softmax runs in base 2
-        trow = gl.arange(0, BT, layout=gl.SliceLayout(1, mma))   # logits^T [BT, 8]: position t0 + trow, head tcol
-        tcol = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
-        m8 = gl.full([8], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
-        lacc = gl.zeros([BT, 8], gl.float32, mma)   # per-lane partial sums of p, reduced after the loop
-        acc = gl.zeros([128, 8], gl.float32, mma)   # out^T [128 (n = 8j + w: channel 16w + j), 8]
+        trow, tcol, m8, lacc, acc = _softmax_state_t(BT, mma)
 
         for it in range(0, n_iter):
             t0 = start + it * BT
@@ -1082,13 +1103,7 @@ if HAVE_GLUON:
             else:
                 s = mma_v2(kvT, qT, gl.zeros([BT, 8], gl.float32, mma)) * qscale
             s, allowed = _mask_scores_t(s, trow, tcol, t0, stop, AMASK, b.to(gl.int64) * stride_mb, REP, MASK_KIND)
-            s = gl.where(allowed, s, float("-inf"))
-            m_new = gl.maximum(m8, gl.max(s, 0))
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-            p = gl.exp2(s - gl.expand_dims(m_use, 0))
-            alpha8 = gl.exp2(m8 - m_use)
-            lacc = lacc * gl.expand_dims(alpha8, 0) + p
-            m8 = m_new
+            p, alpha8, m8, lacc = _softmax_t(s, allowed, m8, lacc)
 
             if INNER:
                 vfh = vhyb * vfac
@@ -1342,14 +1357,13 @@ if HAVE_GLUON:
             gl.expand_dims(gl.expand_dims(gl.expand_dims(jh * 8, 0), 0), 3) + \
             gl.expand_dims(gl.expand_dims(gl.expand_dims(jl, 0), 0), 0)                               # [1, 8, 2, 8]
 
-        # q [16, 128] in the Key mma's reduction order k = 64 a1 + 32 a0 + 16 c2 + 8 c1 + 4 b1 + 2 b0 + c0
-        qm = gl.arange(0, 16, layout=gl.SliceLayout(1, a_l))
-        qk = gl.arange(0, 128, layout=gl.SliceLayout(0, a_l))
-        qchan = _lut_chan((qk >> 5) & 3, (qk >> 1) & 3, ((qk >> 3) & 3) * 2 + (qk & 1), ROPE)
-        q = _load_q(Q, b, h, stride_qb, stride_qh, qm, qchan, REP)
+        # q^T [128, 8] in the Key mma's reduction order k = 64 a1 + 32 a0 + 16 c2 + 8 c1 + 4 b1 + 2 b0 + c0
+        tk = gl.arange(0, 128, layout=gl.SliceLayout(1, b_l))
+        qT = _load_qT(Q, b, h, stride_qb, stride_qh,
+                      _lut_chan((tk >> 5) & 3, (tk >> 1) & 3, ((tk >> 3) & 3) * 2 + (tk & 1), ROPE), REP, b_l)
 
         qscale = scale * 1.4426950408889634   # log2(e): the softmax runs in base 2
-        rows, cols, m_i, l_i, acc = _softmax_state(BT, mma)
+        trow, tcol, m8, lacc, acc = _softmax_state_t(BT, mma)
 
         for it in range(0, n_iter):
             t0 = start + it * BT
@@ -1371,11 +1385,10 @@ if HAVE_GLUON:
                 cos = gl.load(COS + rbase + rrow + kchan4)
                 sin = gl.load(SIN + rbase + rrow + kchan4)
                 kv = _rotate(kv, cos, sin, IS_BF16, BT)
-            kv = kv.reshape([2, 2, 2, 2, 2, 2, 2, BT]).permute([0, 1, 4, 5, 2, 3, 6, 7]).reshape([128, BT])
-            kv = gl.convert_layout(kv, b_l)
-            s = mma_v2(q, kv, gl.zeros([16, BT], gl.float32, mma)) * qscale
-            s, allowed = _mask_scores(s, rows, t0 + cols, stop, AMASK, b.to(gl.int64) * stride_mb, REP, MASK_KIND)
-            p, alpha, m_i, l_i = _softmax_step(s, allowed, m_i, l_i)
+            kvT = gl.convert_layout(_kred_t(kv, 8, BT), a_l)                                      # [BT, 128]
+            s = mma_v2(kvT, qT, gl.zeros([BT, 8], gl.float32, mma)) * qscale
+            s, allowed = _mask_scores_t(s, trow, tcol, t0, stop, AMASK, b.to(gl.int64) * stride_mb, REP, MASK_KIND)
+            p, alpha8, m8, lacc = _softmax_t(s, allowed, m8, lacc)
 
             vvalid = gl.expand_dims((t0 + vt) < stop, 1)
             vwords = gl.load(vc_base + t0 * 16 + voff, mask=gl.expand_dims(vvalid, 2), other=0)      # [BT, 8, 2]
@@ -1393,9 +1406,9 @@ if HAVE_GLUON:
                 vv = gl.where(vchan4 == oidx, gl.load(VOVAL + bh64 * T * VNOUT + orow), vv)
             vv = vv.permute([0, 2, 3, 1]).reshape([BT, 128]).permute([1, 0])          # v^T [128 (n = 8j + w), BT]
             vv = gl.convert_layout(vv, a_l)
-            acc = mma_v2(vv, _p_operand(p.to(dt), b_l, BT), acc * gl.expand_dims(_first8(alpha, mma), 0))
+            acc = mma_v2(vv, _p_transposed(p.to(dt), b_l, BT, IS_BF16), acc * gl.expand_dims(alpha8, 0))
 
-        _store_partials(OUT_M, OUT_L, OUT_ACC, bh, split, NSPLIT, NWIN, m_i, l_i, acc, REP, mma)
+        _store_partials8(OUT_M, OUT_L, OUT_ACC, bh, split, NSPLIT, NWIN, m8, gl.sum(lacc, 0), acc, REP, mma)
 
     @gluon.constexpr_function
     def _value8_layout(bt):
@@ -1469,22 +1482,20 @@ if HAVE_GLUON:
         vc_base = VC + bh64 * T * 32
         vs_base = bh64 * T
 
-        # q [16, 128] in the Key mma's reduction order (the KIVI kernel's, x = 4a + c), in fp16
-        qm = gl.arange(0, 16, layout=gl.SliceLayout(1, a_l))
-        qk = gl.arange(0, 128, layout=gl.SliceLayout(0, a_l))
-        qc = (qk & 1) + ((qk >> 3) & 1) * 2 + ((qk >> 4) & 1) * 4 + ((qk >> 5) & 1) * 8
-        qchan = 16 * ((qk >> 6) & 1) + 32 * ((qk >> 1) & 3) + qc
-        q = _load_q(Q, b, h, stride_qb, stride_qh, qm, qchan, REP)
+        # q^T [128, 8] in the Key mma's reduction order (the KIVI kernel's, x = 4a + c), in fp16
+        tk = gl.arange(0, 128, layout=gl.SliceLayout(1, b_l))
+        tc = (tk & 1) + ((tk >> 3) & 1) * 2 + ((tk >> 4) & 1) * 4 + ((tk >> 5) & 1) * 8
+        qT = _load_qT(Q, b, h, stride_qb, stride_qh, 16 * ((tk >> 6) & 1) + 32 * ((tk >> 1) & 3) + tc, REP, b_l)
         if IS_BF16:  # fp16 holds |q| < 65504: a bf16 q above 2^14 is scaled by 2^-e to |q| <= 2^14 (exact), the
             # logits by 2^e
-            qf = q.to(gl.float32)
+            qf = qT.to(gl.float32)
             qmax = gl.max(gl.max(gl.abs(qf), 1), 0)
             qfac = gl.exp2(-gl.maximum(gl.ceil(gl.log2(gl.maximum(qmax, 1.0) / 16384.0)), 0.0))
-            q = (qf * qfac).to(gl.float16)
+            qT = (qf * qfac).to(gl.float16)
             qscale = scale * 1.4426950408889634 / qfac
         else:
             qscale = scale * 1.4426950408889634   # log2(e): the softmax runs in base 2
-        rows, cols, m_i, l_i, acc = _softmax_state(BT, mma)
+        trow, tcol, m8, lacc, acc = _softmax_state_t(BT, mma)
 
         for it in range(0, n_iter):
             t0 = start + it * BT
@@ -1492,13 +1503,13 @@ if HAVE_GLUON:
             krow = gl.expand_dims(gl.expand_dims(gl.minimum(t0 + kt, stop - 1), 0), 0)               # [1, 1, BT]
             kwords, _ = gl.broadcast(gl.expand_dims(gl.load(kc_base + krow * 32 + kword3), 2), cdummy)
             kv = _sym8_unpack(kwords, kwords, "k", IS_BF16)                                        # [8, 4, 4, BT]
-            # [a2, a1, a0, b1, b0, c1, c0] -> k = 64 a2 + 32 a1 + 16 a0 + 8 c1 + 4 b1 + 2 b0 + c0
-            kv = kv.reshape([2, 2, 2, 2, 2, 2, 2, BT]).permute([0, 1, 2, 5, 3, 4, 6, 7]).reshape([128, BT])
-            kv = gl.convert_layout(kv, b_l)
-            ksc = gl.load(KHALF + bh64 * T + gl.minimum(t0 + cols, stop - 1)).to(gl.float32) * (qscale / 127.0)
-            s = mma_v2(q, kv, gl.zeros([16, BT], gl.float32, mma)) * gl.expand_dims(ksc, 0)
-            s, allowed = _mask_scores(s, rows, t0 + cols, stop, AMASK, b.to(gl.int64) * stride_mb, REP, MASK_KIND)
-            p, alpha, m_i, l_i = _softmax_step(s, allowed, m_i, l_i)
+            # [a2, a1, a0, b1, b0, c1, c0] -> k = 64 a2 + 32 a1 + 16 a0 + 8 c1 + 4 b1 + 2 b0 + c0, transposed
+            kvT = kv.reshape([2, 2, 2, 2, 2, 2, 2, BT]).permute([7, 0, 1, 2, 5, 3, 4, 6]).reshape([BT, 128])
+            kvT = gl.convert_layout(kvT, a_l)
+            ksc = gl.load(KHALF + bh64 * T + gl.minimum(t0 + trow, stop - 1)).to(gl.float32) * (qscale / 127.0)
+            s = mma_v2(kvT, qT, gl.zeros([BT, 8], gl.float32, mma)) * gl.expand_dims(ksc, 1)
+            s, allowed = _mask_scores_t(s, trow, tcol, t0, stop, AMASK, b.to(gl.int64) * stride_mb, REP, MASK_KIND)
+            p, alpha8, m8, lacc = _softmax_t(s, allowed, m8, lacc)
 
             vvalid = (t0 + vt) < stop
             vwords = gl.load(vc_base + t0 * 32 + voff, mask=gl.expand_dims(gl.expand_dims(gl.expand_dims(
@@ -1509,9 +1520,9 @@ if HAVE_GLUON:
             vv = _sym8_unpack(wv, vs5, "v", IS_BF16).reshape([BT, 8, 2, 8])
             vv = vv.permute([0, 2, 3, 1]).reshape([BT, 128]).permute([1, 0])          # v^T [128 (n = 8j + w), BT]
             vv = gl.convert_layout(vv, a_l)
-            acc = mma_v2(vv, _p_operand(p.to(dt), b_l, BT), acc * gl.expand_dims(_first8(alpha, mma), 0))
+            acc = mma_v2(vv, _p_transposed(p.to(dt), b_l, BT, IS_BF16), acc * gl.expand_dims(alpha8, 0))
 
-        _store_partials(OUT_M, OUT_L, OUT_ACC, bh, split, NSPLIT, NWIN, m_i, l_i, acc, REP, mma)
+        _store_partials8(OUT_M, OUT_L, OUT_ACC, bh, split, NSPLIT, NWIN, m8, gl.sum(lacc, 0), acc, REP, mma)
 
 
 _POST = dict(BITS=1, AXIS=1, GS=0, NG=1, SYM=0, LUT=False, NOUT=0, NORM=False, TPG=1)
