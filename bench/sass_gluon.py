@@ -1,7 +1,8 @@
 """The Gluon decode kernels compiled for Hopper (sm_90) without a GPU: registers, spill stack and the main loop's
 SASS instructions (the longest backward branch), by opcode. kvquant's kernel at 16- and 32-token tiles, with its
 168-register cap and without, and with one outlier per token (kvquant-4-1%); int8's kernel at 16- and 32-token
-tiles, fp16 and bf16; the KIVI-layout kernel at 2 and 4 bits (fp16, bool mask, plain loads).
+tiles, fp16 and bf16; the KIVI-layout kernel at 2 and 4 bits (fp16, bool mask, plain loads) with its Keys
+post-scaled (the default) and dequantized; InnerQ's layout in the same kernel; calibquant's kernel (both phases).
 
     python bench/sass_gluon.py        (without TRITON_INTERPRET; ptxas and cuobjdump from the triton wheel)
 """
@@ -46,14 +47,16 @@ def main():
                 POS="*i64", AMASK="*i1", stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32", OUT_ACC="*fp32",
                 scale="fp32", T="i32", NG_K="i32", NSPLIT="i32")
     for bits in (2, 4):
-        a = dag.split_scale(2 / (2 ** bits - 1), False)
-        cx = dict(H=8, REP=4, S=0, R=128, TPG_K=32, TPG_V=1, MASK_KIND=1, IS_BF16=False, BT=32, KBITS=bits,
-                  VBITS=bits, KA_HI=a[0], KA_LO=a[1], VA_HI=a[0], VA_LO=a[1], NWIN=3, TMA=False, NST=2,
-                  PDL=True)
-        b = compile_sm90(dag._kivi_decode_kernel, kivi, cx, (0, 3, 4, 5, 6, 7, 8, 12, 13, 14))
-        ops = main_loop(b.sass)
-        print(f"KIVI layout {bits}-bit: {b.regs} registers, stack {b.stack} B, loop {sum(ops.values())} "
-              f"instructions per 32 tokens: {dict(ops.most_common(12))}", flush=True)
+        for post in (True, False):
+            a = dag.split_scale(2 / (2 ** bits - 1), False)
+            cx = dict(H=8, REP=4, S=0, R=128, TPG_K=32, TPG_V=1, MASK_KIND=1, IS_BF16=False, BT=32, KBITS=bits,
+                      VBITS=bits, KA_HI=a[0], KA_LO=a[1], VA_HI=a[0], VA_LO=a[1], NWIN=3, TMA=False, NST=2,
+                      PDL=True, KPOST=post)
+            b = compile_sm90(dag._kivi_decode_kernel, kivi, cx, (0, 3, 4, 5, 6, 7, 8, 12, 13, 14))
+            ops = main_loop(b.sass)
+            print(f"KIVI layout {bits}-bit, Keys {'post-scaled' if post else 'dequantized'}: {b.regs} registers, "
+                  f"stack {b.stack} B, loop {sum(ops.values())} instructions per 32 tokens: "
+                  f"{dict(ops.most_common(12))}", flush=True)
     # InnerQ's layout (innerq-2: 2-bit hybrid groups on both sides, the Key norm) in the same kernel
     inner = dict(kivi, KMASK="*u8", VMASK="*u8", KNORM="*fp32")
     cx = dict(H=8, REP=4, S=32, R=96, TPG_K=1, TPG_V=32, MASK_KIND=1, IS_BF16=False, BT=32, KBITS=2, VBITS=2,
@@ -63,6 +66,16 @@ def main():
     ops = main_loop(b.sass)
     print(f"InnerQ layout 2-bit hybrid: {b.regs} registers, stack {b.stack} B, loop {sum(ops.values())} "
           f"instructions per 32 tokens: {dict(ops.most_common(12))}", flush=True)
+    post = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KCEN=ty, KHALF=ty, VC="*i32", VCEN=ty, VHALF=ty,
+                POS="*i64", AMASK="*i1", stride_mb="i32", TEMP="*fp32", OUT_M="*fp32", OUT_L="*fp32",
+                OUT_ACC="*fp32", scale="fp32", T="i32", NSPLIT="i32")
+    for phase in (1, 2):   # calibquant: the range pass, then the calibrated attention
+        cx = dict(H=8, REP=4, S=0, R=128, MASK_KIND=1, IS_BF16=False, BT=32, TAU_PHASE=phase, NWIN=3,
+                  PDL=phase != 1)
+        b = compile_sm90(dag._post_decode_kernel, post, cx, [i for i in range(0, 9) if i not in (1, 2)])
+        ops = main_loop(b.sass)
+        print(f"calibquant phase {phase}: {b.regs} registers, stack {b.stack} B, loop {sum(ops.values())} "
+              f"instructions per 32 tokens: {dict(ops.most_common(12))}", flush=True)
 
 
 if __name__ == "__main__":

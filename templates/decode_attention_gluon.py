@@ -594,6 +594,14 @@ if HAVE_GLUON:
         return y
 
     @gluon.jit
+    def _rows128(c, mma: gl.constexpr):
+        """[16, 8] -> [128, 8] (row r reads row r % 16), in the accumulator layout."""
+        x = gl.join(c, c)
+        x = gl.join(x, x)
+        x = gl.join(x, x)                                           # [16, 8, 2, 2, 2]
+        return gl.convert_layout(x.permute([4, 3, 2, 0, 1]).reshape([128, 8]), mma)
+
+    @gluon.jit
     def _p_transposed(p, b_l: gl.constexpr, BT: gl.constexpr, IS_BF16: gl.constexpr):
         """p^T [BT, 8] (tokens x query heads, in the accumulator layout of the transposed logits) as the B operand
         of v^T @ p^T: `movmatrix` transposes each 8 x 8 block across the warp (lane l then holds tokens
@@ -606,8 +614,10 @@ if HAVE_GLUON:
         return gl.convert_layout(x.reshape([BT // 8, 8, 8]).permute([0, 2, 1]).reshape([BT, 8]), b_l)
 
     @gluon.jit
-    def _mask_scores_t(s, trow, tcol, t0, stop, AMASK, moff, REP: gl.constexpr, MASK_KIND: gl.constexpr):
-        """`_mask_scores` of a transposed [BT, 8] tile (rows: positions t0 + trow, columns: query heads)."""
+    def _mask_scores(s, trow, tcol, t0, stop, AMASK, moff, REP: gl.constexpr, MASK_KIND: gl.constexpr):
+        """(s, allowed) of a transposed [BT, 8] tile of base-2 logits (rows: positions t0 + trow, columns: query
+        heads): real heads, positions < stop, and the one-row attention mask (MASK_KIND 1 bool, 2 additive: added
+        to s in base 2)."""
         tt = t0 + trow
         allowed = gl.expand_dims(tcol < REP, 0) & gl.expand_dims(tt < stop, 1)
         if MASK_KIND == 1:
@@ -628,7 +638,7 @@ if HAVE_GLUON:
                        + gl.expand_dims(tchan, 1), mask=gl.expand_dims(tn < REP, 0), other=0.0)
 
     @gluon.jit
-    def _softmax_t(s, allowed, m8, lacc):
+    def _softmax_step(s, allowed, m8, lacc):
         """One tile of the online softmax in base 2 over transposed logits [BT, 8] (a column per query head):
         (p, alpha, new max, new per-lane partial sums); heads with nothing allowed yet keep max -inf and p = 0."""
         s = gl.where(allowed, s, float("-inf"))
@@ -639,7 +649,7 @@ if HAVE_GLUON:
         return p, alpha, m_new, lacc * gl.expand_dims(alpha, 0) + p
 
     @gluon.jit
-    def _softmax_state_t(BT: gl.constexpr, mma: gl.constexpr):
+    def _softmax_state(BT: gl.constexpr, mma: gl.constexpr):
         """(positions, heads of a transposed [BT, 8] logits tile, running max -inf, partial sums 0, accumulator 0)."""
         trow = gl.arange(0, BT, layout=gl.SliceLayout(1, mma))
         tcol = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
@@ -647,9 +657,11 @@ if HAVE_GLUON:
         return trow, tcol, m8, gl.zeros([BT, 8], gl.float32, mma), gl.zeros([128, 8], gl.float32, mma)
 
     @gluon.jit
-    def _store_partials8(OUT_M, OUT_L, OUT_ACC, bh, split, NSPLIT, NWIN: gl.constexpr, m8, l8, acc,
+    def _store_partials(OUT_M, OUT_L, OUT_ACC, bh, split, NSPLIT, NWIN: gl.constexpr, m8, l8, acc,
                          REP: gl.constexpr, mma: gl.constexpr):
-        """`_store_partials` with (max, sum) per query head as [8] vectors along the accumulator's columns."""
+        """This program's (max in base e, sum, acc) into slot `split` of each real head's row, as `_decode_kernel`
+        writes them (rows REP..15 are never read): max and sum per query head as [8] vectors along the
+        accumulator's columns, the accumulator's channels back in channel order."""
         r8 = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
         o8 = (bh * 16 + r8) * (NSPLIT + NWIN) + split
         LN2: gl.constexpr = 0.6931471805599453
@@ -697,7 +709,6 @@ if HAVE_GLUON:
         PV: gl.constexpr = _value_layout(BT)
         VW3: gl.constexpr = gl.SliceLayout(3, PV)
         VW: gl.constexpr = gl.SliceLayout(2, VW3)
-        blk: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [1, 1], [1, 0])   # [16, 128] for the reductions
 
         # Key words: block a of lane group b is word b shifted down by 8a
         ka = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, KW)))
@@ -719,31 +730,27 @@ if HAVE_GLUON:
         kc_base = KC + bh64 * T * 4
         vc_base = VC + bh64 * T * 4
 
-        # q' = q s_k / 2^i in the Key mma's reduction order, and the per-row constant C
-        qm = gl.arange(0, 16, layout=gl.SliceLayout(1, blk))
-        qk = gl.arange(0, 128, layout=gl.SliceLayout(0, blk))
-        qi = ((qk >> 5) & 1) * 4 + ((qk >> 4) & 1) * 2 + ((qk >> 3) & 1)
-        qchan = 32 * ((qk >> 1) & 3) + 16 * (qk & 1) + 8 * ((qk >> 6) & 1) + qi
-        q = gl.load(Q + b.to(gl.int64) * stride_qb + gl.expand_dims((h * REP + qm) * stride_qh, 1)
-                    + gl.expand_dims(qchan, 0), mask=gl.expand_dims(qm < REP, 1), other=0.0).to(gl.float32)
-        khalf = gl.load(KHALF + bh64 * D + qchan).to(gl.float32)
-        kz = gl.load(KCEN + bh64 * D + qchan).to(gl.float32) - khalf
-        qp = (q * gl.expand_dims(khalf * 2.0 / (1 << qi).to(gl.float32), 0)).to(dt)
-        c_row = gl.sum(q * gl.expand_dims(kz, 0) - M * qp.to(gl.float32), 1)
-        qp = gl.convert_layout(qp, a_l)
-        c_row = gl.convert_layout(c_row, gl.SliceLayout(1, mma))
+        # q'^T = (q s_k / 2^i)^T in the Key mma's reduction order (the B operand of the transposed logits), and the
+        # per-head constant C
+        tk = gl.arange(0, 128, layout=gl.SliceLayout(1, b_l))
+        ti = ((tk >> 5) & 1) * 4 + ((tk >> 4) & 1) * 2 + ((tk >> 3) & 1)
+        tchan = 32 * ((tk >> 1) & 3) + 16 * (tk & 1) + 8 * ((tk >> 6) & 1) + ti
+        qT = _load_qT(Q, b, h, stride_qb, stride_qh, tchan, REP, b_l).to(gl.float32)
+        khalf = gl.load(KHALF + bh64 * D + tchan).to(gl.float32)
+        kz = gl.load(KCEN + bh64 * D + tchan).to(gl.float32) - khalf
+        qp = (qT * gl.expand_dims(khalf * 2.0 / (1 << ti).to(gl.float32), 1)).to(dt)
+        c8 = gl.convert_layout(gl.sum(qT * gl.expand_dims(kz, 1) - M * qp.to(gl.float32), 0), gl.SliceLayout(0, mma))
+        negm = gl.full([16, BT], -M, dt, a_l)   # sum_t p^_t (M + 2^j code) - M l^: -M l^ by one more small mma
 
         LOG2E: gl.constexpr = 1.4426950408889634
         qscale = scale * LOG2E
-        rows = gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
-        cols = gl.arange(0, BT, layout=gl.SliceLayout(0, mma))
+        trow, tcol, m8, lacc, acc = _softmax_state(BT, mma)   # acc: out^T, channels n = 8j + w
+        if TAU_PHASE == 1:   # per-lane partial maxima and minima, reduced after the loop
+            hi_p = gl.full([BT, 8], float("-inf"), gl.float32, mma)
+            lo_p = gl.full([BT, 8], float("inf"), gl.float32, mma)
         if TAU_PHASE == 2:
-            temp = gl.load(TEMP + bh * REP + rows, mask=rows < REP, other=1.0)
-        m_i = gl.full([16], float("-inf"), gl.float32, gl.SliceLayout(1, mma))
-        lo_i = gl.full([16], float("inf"), gl.float32, gl.SliceLayout(1, mma))
-        l_i = gl.zeros([16], gl.float32, gl.SliceLayout(1, mma))
-        lr_i = gl.zeros([16], gl.float32, gl.SliceLayout(1, mma))
-        acc = gl.zeros([128, 8], gl.float32, mma)   # transposed, channels n = 8j + w
+            temp = gl.load(TEMP + bh * REP + tcol, mask=tcol < REP, other=1.0)
+        lracc = gl.zeros([BT, 8], gl.float32, mma)   # per-lane partial sums of p^ (the rounded p the mma takes)
 
         for it in range(0, n_iter):
             t0 = start + it * BT
@@ -751,20 +758,18 @@ if HAVE_GLUON:
             kwords = gl.expand_dims(gl.load(kc_base + t0 * 4 + koff, mask=kvalid, other=0), 0) >> kshift  # [2, 4, BT]
             kw4, _ = gl.broadcast(gl.expand_dims(kwords, 2), cdummy)                                   # [2, 4, 16, BT]
             kv = _unpack_post(kw4, "kpost", IS_BF16)
-            kv = kv.reshape([2, 2, 2, 2, 2, 2, 2, BT]).permute([0, 3, 4, 5, 1, 2, 6, 7]).reshape([128, BT])
-            kv = gl.convert_layout(kv, b_l)
-            s = (mma_v2(qp, kv, gl.zeros([16, BT], gl.float32, mma)) + gl.expand_dims(c_row, 1)) * qscale
-            s, allowed = _mask_scores(s, rows, t0 + cols, stop, AMASK, b.to(gl.int64) * stride_mb, REP, MASK_KIND)
+            kvT = gl.convert_layout(_kred_t(kv, 16, BT), a_l)                                          # [BT, 128]
+            s = (mma_v2(kvT, qp, gl.zeros([BT, 8], gl.float32, mma)) + gl.expand_dims(c8, 0)) * qscale
+            s, allowed = _mask_scores(s, trow, tcol, t0, stop, AMASK, b.to(gl.int64) * stride_mb, REP, MASK_KIND)
             if TAU_PHASE == 1:
-                m_i = gl.maximum(m_i, gl.max(gl.where(allowed, s, float("-inf")), 1))
-                lo_i = gl.minimum(lo_i, gl.min(gl.where(allowed, s, float("inf")), 1))
+                hi_p = gl.maximum(hi_p, gl.where(allowed, s, float("-inf")))
+                lo_p = gl.minimum(lo_p, gl.where(allowed, s, float("inf")))
             else:
                 if TAU_PHASE == 2:
-                    s = s * gl.expand_dims(temp, 1)
-                p, alpha, m_i, l_i = _softmax_step(s, allowed, m_i, l_i)
+                    s = s * gl.expand_dims(temp, 0)
+                p, alpha8, m8, lacc = _softmax_step(s, allowed, m8, lacc)
                 ph = p.to(dt)
-                tsum = gl.sum(ph.to(gl.float32), 1)   # l^ of this tile
-                lr_i = lr_i * alpha + tsum
+                lracc = lracc * gl.expand_dims(alpha8, 0) + ph.to(gl.float32)
 
                 vvalid = gl.expand_dims((t0 + vt) < stop, 1)
                 vwords = gl.expand_dims(gl.load(vc_base + t0 * 4 + voff, mask=vvalid, other=0), 2) >> vshift
@@ -772,64 +777,31 @@ if HAVE_GLUON:
                 vv = _unpack_post(wv, "vpost", IS_BF16)
                 vv = vv.permute([0, 2, 3, 1]).reshape([BT, 128]).permute([1, 0])
                 vv = gl.convert_layout(vv, a_l)
-                pt = _p_operand(ph, b_l, BT)
-                a8 = _first8(alpha, mma)
-                ts8 = _first8(tsum, mma)
+                pt = _p_transposed(ph, b_l, BT, IS_BF16)
                 # M l^ of this tile leaves the accumulator as the tile enters it (fp16's M = 2^10 times a
                 # slice's l^ would otherwise swamp the 2^j code sums: up to 2% off over one 1000-token slice)
-                acc = mma_v2(vv, pt, acc * gl.expand_dims(a8, 0) - M * gl.expand_dims(ts8, 0))
+                corr = _rows128(mma_v2(negm, pt, gl.zeros([16, 8], gl.float32, mma)), mma)
+                acc = mma_v2(vv, pt, acc * gl.expand_dims(alpha8, 0) + corr)
 
-        o = (bh * 16 + rows) * (NSPLIT + NWIN) + split
+        r8 = tcol
+        o8 = (bh * 16 + r8) * (NSPLIT + NWIN) + split
         LN2: gl.constexpr = 0.6931471805599453
-        gl.store(OUT_M + o, m_i * LN2, mask=rows < REP)
         if TAU_PHASE == 1:
-            gl.store(OUT_L + o, lo_i * LN2, mask=rows < REP)
+            m8 = gl.max(hi_p, 0)
+        gl.store(OUT_M + o8, m8 * LN2, mask=r8 < REP)
+        if TAU_PHASE == 1:
+            gl.store(OUT_L + o8, gl.min(lo_p, 0) * LN2, mask=r8 < REP)
         else:
-            gl.store(OUT_L + o, l_i, mask=rows < REP)
+            gl.store(OUT_L + o8, gl.sum(lacc, 0), mask=r8 < REP)
             n = gl.arange(0, 128, layout=gl.SliceLayout(1, mma))
-            r8 = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
             chan = 16 * (n & 7) + (n >> 3)
             vhalf = gl.load(VHALF + bh64 * D + chan).to(gl.float32)
             vz = gl.load(VCEN + bh64 * D + chan).to(gl.float32) - vhalf
             inv = 1.0 / (1 << ((n >> 3) & 7)).to(gl.float32)
-            lr8 = gl.expand_dims(_first8(lr_i, mma), 0)
+            lr8 = gl.expand_dims(gl.sum(lracc, 0), 0)
             out = gl.expand_dims(2.0 * vhalf * inv, 1) * acc + gl.expand_dims(vz, 1) * lr8
-            o8 = (bh * 16 + r8) * (NSPLIT + NWIN) + split
             gl.store(OUT_ACC + gl.expand_dims(o8, 0) * 128 + gl.expand_dims(chan, 1), out,
                      mask=gl.expand_dims(r8 < REP, 0))
-
-    @gluon.jit
-    def _softmax_state(BT: gl.constexpr, mma: gl.constexpr):
-        """(rows, columns of a [16, BT] logits tile, running max -inf, running sum 0, accumulator 0): the
-        accumulator transposed, out^T [128 (n = 8j + w: channel 16w + j), 8] = v^T @ p^T."""
-        rows = gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
-        cols = gl.arange(0, BT, layout=gl.SliceLayout(0, mma))
-        m_i = gl.full([16], float("-inf"), gl.float32, gl.SliceLayout(1, mma))
-        l_i = gl.zeros([16], gl.float32, gl.SliceLayout(1, mma))
-        return rows, cols, m_i, l_i, gl.zeros([128, 8], gl.float32, mma)
-
-    @gluon.jit
-    def _load_q(Q, b, h, stride_qb, stride_qh, qm, qchan, REP: gl.constexpr):
-        """q [16, 128] of the REP query heads of KV head h (rows past REP zero), column k = channel qchan[k]."""
-        return gl.load(Q + b.to(gl.int64) * stride_qb + gl.expand_dims((h * REP + qm) * stride_qh, 1)
-                       + gl.expand_dims(qchan, 0), mask=gl.expand_dims(qm < REP, 1), other=0.0)
-
-    @gluon.jit
-    def _store_partials(OUT_M, OUT_L, OUT_ACC, bh, split, NSPLIT, NWIN: gl.constexpr, m_i, l_i, acc,
-                        REP: gl.constexpr, mma: gl.constexpr):
-        """This program's (max in base e, sum, acc) into slot `split` of each real row, as `_decode_kernel` writes
-        them (rows REP..15 are never read); the accumulator's channels back in channel order."""
-        rows = gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
-        o = (bh * 16 + rows) * (NSPLIT + NWIN) + split
-        LN2: gl.constexpr = 0.6931471805599453
-        gl.store(OUT_M + o, m_i * LN2, mask=rows < REP)
-        gl.store(OUT_L + o, l_i, mask=rows < REP)
-        n = gl.arange(0, 128, layout=gl.SliceLayout(1, mma))
-        r8 = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
-        chan = 16 * (n & 7) + (n >> 3)
-        o8 = (bh * 16 + r8) * (NSPLIT + NWIN) + split
-        gl.store(OUT_ACC + gl.expand_dims(o8, 0) * 128 + gl.expand_dims(chan, 1), acc,
-                 mask=gl.expand_dims(r8 < REP, 0))
 
     @gluon.jit
     def _slice(POS, split, NSPLIT, S: gl.constexpr, R: gl.constexpr, TPG_K: gl.constexpr, TPG_V: gl.constexpr,
@@ -850,44 +822,6 @@ if HAVE_GLUON:
         start = S + split * per
         stop = gl.minimum(start + per, qend)
         return start, stop, gl.cdiv(gl.maximum(stop - start, 0), BT)
-
-    @gluon.jit
-    def _mask_scores(s, rows, tt, stop, AMASK, moff, REP: gl.constexpr, MASK_KIND: gl.constexpr):
-        """(s, allowed) of a [16, BT] tile of base-2 logits at positions tt: real rows, positions < stop, and the
-        one-row attention mask (MASK_KIND 1 bool, 2 additive: added to s in base 2)."""
-        allowed = gl.expand_dims(rows < REP, 1) & gl.expand_dims(tt < stop, 0)
-        if MASK_KIND == 1:
-            mv = gl.load(AMASK + moff + tt, mask=tt < stop, other=0)
-            allowed = allowed & gl.expand_dims(mv != 0, 0)
-        elif MASK_KIND == 2:
-            mv = gl.load(AMASK + moff + tt, mask=tt < stop, other=0.0).to(gl.float32)
-            s = s + gl.expand_dims(mv * 1.4426950408889634, 0)
-            allowed = allowed & gl.expand_dims(mv > float("-inf"), 0)
-        return s, allowed
-
-    @gluon.jit
-    def _softmax_step(s, allowed, m_i, l_i):
-        """One tile of the online softmax in base 2: (p, alpha, new max, new sum); rows with nothing allowed yet
-        keep max -inf and p = 0."""
-        s = gl.where(allowed, s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s - gl.expand_dims(m_use, 1))
-        alpha = gl.exp2(m_i - m_use)
-        return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
-
-    @gluon.jit
-    def _p_operand(p, b_l: gl.constexpr, BT: gl.constexpr):
-        """p^T [BT, 8]: rows 0-7 of p [16, BT] (the mma's rows 8-15 are padding: REP <= 8), as the B operand of
-        the transposed p @ V."""
-        p_lo, p_hi = gl.split(p.reshape([2, 8, BT]).permute([1, 2, 0]))
-        return gl.convert_layout(p_lo.permute([1, 0]), b_l)
-
-    @gluon.jit
-    def _first8(x, mma: gl.constexpr):
-        """Rows 0-7 of a per-row [16] vector, laid out along the columns of the transposed accumulator [128, 8]."""
-        lo, hi = gl.split(x.reshape([2, 8]).permute([1, 0]))
-        return gl.convert_layout(lo, gl.SliceLayout(0, mma))
 
     @gluon.jit
     def _kivi_decode_kernel(
@@ -1049,7 +983,7 @@ if HAVE_GLUON:
             negm = gl.full([16, 128], -128.0, dt, a_l)
 
         qscale = scale * 1.4426950408889634   # log2(e): the softmax runs in base 2
-        trow, tcol, m8, lacc, acc = _softmax_state_t(BT, mma)
+        trow, tcol, m8, lacc, acc = _softmax_state(BT, mma)
 
         for it in range(0, n_iter):
             t0 = start + it * BT
@@ -1102,8 +1036,8 @@ if HAVE_GLUON:
                 s = mma_v2(kvT, qp, _rows(c, BT, mma)) * (qscale * UP)
             else:
                 s = mma_v2(kvT, qT, gl.zeros([BT, 8], gl.float32, mma)) * qscale
-            s, allowed = _mask_scores_t(s, trow, tcol, t0, stop, AMASK, b.to(gl.int64) * stride_mb, REP, MASK_KIND)
-            p, alpha8, m8, lacc = _softmax_t(s, allowed, m8, lacc)
+            s, allowed = _mask_scores(s, trow, tcol, t0, stop, AMASK, b.to(gl.int64) * stride_mb, REP, MASK_KIND)
+            p, alpha8, m8, lacc = _softmax_step(s, allowed, m8, lacc)
 
             if INNER:
                 vfh = vhyb * vfac
@@ -1131,7 +1065,7 @@ if HAVE_GLUON:
                        kzbuf.index(st), vhbuf.index(st), vzbuf.index(st), bars.index(st), row0, grow0,
                        t0 + NST * BT, S, it + NST < n_iter, NBYTES)
 
-        _store_partials8(OUT_M, OUT_L, OUT_ACC, bh, split, NSPLIT, NWIN, m8, gl.sum(lacc, 0), acc, REP, mma)
+        _store_partials(OUT_M, OUT_L, OUT_ACC, bh, split, NSPLIT, NWIN, m8, gl.sum(lacc, 0), acc, REP, mma)
 
     @gluon.jit
     def _issue(KC, VC, KHALF, KCEN, VHALF, VCEN, kb, vb, khb, kzb, vhb, vzb, bar, row0, grow0, t0, S: gl.constexpr,
@@ -1363,7 +1297,7 @@ if HAVE_GLUON:
                       _lut_chan((tk >> 5) & 3, (tk >> 1) & 3, ((tk >> 3) & 3) * 2 + (tk & 1), ROPE), REP, b_l)
 
         qscale = scale * 1.4426950408889634   # log2(e): the softmax runs in base 2
-        trow, tcol, m8, lacc, acc = _softmax_state_t(BT, mma)
+        trow, tcol, m8, lacc, acc = _softmax_state(BT, mma)
 
         for it in range(0, n_iter):
             t0 = start + it * BT
@@ -1387,8 +1321,8 @@ if HAVE_GLUON:
                 kv = _rotate(kv, cos, sin, IS_BF16, BT)
             kvT = gl.convert_layout(_kred_t(kv, 8, BT), a_l)                                      # [BT, 128]
             s = mma_v2(kvT, qT, gl.zeros([BT, 8], gl.float32, mma)) * qscale
-            s, allowed = _mask_scores_t(s, trow, tcol, t0, stop, AMASK, b.to(gl.int64) * stride_mb, REP, MASK_KIND)
-            p, alpha8, m8, lacc = _softmax_t(s, allowed, m8, lacc)
+            s, allowed = _mask_scores(s, trow, tcol, t0, stop, AMASK, b.to(gl.int64) * stride_mb, REP, MASK_KIND)
+            p, alpha8, m8, lacc = _softmax_step(s, allowed, m8, lacc)
 
             vvalid = gl.expand_dims((t0 + vt) < stop, 1)
             vwords = gl.load(vc_base + t0 * 16 + voff, mask=gl.expand_dims(vvalid, 2), other=0)      # [BT, 8, 2]
@@ -1408,7 +1342,7 @@ if HAVE_GLUON:
             vv = gl.convert_layout(vv, a_l)
             acc = mma_v2(vv, _p_transposed(p.to(dt), b_l, BT, IS_BF16), acc * gl.expand_dims(alpha8, 0))
 
-        _store_partials8(OUT_M, OUT_L, OUT_ACC, bh, split, NSPLIT, NWIN, m8, gl.sum(lacc, 0), acc, REP, mma)
+        _store_partials(OUT_M, OUT_L, OUT_ACC, bh, split, NSPLIT, NWIN, m8, gl.sum(lacc, 0), acc, REP, mma)
 
     @gluon.constexpr_function
     def _value8_layout(bt):
@@ -1495,7 +1429,7 @@ if HAVE_GLUON:
             qscale = scale * 1.4426950408889634 / qfac
         else:
             qscale = scale * 1.4426950408889634   # log2(e): the softmax runs in base 2
-        trow, tcol, m8, lacc, acc = _softmax_state_t(BT, mma)
+        trow, tcol, m8, lacc, acc = _softmax_state(BT, mma)
 
         for it in range(0, n_iter):
             t0 = start + it * BT
@@ -1508,8 +1442,8 @@ if HAVE_GLUON:
             kvT = gl.convert_layout(kvT, a_l)
             ksc = gl.load(KHALF + bh64 * T + gl.minimum(t0 + trow, stop - 1)).to(gl.float32) * (qscale / 127.0)
             s = mma_v2(kvT, qT, gl.zeros([BT, 8], gl.float32, mma)) * gl.expand_dims(ksc, 1)
-            s, allowed = _mask_scores_t(s, trow, tcol, t0, stop, AMASK, b.to(gl.int64) * stride_mb, REP, MASK_KIND)
-            p, alpha8, m8, lacc = _softmax_t(s, allowed, m8, lacc)
+            s, allowed = _mask_scores(s, trow, tcol, t0, stop, AMASK, b.to(gl.int64) * stride_mb, REP, MASK_KIND)
+            p, alpha8, m8, lacc = _softmax_step(s, allowed, m8, lacc)
 
             vvalid = (t0 + vt) < stop
             vwords = gl.load(vc_base + t0 * 32 + voff, mask=gl.expand_dims(gl.expand_dims(gl.expand_dims(
@@ -1522,7 +1456,7 @@ if HAVE_GLUON:
             vv = gl.convert_layout(vv, a_l)
             acc = mma_v2(vv, _p_transposed(p.to(dt), b_l, BT, IS_BF16), acc * gl.expand_dims(alpha8, 0))
 
-        _store_partials8(OUT_M, OUT_L, OUT_ACC, bh, split, NSPLIT, NWIN, m8, gl.sum(lacc, 0), acc, REP, mma)
+        _store_partials(OUT_M, OUT_L, OUT_ACC, bh, split, NSPLIT, NWIN, m8, gl.sum(lacc, 0), acc, REP, mma)
 
 
 _POST = dict(BITS=1, AXIS=1, GS=0, NG=1, SYM=0, LUT=False, NOUT=0, NORM=False, TPG=1)

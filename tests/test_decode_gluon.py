@@ -274,9 +274,10 @@ def test_compiles_for_sm90_into_registers_only():
         # 178 registers); the codebook lookups are byte permutes (8 per 4 codes, 128 codes per lane and tile)
         assert shared == 0 and sts == 0 and lds == 0 and stack <= 32 and hmma >= 16 and prmt >= 256, rows
     for _, phase, no_local, hmma, hfma2, hadd2 in rows[8:11]:
-        # calibquant's kernel: tensor cores for q' @ codes^T (and p @ codes in phases 0 and 2), no packed-half
-        # multiply-add (its codes leave the lop3 ready for the mma; HADD2 also converts halves to floats), no spills
-        assert no_local and hmma >= (32 if phase == 1 else 48) and hfma2 == 0, rows
+        # calibquant's kernel: tensor cores for codes @ q'^T (16 per tile), in phases 0 and 2 codes^T @ p^T (16) and
+        # M l^ (2); no packed-half multiply-add (its codes leave the lop3 ready for the mma; HADD2 also converts
+        # halves to floats), no spills
+        assert no_local and hmma >= (16 if phase == 1 else 34) and hfma2 == 0, rows
     for bf16, mask, kb, vb, tma, post, shared, no_local, hmma, sts, lds, tma_loads, movm, hfma2 in rows[:8]:
         if tma:  # the ring: filled by TMA copies (six per tile, in the prologue and the loop), read by LDS
             assert shared > 0 and sts == 0 and lds > 0 and tma_loads >= 12, rows
