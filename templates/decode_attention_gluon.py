@@ -8,14 +8,22 @@ costs ~5 instructions per element and holds the kernel to 14-21% of copy bandwid
 exactly the packed words its mma fragments need and one inline-PTX block per word writes the dequantized
 f16x2 / bf16x2 operand registers: `prmt` (replicate or interleave a byte, or pair it with the word shifted by one
 code), `lop3` (a code into the mantissa of the magic number M = 1024 (fp16) / 128 (bf16)), an exact `add` of -M,
-one `fma` with the group's scale (at 2 bits divided by 4 for codes at bit 2) and offset. The blocks are checked
+one `fma` with the group's scale (at 2 bits divided by 4 for codes at bit 2) and offset. KIVI's Keys skip even that
+(post-scaled, `_kpost_asm`): one `lop3` per register, their per-channel scale folded into q. The blocks are checked
 bit by bit on the CPU by a small PTX interpreter (tests/test_decode_gluon.py); Gluon has no interpreter mode, so
 the kernel itself runs on a GPU only.
 
+Every kernel here computes the logits transposed, logits^T [BT, 8] = k @ q^T: the tile's tokens are the rows of
+the mma (the codes its A operand), the <= 8 query heads of the KV head its columns (q^T the B operand), so no row
+is padding (q @ k^T padded 8 query rows to 16: twice the registers for q and the logits, twice the tensor-core
+work). The online softmax runs per column; each lane keeps partial sums until the slice ends; `movmatrix`
+transposes p^T's 8 x 8 blocks into the B operand of acc^T = v^T @ p^T (`_p_transposed`). bench/RESULTS.md, session
+16: kivi-2 11-24% faster, calibquant-1 7-19%, kvquant-4 3-4%.
+
 calibquant-1's layout (1-bit channel-wise Keys and Values, one static range per channel) has its own kernel,
 `_post_decode_kernel`: post-scaling folds the Keys' scale into q and the Values' into the accumulator, so each code
-reaches the mma as `M + 2^i code` from one `lop3` (~490 SASS instructions per 32-token tile against ~1020 here),
-with the calibrated softmax's two phases.
+reaches the mma as `M + 2^i code` from one `lop3` (~450 SASS instructions per 32-token tile against ~790 in the
+KIVI kernel at 2 bits), with the calibrated softmax's two phases.
 
 kvquant's layout (4-bit codebook Keys with one static range per channel, stored before or after RoPE; 4-bit codebook
 Values with one range per token; optional dense-and-sparse outliers) has `_lut_decode_kernel`: the same structure
@@ -51,17 +59,24 @@ Math (one program = one KV head of one sequence and one slice of the quantized r
     v[t, c] = s_v[t, c // 32] * code + z_v[t, c // 32]
     InnerQ (INNER): k[t, c] = s_k[t, c // 32] * code + z_k[t, c // 32], v[t, c] = s_v[g, c] * code + z_v[g, c],
     hybrid groups s = half * (2 - mask) * 2 / (2^B - 2); q <- q * norm (the Key norm, rounded once).
-    per 32-token tile: logits = q @ k^T (mma m16n8k16, the <= 8 query rows padded to 16), online softmax in base
-    2, acc^T = acc^T * alpha + v^T @ p^T (m16n8k16 with the 8 query rows as its columns).
+    per 32-token tile: logits^T = k @ q^T (mma m16n8k16, tokens as rows, query heads as columns), online softmax
+    in base 2 per column, acc^T = acc^T * alpha + v^T @ p^T (m16n8k16 with the 8 query heads as its columns).
+    KPOST (KIVI's Keys, the default): q . k = U (e @ q'^T) + q . z, e the codes straight from `_kpost_asm`,
+    q' = (q a 2^(E - b)) * half per tile, the per-head q . z (bf16: and -128 sum q') by a small mma into the
+    logits' initial accumulator (see `_kivi_decode_kernel`).
     Scale and offset are rounded to the cache dtype before the multiply-add (one rounding of the value after
     it): values can differ from the reference's fp32 dequantization by about one unit in the last place; at 2
-    bits fp16 scales below 2^-12 lose bits in the division by 4 (at most 3 * 2^-23 absolute).
+    bits fp16 scales below 2^-12 lose bits in the division by 4 (at most 3 * 2^-23 absolute). Post-scaled Keys
+    round q' twice (q a 2^(E - b) once per program, its product with half once per tile).
 
-Layouts (one warp; the mma B fragment of m16n8k16 gives lane l the reduction indices 2(l%4) + {0, 1, 8, 9}
-of every 16 and the column l/4 of every 8). The reduction index of the Key mma is a permutation of the
-channel, so that each lane's 32 channels of a token are whole asm blocks of P codes (P = 16 at 1 and 2 bits: a
-word or half of one; 8 at 4 bits: a word); q is loaded in the same order, the same at every width:
+Layouts (one warp; the A fragment of m16n8k16 gives lane l the reduction indices 2(l%4) + {0, 1, 8, 9} of every
+16 and the rows l/4, l/4 + 8 of every 16, the B fragment the same reduction indices and the column l/4 of every
+8). The reduction index of the Key mma is a permutation of the channel, so that each lane's 32 channels of a token
+are whole asm blocks of P codes (P = 16 at 1 and 2 bits: a word or half of one; 8 at 4 bits: a word); q^T is
+loaded in the same order, the same at every width:
     k = 64x4 + 32x3 + 16x2 + 8x1 + 4b1 + 2b0 + x0  <->  channel 32b + x   (x = P a + c: block a, code c)
+With post-scaled Keys the block's element c = 2r + h holds its code r + P/2 h (a register pairs code r of each half
+of the word): channel 32b + P a + r + P/2 h.
 The row of the transposed Value mma (v^T as its A operand) is a permutation of the channel, so that each lane's
 16 rows of a token are one 16-channel chunk (the partial results are stored back in channel order):
     n = 8j + w  <->  channel 16w + j.
@@ -71,7 +86,8 @@ S sink tokens, R recent tokens, TPG_K / TPG_V tokens per group of each side (the
 1 bool / 2 additive; IS_BF16 the cache dtype; KBITS / VBITS the code widths; NSPLIT slices of the quantized region
 per KV head, NWIN programs of the window launch (partial-result slots per row: NSPLIT + NWIN); PDL the window launch
 may start early; KA_HI + KA_LO (VA_*) the level spacing 2 / (2^B - 1) of each side in two terms of the cache dtype;
-TMA the shared-memory ring of NST slots.
+TMA the shared-memory ring of NST slots; KPOST post-scaled Keys (`KEY_POST`), POST_E and U their fp16 range
+factors.
 """
 from __future__ import annotations
 
