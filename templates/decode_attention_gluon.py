@@ -858,7 +858,8 @@ if HAVE_GLUON:
             q . k = sum_c (q_c s_c 2^-b_c) (code_c 2^b_c) + q . z = U (q' @ e^T) + q . z
         e: each code straight from one `lop3` (`_kpost_asm`; fp16 the subnormal code 2^(b - 24), bf16 128 + code 2^b),
         q' = (q a 2^(E - b)) * half (a = 2 / (2^B - 1); q a 2^(E - b) rounded once per program, the product once per
-        tile; fp16 E = POST_E, U = 2^(24 - E); bf16 E = 0, U = 1); the per-row constant q . z (and bf16's
+        tile; fp16 E = POST_E, U = 2^(24 - E), q a 2^E scaled by 2^-e to at most 2^8 and U by 2^e; bf16 E = 0,
+        U = 1); the per-row constant q . z (and bf16's
         -128 sum(q')) by two more small mma into the logits' initial accumulator."""
         bh = gl.program_id(0)
         split = gl.program_id(1)
@@ -994,11 +995,23 @@ if HAVE_GLUON:
             PER: gl.constexpr = (7 if IS_BF16 else 8) // KBITS
             KAF: gl.constexpr = 2.0 / ((1 << KBITS) - 1)
             qe = (PE - (tcc >> 1) % PER * KBITS).to(gl.float32)
-            qaT = (qT.to(gl.float32) * gl.expand_dims(gl.exp2(qe) * KAF, 1)).to(dt)
             UP: gl.constexpr = 1.0 if IS_BF16 else float(2 ** (24 - POST_E_))
+            qf = qT.to(gl.float32)
+            if IS_BF16:
+                qaT = (qf * gl.expand_dims(gl.exp2(qe) * KAF, 1)).to(dt)
+                up = UP
+            else:  # fp16 holds q' = q a 2^(E - b) half only below 65504: q a 2^E is scaled by 2^-e to at most 2^8
+                # (exact), so that only a group's half-range above 255 could overflow it; the logits by 2^e
+                qmax = gl.max(gl.max(gl.abs(qf), 1), 0) * (KAF * (1 << PE))
+                qfac = gl.exp2(-gl.maximum(gl.ceil(gl.log2(gl.maximum(qmax, 1.0) / 256.0)), 0.0))
+                qaT = (qf * gl.expand_dims(gl.exp2(qe) * (KAF * qfac), 1)).to(dt)
+                up = UP / qfac
             negm = gl.full([16, 128], -128.0, dt, a_l)
 
         qscale = scale * 1.4426950408889634   # log2(e): the softmax runs in base 2
+        if KPOST:
+            sscale = qscale * up
+            cinv = 1.0 / up
         trow, tcol, m8, lacc, acc = _softmax_state(BT, mma)
 
         for it in range(0, n_iter):
@@ -1048,8 +1061,8 @@ if HAVE_GLUON:
                 if IS_BF16:
                     c = mma_v2(negm, qp, c)
                 else:
-                    c = c * (1.0 / UP)
-                s = mma_v2(kvT, qp, _rows(c, BT, mma)) * (qscale * UP)
+                    c = c * cinv
+                s = mma_v2(kvT, qp, _rows(c, BT, mma)) * sscale
             else:
                 s = mma_v2(kvT, qT, gl.zeros([BT, 8], gl.float32, mma)) * qscale
             s, allowed = _mask_scores(s, trow, tcol, t0, stop, AMASK, b.to(gl.int64) * stride_mb, REP, MASK_KIND)

@@ -682,6 +682,26 @@ def test_int8_large_bf16_queries_on_gpu():
     assert ((out - ref).norm() / ref.norm()).item() < 1.5e-2
 
 
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("layout", ["kivi-2", "k1v1", "kivi-4"])
+def test_post_scaled_keys_large_fp16_queries_on_gpu(layout):
+    """Post-scaled Keys in fp16 hold q' = q a 2^(E - b) half in the mma's fp16 operand: the kernel scales q a 2^E
+    down to at most 2^8 (the logits back up), so queries of ~1e4 against Keys of ~10 (q' would reach ~1e5, past
+    fp16's 65504) stay finite and match the reference op."""
+    B, H, rep, T, n0 = 2, 2, 4, 640, 600
+    cfg, ms, lay, k, v, p = _store(layout, B, H, T, n0, torch.float16, "cuda", seed=6, magnitude=10.0)
+    names, tensors = lay.attend_tensors()
+    q = (torch.randn(B, H * rep, 1, 128, device="cuda") * 3e3).to(torch.float16)
+    assert q.float().abs().max() * 2 / 3 * 4 * 10 > 65504
+    scale = 128 ** -0.5 * 1e-4   # logits of a few units: the softmax does not collapse onto one token
+    ref = attend_cpu_reference(q, tensors, k, v, p, None, scale, False, lay.descriptor(names)).float()
+    out = da.decode_attention(q, dict(zip(names, tensors)), k, v, p, None, scale, False, cfg, lay.spec, ms.geo,
+                              gluon=True).float()
+    assert "_kivi_decode_kernel" in str(getattr(da.LAST_KERNELS["main"], "name", da.LAST_KERNELS["main"]))
+    assert torch.isfinite(out).all()
+    assert ((out - ref).norm() / ref.norm()).item() < 3e-3
+
+
 def test_gluon_launch_arguments_bind(monkeypatch):
     """The Gluon path of `decode_attention` (GPU only) on the CPU, its kernels stubbed: the layer's arguments bind to
     `resident_programs` and `launch` as they are declared, with kvquant's rotation tables and outlier counts."""
