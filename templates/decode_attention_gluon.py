@@ -17,8 +17,9 @@ Every kernel here computes the logits transposed, logits^T [BT, 8] = k @ q^T: th
 the mma (the codes its A operand), the <= 8 query heads of the KV head its columns (q^T the B operand), so no row
 is padding (q @ k^T padded 8 query rows to 16: twice the registers for q and the logits, twice the tensor-core
 work). The online softmax runs per column; each lane keeps partial sums until the slice ends; `movmatrix`
-transposes p^T's 8 x 8 blocks into the B operand of acc^T = v^T @ p^T (`_p_transposed`). bench/RESULTS.md, session
-16: kivi-2 11-24% faster, calibquant-1 7-19%, kvquant-4 3-4%.
+transposes p^T's 8 x 8 blocks into the B operand of acc^T = v^T @ p^T (`_p_transposed`). Time per call against
+the padded form (bench/RESULTS.md, session 16, with KIVI's post-scaled Keys): kivi-2 -7 to -15%, calibquant-1 -3 to
+-19%, kvquant-4 -3 to -4%.
 
 calibquant-1's layout (1-bit channel-wise Keys and Values, one static range per channel) has its own kernel,
 `_post_decode_kernel`: post-scaling folds the Keys' scale into q and the Values' into the accumulator, so each code
