@@ -476,7 +476,7 @@ if HAVE_GLUON:
     def _key_layout(bt, pack):
         """Keys as [a(32 / pack), b(4), c(pack), t(bt)]: code c of asm block a of lane group b, token t (the
         kernel picks the channel: 32b + pack * a + c in the KIVI kernel, `_lut_chan` in kvquant's); registers c first (one asm block), then a, lanes (b, t % 8), registers t // 8: the mma
-        B fragment after the reshape."""
+        A fragment of the transposed logits after the reshape (`_kred_t`)."""
         na = 32 // pack
         return gl.DistributedLinearLayout(
             reg_bases=[[0, 0, 1 << i, 0] for i in range(pack.bit_length() - 1)]
@@ -698,14 +698,14 @@ if HAVE_GLUON:
             PDL: gl.constexpr):
         """Post-scaled decode over 1-bit channel-wise Keys and Values with one static range per channel
         (calibquant-1): k[t, c] = s_k[c] code + z_k[c], v likewise, s = 2 half, z = center - half.
-            logits = q @ k^T = (q * s_k) @ codes^T + q . z_k: the mma takes q' = q s_k / 2^i (rounded once to the
-            cache dtype, formed once per program) against M + 2^i code straight from a `lop3`, and the per-row
+            logits^T = k @ q^T = codes @ (q * s_k)^T + q . z_k: the mma takes q' = q s_k / 2^i (rounded once to the
+            cache dtype, formed once per program) against M + 2^i code straight from a `lop3`, and the per-head
             constant C = q . z_k - M sum(q') (fp32, from the rounded q') goes back in: no per-element arithmetic.
             out = sum_t p_t v_t = s_v acc / 2^j + z_v l^, acc = sum_t p^_t (M + 2^j code) - M l^, l^ = sum_t p^_t
             (p^: p rounded to the cache dtype, as the mma takes it; each tile's M l^ is taken out as the tile's mma
-            starts from the accumulator).
-        TAU_PHASE 1 writes each row's max and min logit (CalibQuant's calibration reads them), 2 scales the logits
-        by TEMP (per row) before the softmax, 0 neither. The channel of Key reduction index k (same register
+            starts from the accumulator, -M l^ by a small mma of p^T).
+        TAU_PHASE 1 writes each head's max and min logit (CalibQuant's calibration reads them), 2 scales the logits
+        by TEMP (per head) before the softmax, 0 neither. The channel of Key reduction index k (same register
         layout as `_kivi_decode_kernel` at 1 bit, with the asm block a covering bits 8a..8a+7 and 16+8a..16+8a+7):
             x = 16a + c, c = 2i + h  <->  channel 32b + 16h + 8a + i, factor 2^-i."""
         bh = gl.program_id(0)
@@ -856,12 +856,12 @@ if HAVE_GLUON:
         KHYB / VHYB hybrid groups (KMASK / VMASK: True = symmetric levels, spacing KA / VA; else twice that),
         NORM its per-channel Key normalization KNORM [B * H, 128] folded into q (q * norm, rounded once).
         KPOST (KIVI's layout): the Keys post-scaled, their per-channel scale folded into q per tile:
-            q . k = sum_c (q_c s_c 2^-b_c) (code_c 2^b_c) + q . z = U (q' @ e^T) + q . z
+            q . k = sum_c (q_c s_c 2^-b_c) (code_c 2^b_c) + q . z = U (e @ q'^T) + q . z
         e: each code straight from one `lop3` (`_kpost_asm`; fp16 the subnormal code 2^(b - 24), bf16 128 + code 2^b),
         q' = (q a 2^(E - b)) * half (a = 2 / (2^B - 1); q a 2^(E - b) rounded once per program, the product once per
         tile; fp16 E = POST_E, U = 2^(24 - E), q a 2^E scaled by 2^-e to at most 2^8 and U by 2^e; bf16 E = 0,
-        U = 1); the per-row constant q . z (and bf16's
-        -128 sum(q')) by two more small mma into the logits' initial accumulator."""
+        U = 1); the per-head constant q . z (and bf16's
+        -128 sum(q')) by one or two more small mma into the logits' initial accumulator."""
         bh = gl.program_id(0)
         split = gl.program_id(1)
         b = bh // H
@@ -1407,7 +1407,7 @@ if HAVE_GLUON:
         """Decode over int8's layout: symmetric 8-bit Keys and Values with one scale per token vector,
             k[t, c] = s_k[t] (code - 127)    v[t, c] = s_v[t] (code - 127)    s = half / 127.
         Keys post-scaled: the mma takes fp16 (code - 127) straight from a `prmt` and an `add` against q in fp16 (a
-        bf16 q is scaled by a power of two first if it exceeds 2^14), and s_k[t] multiplies column t of the logits.
+        bf16 q is scaled by a power of two first if it exceeds 2^14), and s_k[t] multiplies row t of the transposed logits.
         Values are dequantized in the cache dtype (`_sym8_value_asm`) for the transposed p @ V of the KIVI kernel
         (in fp16 a token's scale half / 127 is subnormal below half ~ 7.8e-3 and carries fewer bits there).
         The KIVI kernel's structure otherwise (one warp, BT-token tiles, the same mma layouts and online softmax)."""
