@@ -93,6 +93,7 @@ factors.
 from __future__ import annotations
 
 import functools
+import os
 
 try:
     from triton.experimental import gluon
@@ -859,8 +860,9 @@ if HAVE_GLUON:
             q . k = sum_c (q_c s_c 2^-b_c) (code_c 2^b_c) + q . z = U (e @ q'^T) + q . z
         e: each code straight from one `lop3` (`_kpost_asm`; fp16 the subnormal code 2^(b - 24), bf16 128 + code 2^b),
         q' = (q a 2^(E - b)) * half (a = 2 / (2^B - 1); q a 2^(E - b) rounded once per program, the product once per
-        tile; fp16 E = POST_E, U = 2^(24 - E), q a 2^E scaled by 2^-e to at most 2^8 and U by 2^e; bf16 E = 0,
-        U = 1); the per-head constant q . z (and bf16's
+        tile; fp16 E = POST_E, U = 2^(24 - E), q a 2^E scaled by 2^-e to at most 2^8 and U by 2^e, a tile's
+        half-ranges to at most 255 by 2^-g and U by 2^g: q' < 65504; bf16 E = 0, U = 1); the per-head constant
+        q . z (and bf16's
         -128 sum(q')) by one or two more small mma into the logits' initial accumulator."""
         bh = gl.program_id(0)
         split = gl.program_id(1)
@@ -907,14 +909,14 @@ if HAVE_GLUON:
             sc = gl.arange(0, KP, layout=gl.SliceLayout(0, gl.SliceLayout(0, KS)))
             schan = gl.expand_dims(gl.expand_dims(sa * KP, 1) + gl.expand_dims(sb * 32, 0), 2) + \
                 gl.expand_dims(gl.expand_dims(sc, 0), 0)                                # [NA, 4, KP] channels
-            # the level spacing 2 / (2^B - 1) as hi + lo; at 2 bits the odd channels' scale divided by 4 (their
-            # code sits at bit 2, `_key_asm`)
-            if KBITS == 2:
-                kfac = gl.where(sc % 2 == 0, 1.0, 0.25)
-            else:
-                kfac = gl.full([KP], 1.0, gl.float32, gl.SliceLayout(0, gl.SliceLayout(0, KS)))
-            khi = gl.expand_dims(gl.expand_dims((kfac * KA_HI).to(dt), 0), 0)        # [1, 1, KP]
-            klo = gl.expand_dims(gl.expand_dims((kfac * KA_LO).to(dt), 0), 0)
+            if not KPOST:  # the level spacing 2 / (2^B - 1) as hi + lo; at 2 bits the odd channels' scale divided
+                # by 4 (their code sits at bit 2, `_key_asm`)
+                if KBITS == 2:
+                    kfac = gl.where(sc % 2 == 0, 1.0, 0.25)
+                else:
+                    kfac = gl.full([KP], 1.0, gl.float32, gl.SliceLayout(0, gl.SliceLayout(0, KS)))
+                khi = gl.expand_dims(gl.expand_dims((kfac * KA_HI).to(dt), 0), 0)        # [1, 1, KP]
+                klo = gl.expand_dims(gl.expand_dims((kfac * KA_LO).to(dt), 0), 0)
         # Value words: chunk (w, jh) of token t starts at code 16w + 8jh
         vt = gl.arange(0, BT, layout=gl.SliceLayout(1, VW))
         vw = gl.arange(0, 8, layout=gl.SliceLayout(0, VW))
@@ -1002,7 +1004,7 @@ if HAVE_GLUON:
                 qaT = (qf * gl.expand_dims(gl.exp2(qe) * KAF, 1)).to(dt)
                 up = UP
             else:  # fp16 holds q' = q a 2^(E - b) half only below 65504: q a 2^E is scaled by 2^-e to at most 2^8
-                # (exact), so that only a group's half-range above 255 could overflow it; the logits by 2^e
+                # (exact), the logits by 2^e; a tile whose half-ranges pass 255 scales them in the loop
                 qmax = gl.max(gl.max(gl.abs(qf), 1), 0) * (KAF * (1 << PE))
                 qfac = gl.exp2(-gl.maximum(gl.ceil(gl.log2(gl.maximum(qmax, 1.0) / 256.0)), 0.0))
                 qaT = (qf * gl.expand_dims(gl.exp2(qe) * (KAF * qfac), 1)).to(dt)
@@ -1054,6 +1056,11 @@ if HAVE_GLUON:
             kvT = gl.convert_layout(_kred_t(kv, KP, BT), a_l)   # [BT, 128]
             if KPOST:  # logits^T = e @ q'^T, q'^T = (q a 2^(E - b))^T * half, from q . z (bf16: - 128 sum q')
                 hk = gl.convert_layout(_kred(_sigma(kh, KP), KP), gl.SliceLayout(1, b_l))
+                if not IS_BF16:  # q a 2^E <= 2^8 times a half-range above 255 would pass 65504: such a tile takes
+                    # half 2^-g (exact), g from its largest half-range, its initial accumulator 2^-g, logits 2^g
+                    hmax = gl.max(hk, 0).to(gl.float32)
+                    tg = gl.exp2(-gl.maximum(gl.ceil(gl.log2(hmax * (1.0 / 255.0))), 0.0))
+                    hk = hk * tg.to(dt)
                 qa2, hk2 = gl.broadcast(qaT, gl.expand_dims(hk, 1))
                 qp = _mul(qa2, hk2, IS_BF16)
                 zk = gl.convert_layout(_kred(_sigma(kz, KP), KP), gl.SliceLayout(0, a_l))
@@ -1061,9 +1068,10 @@ if HAVE_GLUON:
                 c = mma_v2(za, qT, gl.zeros([16, 8], gl.float32, mma))
                 if IS_BF16:
                     c = mma_v2(negm, qp, c)
+                    s = mma_v2(kvT, qp, _rows(c, BT, mma)) * sscale
                 else:
-                    c = c * cinv
-                s = mma_v2(kvT, qp, _rows(c, BT, mma)) * sscale
+                    c = c * (cinv * tg)
+                    s = mma_v2(kvT, qp, _rows(c, BT, mma)) * (sscale / tg)
             else:
                 s = mma_v2(kvT, qT, gl.zeros([BT, 8], gl.float32, mma)) * qscale
             s, allowed = _mask_scores(s, trow, tcol, t0, stop, AMASK, b.to(gl.int64) * stride_mb, REP, MASK_KIND)
@@ -1574,7 +1582,8 @@ def enabled() -> bool:
 
 
 NSTAGES = 2       # ring slots of the TMA path: 2 was best of 2 / 3 / 4 (bench/RESULTS.md, session 10)
-KEY_POST = True   # KIVI's layout: post-scaled Keys (`_kivi_decode_kernel` KPOST); KVQ_KEY_POST=0 turns them off
+# KIVI's layout: post-scaled Keys (`_kivi_decode_kernel` KPOST); KVQ_KEY_POST=0 turns them off (read at import)
+KEY_POST = os.environ.get("KVQ_KEY_POST", "1") != "0"
 USE_TMA = None    # the TMA path: None = on compute capability 9.0+ while capturing a CUDA graph (check_gluon.py flips it)
 
 
@@ -1665,13 +1674,7 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
         float(scale), T, ng_k, nsplit, *extra), dict(
         H=H, REP=rep, S=sink, R=recent, TPG_K=32, TPG_V=tpg_v, MASK_KIND=mask_kind,
         IS_BF16=bf16, BT=KIVI_BT, KBITS=kbits, VBITS=vbits, KA_HI=ka_hi, KA_LO=ka_lo, VA_HI=va_hi, VA_LO=va_lo,
-        NWIN=nwin, TMA=use_tma, NST=NSTAGES, PDL=pdl, KPOST=_key_post(), num_warps=1)
-
-
-def _key_post() -> bool:
-    import os
-
-    return KEY_POST and os.environ.get("KVQ_KEY_POST", "1") != "0"
+        NWIN=nwin, TMA=use_tma, NST=NSTAGES, PDL=pdl, KPOST=KEY_POST, num_warps=1)
 
 
 def inner_flags(kp: dict, vp: dict) -> tuple[bool, bool, bool]:
@@ -1729,7 +1732,7 @@ def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mas
     tma = kind == "kivi" and _use_tma(query, sink, T, use_tma)
     key = (kind, inner_flags(kp, vp) if kind == "inner" else None, dev.index, query.dtype, amask.dtype, mask_kind, kbits, vbits, H, rep, sink, recent, tpg_v, nwin,
            tma, NSTAGES, phase, rope is not None, tuple(nout), LUT_BT, LUT_MAXNREG, SYM8_BT, KIVI_BT, pdl,
-           _key_post())
+           KEY_POST)
     if key not in _RESIDENT:
         one = torch.empty(1, dtype=torch.float32, device=dev)   # stand-ins for the partial buffers, temperatures
         props = torch.cuda.get_device_properties(dev)

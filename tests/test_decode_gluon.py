@@ -336,6 +336,7 @@ CASES = [  # B, H, rep, T, n0, sink, magnitude of K / V
 ]
 
 
+DEQUANTIZED_KEYS = "/keys-dequantized"   # a KIVI layout with `KEY_POST` off (`KVQ_KEY_POST=0`)
 GPU_CASES = [("kivi-2", c, m) for c in CASES for m in (None, "bool", "additive", "one-row")] + \
     [(lay, c, m) for lay in ("kivi-4", "k2v1", "k1v1", "k4v2", "calibquant-1") for c in CASES for m in (None, "bool")] \
     + [("calibquant-1", c, "additive") for c in CASES[:3]] \
@@ -344,7 +345,8 @@ GPU_CASES = [("kivi-2", c, m) for c in CASES for m in (None, "bool", "additive",
     + [(lay, c, "bool") for lay in ("kvquant-4-1%-recent", "kvquant-4-nout3") for c in CASES] \
     + [("int8", c, m) for c in CASES for m in (None, "bool", "additive")] \
     + [(lay, c, m) for lay in ("innerq-2", "innerq-k4v1", "innerq-k1v4h") for c in CASES for m in (None, "bool")] \
-    + [(lay, c, "bool") for lay in ("innerq-k2v2", "innerq-k4hv2") for c in CASES]
+    + [(lay, c, "bool") for lay in ("innerq-k2v2", "innerq-k4hv2") for c in CASES] \
+    + [(lay + DEQUANTIZED_KEYS, c, "bool") for lay in ("kivi-2", "k2v1", "kivi-4") for c in CASES]
 KERNELS = {"calibquant-1": "_post_decode_kernel", "kvquant-4": "_lut_decode_kernel",
            "kvquant-4-after-rope": "_lut_decode_kernel", "kvquant-4-1%": "_lut_decode_kernel",
            "kvquant-4-1%-recent": "_lut_decode_kernel", "kvquant-4-nout3": "_lut_decode_kernel",
@@ -359,6 +361,9 @@ def test_matches_reference_on_gpu(dtype, layout, case, mask, monkeypatch):
     four times the template's own error: the Gluon kernel's values are rounded once more, measured at up to 2.2x
     the template's error at 2 bits; larger slips at a slice, group or window boundary show)."""
     B, H, rep, T, n0, sink, magnitude = case
+    if layout.endswith(DEQUANTIZED_KEYS):
+        layout = layout.removesuffix(DEQUANTIZED_KEYS)
+        monkeypatch.setattr(dag, "KEY_POST", False)
     cfg, ms, lay, k, v, p = _store(layout, B, H, T, n0, dtype, "cuda", seed=B * 100 + n0, sink=sink,
                                    magnitude=magnitude)
     names, tensors = lay.attend_tensors()
@@ -684,19 +689,26 @@ def test_int8_large_bf16_queries_on_gpu():
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
 @pytest.mark.parametrize("layout", ["kivi-2", "k1v1", "kivi-4"])
-def test_post_scaled_keys_large_fp16_queries_on_gpu(layout):
-    """Post-scaled Keys in fp16 hold q' = q a 2^(E - b) half in the mma's fp16 operand: the kernel scales q a 2^E
-    down to at most 2^8 (the logits back up), so queries of ~1e4 against Keys of ~10 (q' would reach ~1e5, past
-    fp16's 65504) stay finite and match the reference op."""
+@pytest.mark.parametrize("q_size,k_size", [(3e3, 10.0), (100.0, 200.0)], ids=["large-q", "large-k"])
+def test_post_scaled_keys_large_fp16_operands_on_gpu(layout, q_size, k_size):
+    """Post-scaled Keys in fp16 hold q' = q a 2^(E - b) half in the mma's fp16 operand. The kernel scales q a 2^E
+    down to at most 2^8 per program and a tile's half-ranges down to at most 255 (the logits back up by both), so
+    q' stays below 65504: queries of ~1e4 against Keys of ~10, and queries of ~300 against Keys of ~1000
+    (half-ranges past 255), stay finite and match the reference op."""
     B, H, rep, T, n0 = 2, 2, 4, 640, 600
-    cfg, ms, lay, k, v, p = _store(layout, B, H, T, n0, torch.float16, "cuda", seed=6, magnitude=10.0)
+    cfg, ms, lay, k, v, p = _store(layout, B, H, T, n0, torch.float16, "cuda", seed=6, magnitude=k_size)
     names, tensors = lay.attend_tensors()
-    q = (torch.randn(B, H * rep, 1, 128, device="cuda") * 3e3).to(torch.float16)
-    assert q.float().abs().max() * 2 / 3 * 4 * 10 > 65504
-    scale = 128 ** -0.5 * 1e-4   # logits of a few units: the softmax does not collapse onto one token
+    bufs = dict(zip(names, tensors))
+    q = (torch.randn(B, H * rep, 1, 128, device="cuda") * q_size).to(torch.float16)
+    # the premise: q' unscaled, q a 2^(E - b) half at bit b = 0, would pass fp16's largest value
+    bits = cfg.key.bits
+    half = max(t.float().abs().max().item() for n, t in bufs.items() if n.startswith("k") and "half" in n)
+    assert q.float().abs().max().item() * 2 / (2 ** bits - 1) * 2 ** dag.POST_E * half > 65504
+    if k_size > 100:
+        assert half > 255   # the tile scaling, not the per-program one, is what must hold it
+    scale = 128 ** -0.5 / (q_size * k_size)   # logits of a few units: the softmax does not collapse onto one token
     ref = attend_cpu_reference(q, tensors, k, v, p, None, scale, False, lay.descriptor(names)).float()
-    out = da.decode_attention(q, dict(zip(names, tensors)), k, v, p, None, scale, False, cfg, lay.spec, ms.geo,
-                              gluon=True).float()
+    out = da.decode_attention(q, bufs, k, v, p, None, scale, False, cfg, lay.spec, ms.geo, gluon=True).float()
     assert "_kivi_decode_kernel" in str(getattr(da.LAST_KERNELS["main"], "name", da.LAST_KERNELS["main"]))
     assert torch.isfinite(out).all()
     assert ((out - ref).norm() / ref.norm()).item() < 3e-3
