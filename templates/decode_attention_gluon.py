@@ -32,7 +32,7 @@ with 16-token tiles, each code looked up in 8 table registers by byte permutes (
 outliers replacing their channels, and RoPE applied to the dequantized Keys in registers (every lane holds each
 channel's rotation partner c + 64), under a 168-register cap (12 programs per SM). int8's layout (symmetric 8-bit
 codes, one scale per token vector) has `_sym8_decode_kernel`: Keys post-scaled (fp16 codes - 127 into the mma, the
-per-token scale on the logits), Values dequantized per element, 16-token tiles at 127 registers.
+per-token scale on the logits), Values dequantized per element, 16-token tiles at 123-127 registers.
 
 Scope of `_kivi_decode_kernel` (`supports`, `layout_kind`): KIVI's layout at 1, 2 or 4 bits per side (kivi-2,
 kivi-4, xquant's 2-bit / 1-bit layers, shared codes included): asymmetric uniform codes, Keys per channel in groups of 32 tokens (statistics rows
@@ -1506,14 +1506,17 @@ _LUT_K = dict(BITS=4, AXIS=1, GS=0, NG=1, SYM=0, LUT=True, NORM=False, TPG=1)
 _LUT_V = dict(BITS=4, AXIS=0, SYM=0, LUT=True, TPG=1)   # and one range per token vector: GS = head_dim
 _LUT_BUFFERS = ("codes", "cen", "half", "lev", "oidx", "oval")   # per side, in `_lut_decode_kernel`'s order
 _SYM8 = dict(BITS=8, AXIS=0, SYM=1, LUT=False, NOUT=0, TPG=1)   # and one scale per token vector: GS = head_dim
-SYM8_BT = 16       # tokens per tile of `_sym8_decode_kernel`: 127 registers (16 programs per SM; 159-168 at 32)
+SYM8_BT = 16       # tokens per tile of `_sym8_decode_kernel`: 123 (fp16) / 127 (bf16) registers, 16 programs per SM
+                   # (156 / 167 at 32; sm_90 compile of session 17, `bench/sass_gluon.py`)
 KIVI_BT = 32       # tokens per tile of `_kivi_decode_kernel`: a Key group (32) or half of one (16: 123-128 registers
                    # on the TMA path, 16 programs per SM, but ~30% more instructions per token; 1-14% slower at
                    # batch 8-32 on an H100, bench/lut_variants.py, bench/RESULTS.md session 13)
 LUT_BT = 16        # tokens per tile of `_lut_decode_kernel`: faster than 32 at every shape of session 12 (at the cap,
                    # 6-14%; bench/RESULTS.md), which spills twice as much there (48 bytes against 24)
-LUT_MAXNREG = 168  # its register cap: 12 programs per SM instead of 8 (178 registers uncapped), 6 spills (16 at 32-token
-                   # tiles); 1.26-1.35x faster than uncapped at batch >= 8 on an H100, even at batch 1
+LUT_MAXNREG = 168  # its register cap: 12 programs per SM instead of 8 (176 registers uncapped with RoPE), 8 bytes of
+                   # stack (64 at 32-token tiles; sm_90 compile of session 17, `bench/sass_gluon.py`); 1.26-1.35x
+                   # faster than uncapped at batch >= 8 on an H100, even at batch 1 (session 12, before the logits
+                   # were transposed)
 
 
 def layout_kind(kc: dict, vc: dict, head_dim: int = D) -> str | None:

@@ -174,7 +174,11 @@ SCRIPT = textwrap.dedent('''
     import torch
     from triton.runtime.jit import mangle_type
     from kvq_compile.templates import decode_attention_gluon as dag
-    from sm90_sass import compile_sm90
+    from sm90_sass import compile_sm90, main_loop
+
+    def loop(b):   # the main loop's HMMA, MOVM and HFMA2
+        ops = main_loop(b.sass)
+        return ops["HMMA"], ops["MOVM"], ops["HFMA2"]
 
     out = []
     for bf16, mask, kb, vb, tma, post in ((False, 0, 2, 2, False, True), (True, 1, 2, 2, False, True),
@@ -200,7 +204,7 @@ SCRIPT = textwrap.dedent('''
         b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 12, 13, 14) + (() if tma else (3, 4, 5, 6, 7, 8)))
         out.append((bf16, mask, kb, vb, tma, post, b.shared, b.stack == b.local == 0, b.sass.count("HMMA"),
                     b.sass.count("STS"), b.sass.count("LDS"), b.sass.count("UTMALDG"), b.sass.count("MOVM"),
-                    b.sass.count("HFMA2")))
+                    b.sass.count("HFMA2"), loop(b)))
     for bf16, mask, phase in ((True, 1, 2), (False, 2, 1), (False, 0, 0)):   # calibquant's kernel
         ty = "*bf16" if bf16 else "*fp16"
         sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KCEN=ty, KHALF=ty, VC="*i32", VCEN=ty,
@@ -210,7 +214,7 @@ SCRIPT = textwrap.dedent('''
                   PDL=phase != 1)
         b = compile_sm90(dag._post_decode_kernel, sig, cx, [i for i in range(0, 9) if i not in (1, 2)])
         out.append(("post", phase, b.stack == b.local == 0, b.sass.count("HMMA"), b.sass.count("HFMA2"),
-                    b.sass.count("HADD2")))
+                    b.sass.count("HADD2"), b.shared, b.sass.count("STS") + b.sass.count("LDS"), loop(b)))
     for bf16, mask, rope, nout in ((False, 1, True, 0), (True, 2, True, 1), (False, 0, False, 0)):   # kvquant's
         ty = "*bf16" if bf16 else "*fp16"
         sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KCEN=ty, KHALF=ty, KLEV="*fp32", KOIDX="*u8",
@@ -222,7 +226,7 @@ SCRIPT = textwrap.dedent('''
         b = compile_sm90(dag._lut_decode_kernel, sig, cx, [i for i in range(0, 17) if i not in (1, 2)],
                          maxnreg=dag.LUT_MAXNREG)
         out.append(("lut", rope, b.shared, b.stack, b.sass.count("HMMA"), b.sass.count("STS"), b.sass.count("LDS"),
-                    b.sass.count("PRMT")))
+                    b.sass.count("PRMT"), loop(b)))
     for bf16, mask, kb, vb, hyb, norm in ((False, 1, 2, 2, True, True), (True, 0, 4, 1, False, False)):   # InnerQ's
         ty = "*bf16" if bf16 else "*fp16"
         sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KCEN=ty, KHALF=ty, VC="*i32", VCEN=ty, VHALF=ty,
@@ -235,7 +239,7 @@ SCRIPT = textwrap.dedent('''
                   KHYB=hyb, VHYB=hyb, NORM=norm)
         b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 3, 4, 5, 6, 7, 8, 12, 13, 14))
         out.append(("inner", bf16, b.shared, b.stack == b.local == 0, b.sass.count("HMMA"), b.sass.count("STS"),
-                    b.sass.count("LDS"), b.sass.count("MOVM")))
+                    b.sass.count("LDS"), b.sass.count("MOVM"), loop(b)))
     for bf16, mask in ((False, 1), (True, 2)):   # int8's kernel
         ty = "*bf16" if bf16 else "*fp16"
         sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KHALF=ty, VC="*i32", VHALF=ty, POS="*i64",
@@ -244,7 +248,7 @@ SCRIPT = textwrap.dedent('''
         cx = dict(H=8, REP=4, S=0, R=0, MASK_KIND=mask, IS_BF16=bf16, BT=dag.SYM8_BT, NWIN=1, PDL=True)
         b = compile_sm90(dag._sym8_decode_kernel, sig, cx, (0, 3, 4, 5, 6, 10, 11, 12))
         out.append(("sym8", bf16, b.shared, b.stack == b.local == 0, b.sass.count("HMMA"), b.sass.count("STS"),
-                    b.sass.count("LDS")))
+                    b.sass.count("LDS"), loop(b)))
     print(out)
 ''')
 
@@ -261,33 +265,37 @@ def test_compiles_for_sm90_into_registers_only():
     assert r.returncode == 0, r.stderr[-3000:]
     rows = eval(r.stdout.strip().splitlines()[-1])  # noqa: S307  (our own repr of a list of tuples)
     assert len(rows) == 18
-    for _, bf16, shared, no_spill, hmma, sts, lds in rows[16:]:
-        # int8's kernel: per 16-token tile 8 HMMA (the transposed logits) + 8 (v^T @ p^T), no shared memory, no spills
-        assert shared == 0 and sts == 0 and lds == 0 and no_spill and hmma >= 16, rows
-    for _, bf16, shared, no_spill, hmma, sts, lds, movm in rows[14:16]:
+    # loop: the main loop's (HMMA, MOVM, HFMA2), exact: a padded q (16 query rows where a KV head has <= 8) would
+    # double the logits' HMMA, a dequantized side brings its HFMA2 back
+    for _, bf16, shared, no_spill, hmma, sts, lds, loop in rows[16:]:
+        # int8's kernel: per 16-token tile 8 HMMA (the transposed logits) + 8 (v^T @ p^T), p^T by 2 MOVM; no shared
+        # memory, no spills; its codes are centred bytes (no HFMA2)
+        assert shared == 0 and sts == 0 and lds == 0 and no_spill and loop == (16, 2, 0), rows
+    for _, bf16, shared, no_spill, hmma, sts, lds, movm, loop in rows[14:16]:
         # InnerQ's layout in the KIVI kernel: plain loads straight into the mma operands, as KIVI's; per 32-token
-        # tile 16 HMMA for the transposed logits, 16 for v^T @ p^T, p^T by 4 MOVM
-        assert shared == 0 and sts == 0 and lds == 0 and no_spill and hmma >= 32 and movm >= 4, rows
-    for _, rope, shared, stack, hmma, sts, lds, prmt in rows[11:14]:
-        # kvquant's kernel: per 16-token tile 8 HMMA (k @ q^T) + 8 (v^T @ p^T); no shared memory; at its register
-        # cap (`LUT_MAXNREG`) at most 8 spilled registers (6 measured on the H100: faster than no cap, no spills at
-        # 178 registers); the codebook lookups are byte permutes (8 per 4 codes, 128 codes per lane and tile)
-        assert shared == 0 and sts == 0 and lds == 0 and stack <= 32 and hmma >= 16 and prmt >= 256, rows
-    for _, phase, no_local, hmma, hfma2, hadd2 in rows[8:11]:
-        # calibquant's kernel: tensor cores for codes @ q'^T (16 per tile), in phases 0 and 2 codes^T @ p^T (16) and
-        # M l^ (2); no packed-half multiply-add (its codes leave the lop3 ready for the mma; HADD2 also converts
-        # halves to floats), no spills
-        assert no_local and hmma >= (16 if phase == 1 else 34) and hfma2 == 0, rows
-    for bf16, mask, kb, vb, tma, post, shared, no_local, hmma, sts, lds, tma_loads, movm, hfma2 in rows[:8]:
+        # tile 16 HMMA for the transposed logits, 16 for v^T @ p^T, p^T by 4 MOVM; both sides dequantized
+        assert shared == 0 and sts == 0 and lds == 0 and no_spill and loop[:2] == (32, 4) and loop[2] >= 128, rows
+    for _, rope, shared, stack, hmma, sts, lds, prmt, loop in rows[11:14]:
+        # kvquant's kernel: per 16-token tile 8 HMMA (k @ q^T) + 8 (v^T @ p^T), p^T by 2 MOVM; no shared memory; at its
+        # register cap (`LUT_MAXNREG`) at most 8 spilled registers (6 measured on the H100: faster than no cap, no
+        # spills at 178 registers); the codebook lookups are byte permutes (8 per 4 codes, 128 codes per lane and tile)
+        assert shared == 0 and sts == 0 and lds == 0 and stack <= 32 and loop[:2] == (16, 2) and prmt >= 256, rows
+    for _, phase, no_local, hmma, hfma2, hadd2, shared, sts_lds, loop in rows[8:11]:
+        # calibquant's kernel: tensor cores for codes @ q'^T (16 per tile), in phases 0 and 2 codes^T @ p^T (16, p^T by
+        # 4 MOVM) and M l^ (2); no packed-half multiply-add (its codes leave the lop3 ready for the mma), no shared
+        # memory, no spills
+        assert no_local and shared == 0 and sts_lds == 0, rows
+        assert loop == ((16, 0, 0) if phase == 1 else (34, 4, 0)), rows
+    for bf16, mask, kb, vb, tma, post, shared, no_local, hmma, sts, lds, tma_loads, movm, hfma2, loop in rows[:8]:
         if tma:  # the ring: filled by TMA copies (six per tile, in the prologue and the loop), read by LDS
             assert shared > 0 and sts == 0 and lds > 0 and tma_loads >= 12, rows
         else:
             assert shared == 0 and sts == 0 and lds == 0 and tma_loads == 0, rows
-        assert no_local and movm >= 4, rows   # p^T for v^T @ p^T: one movmatrix per 8 tokens
-        # per 32-token tile: 16 (logits^T = k @ q^T, m16n8k16) + 16 (v^T @ p^T), post-scaled Keys 8 more for q . z
-        # (and bf16 8 for its magic); their dequantization drops out (88 HFMA2 in the kernel against 168)
-        assert hmma >= (40 + 8 * bf16 if post else 32), rows
-        assert hfma2 <= (100 if post else 400) and hfma2 >= (0 if post else 150), rows
+        assert no_local, rows
+        # per 32-token tile: 16 HMMA (logits^T = k @ q^T, m16n8k16) + 16 (v^T @ p^T, p^T by 4 MOVM); post-scaled
+        # Keys 8 more for q . z (and bf16 8 for its magic); their dequantization drops out: only the Values' 64
+        # HFMA2 (and their scales') remain, 88 against 168
+        assert loop == ((40 + 8 * bf16, 4, 88) if post else (32, 4, 168)), rows
 
 
 PDL_SCRIPT = textwrap.dedent('''
