@@ -22,20 +22,21 @@ holds valid positions below S only: the sink's tiles, and the appended token's w
 only one side is quantized; its tiles unpack codes only where they meet them. Each writes its running (max, sum,
 acc); `_combine_kernel` merges them. On sm_90+ the window launch and the merge are programmatic dependent launches
 (PDL): the window launch may start while launch 1 runs, since it reads nothing launch 1 writes (its slots are its
-own), and waits for launch 1 before it ends; the merge waits for the window launch before it reads. CalibQuant's
+own), and waits for launch 1 before it ends; the merge waits for the window launch before it reads (a window launch
+of at most one program per SM, TRIGGER, lets the merge launch at once). CalibQuant's
 temperature needs each row's logit range first: TAU_PHASE 1 runs both launches without V (with its own split count
 and max / min buffers), `_temperature_kernel` turns each row's range into its temperature, then TAU_PHASE 2
 attends. Every length is read from `positions` on the device: no host synchronization, fixed launch shapes
 (CUDA-graph safe).
 
-Glossary of constants: PDL programmatic dependent launch (above); D head_dim; REP query heads per KV head
-(REP_PAD: padded to >= 16 for tl.dot); BITS_* code width (16: unquantized `data` buffer); CPW codes per int32 word
-= 32 // BITS; AXIS_* 0 TOKEN / 1 CHANNEL; GS_* group size (TOKEN: channels per group; CHANNEL: tokens per group, 0
-= static ranges); SYM_* 0 asymmetric / 1 symmetric / 2 hybrid; LUT_* levels from a table; NOUT_* outliers per
-token; NORM_K InnerQ key normalization; S sink tokens, R recent tokens, WR_* ring slots; T max cache length; NG_*
-channel-group rows; NWIN programs of the window launch (slots per row: NSPLIT + NWIN); MASK_KIND 0 none / 1 bool /
-2 additive (MASK_SHARED: one mask row serves every head); TAU_PHASE 0 plain softmax / 1 range pass (max, min of s)
-/ 2 calibrated pass (s *= temp).
+Glossary of constants: PDL programmatic dependent launch (above), TRIGGER the window launch's early trigger; D
+head_dim; REP query heads per KV head (REP_PAD: padded to >= 16 for tl.dot); BITS_* code width (16: unquantized
+`data` buffer); CPW codes per int32 word = 32 // BITS; AXIS_* 0 TOKEN / 1 CHANNEL; GS_* group size (TOKEN: channels
+per group; CHANNEL: tokens per group, 0 = static ranges); SYM_* 0 asymmetric / 1 symmetric / 2 hybrid; LUT_* levels
+from a table; NOUT_* outliers per token; NORM_K InnerQ key normalization; S sink tokens, R recent tokens, WR_* ring
+slots; T max cache length; NG_* channel-group rows; NWIN programs of the window launch (slots per row: NSPLIT +
+NWIN); MASK_KIND 0 none / 1 bool / 2 additive (MASK_SHARED: one mask row serves every head); TAU_PHASE 0 plain
+softmax / 1 range pass (max, min of s) / 2 calibrated pass (s *= temp).
 """
 from __future__ import annotations
 
@@ -452,9 +453,11 @@ def _decode_kernel(
         ROPE: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHARED: tl.constexpr, IS_CAUSAL: tl.constexpr,
         TAU_PHASE: tl.constexpr,
         KPOST: tl.constexpr, VPOST: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr,
-        WINDOW: tl.constexpr, NWIN: tl.constexpr, PDL: tl.constexpr):
-    if PDL and not WINDOW:
-        gdc_launch_dependents()   # the window launch may start now: it reads nothing this launch writes
+        WINDOW: tl.constexpr, NWIN: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr = False):
+    if PDL and (TRIGGER or not WINDOW):
+        # the next launch may start now: the window launch reads nothing the quantized region's launch writes; the
+        # final reduction (after a window launch with TRIGGER) waits for this launch's end before it reads
+        gdc_launch_dependents()
     bh = tl.program_id(0)
     split = NSPLIT + tl.program_id(1) if WINDOW else tl.program_id(1)
     b = bh // H
@@ -710,6 +713,18 @@ POISON = False          # partial-result buffers filled with NaN before each cal
 LAST_KERNELS: dict = {}  # the last launch's compiled kernels (registers, spills) and slices per KV head: see bench/
 
 
+def _window_triggers(programs: int, device) -> bool:
+    """Whether the window launch (`programs` programs) lets the final reduction launch early (PDL): when all its
+    programs start at once on their own SMs, the reduction's programs wait on the idle ones (`gdc_wait`) instead of
+    being launched after the window ends. Measured on an H100 (bench/RESULTS.md, session 17, the trigger in every
+    window launch, CUDA-graph timed): at batch 1 (16-40 window programs) 3-11% faster for kivi-2, kivi-4, kvquant-4
+    and int8; within +-1.5% at batch 8 (64-320); up to 4% slower at batch 32 (256-1280), where the early reduction
+    competes with the window's programs for the SMs' slots."""
+    import torch
+
+    return programs <= torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _use_pdl(query) -> bool:
     """Whether the window launch and the final reduction go out as programmatic dependent launches (`PDL`): an
     NVIDIA GPU of compute capability 9.0 or more (`griddepcontrol` is sm_90 PTX), whatever PDL says."""
@@ -812,6 +827,8 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
     kind = dag.layout_kind(kc, vc, D) if use_gluon else None
     pdl = _use_pdl(query)   # the window launch and the final reduction start early (sm_90+)
     early = dict(launch_pdl=True) if pdl else {}
+    # a window launch of at most one program per SM lets the final reduction start at once (`_window_triggers`)
+    trigger = pdl and _window_triggers(B * H * nwin, query.device)
     # the layer as both `dag.resident_programs` and `dag.launch` take it
     gluon_layer = dict(positions=positions, amask=amask, smb=smb, mask_kind=mask_kind, T=T, nwin=nwin,
                        ng_k=vc["NG"] if kind == "inner" else kc["NG"],   # the token-grouped side's statistics rows
@@ -861,7 +878,7 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
             LAST_KERNELS["main"] = _decode_kernel[(B * H, nsplit)](*args, **consts, WINDOW=False,
                                                                    num_warps=num_warps, num_stages=num_stages)
         LAST_KERNELS["window"] = _decode_kernel[(B * H, nwin)](*args, **consts, WINDOW=True, num_warps=window_warps,
-                                                               num_stages=1, **early)
+                                                               num_stages=1, TRIGGER=trigger, **early)
 
     if cfg.softmax_tau is not None:
         n1 = splits(1)   # the range pass: its own slices (and buffers of max and min, no acc)
