@@ -717,7 +717,7 @@ def _window_triggers(programs: int, device) -> bool:
     """Whether the window launch (`programs` programs) lets the final reduction launch early (PDL): when all its
     programs start at once on their own SMs, the reduction's programs wait on the idle ones (`gdc_wait`) instead of
     being launched after the window ends. Measured on an H100 (bench/RESULTS.md, session 17, the trigger in every
-    window launch, CUDA-graph timed): at batch 1 (16-40 window programs) 3-11% faster for kivi-2, kivi-4, kvquant-4
+    window launch, CUDA-graph timed): at batch 1 (8-40 window programs) 3-11% faster for kivi-2, kivi-4, kvquant-4
     and int8; within +-1.5% at batch 8 (64-320); up to 4% slower at batch 32 (256-1280), where the early reduction
     competes with the window's programs for the SMs' slots."""
     import torch
