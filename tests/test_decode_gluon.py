@@ -712,8 +712,8 @@ def test_post_scaled_keys_large_fp16_operands_on_gpu(layout, q_size, k_size):
     bits = cfg.key.bits
     half = max(t.float().abs().max().item() for n, t in bufs.items() if n.startswith("k") and "half" in n)
     assert q.float().abs().max().item() * 2 / (2 ** bits - 1) * 2 ** dag.POST_E * half > 65504
-    if k_size > 100:
-        assert half > 255   # the tile scaling, not the per-program one, is what must hold it
+    if k_size > 100:   # q a 2^E after the per-program scaling lies in (128, 256]: past a half-range of 512 only the
+        assert half > 512   # tile scaling holds q' (without it these cases fail: bench/RESULTS.md, session 17)
     scale = 128 ** -0.5 / (q_size * k_size)   # logits of a few units: the softmax does not collapse onto one token
     ref = attend_cpu_reference(q, tensors, k, v, p, None, scale, False, lay.descriptor(names)).float()
     out = da.decode_attention(q, bufs, k, v, p, None, scale, False, cfg, lay.spec, ms.geo, gluon=True).float()
