@@ -198,6 +198,43 @@ def test_early_launches_read_written_slots_only(name, monkeypatch):
         torch.testing.assert_close(out.float(), ref, atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
 
 
+@pytest.mark.parametrize("sms,trigger", [(132, True), (4, False)])
+def test_window_launch_triggers_the_reduction_only_when_small(sms, trigger, monkeypatch):
+    """With PDL the window launch lets the final reduction launch early (TRIGGER) only when it has at most one
+    program per SM (`_window_triggers`): the launches as `decode_attention` makes them, captured, not run."""
+    from types import SimpleNamespace
+
+    from kvq_compile.templates import decode_attention as da
+
+    launches = []
+
+    class Capture:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((self.name, grid, kw))
+
+    monkeypatch.setattr(da, "_decode_kernel", Capture("decode"))
+    monkeypatch.setattr(da, "_combine_kernel", Capture("combine"))
+    monkeypatch.setattr(da, "_use_pdl", lambda q: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(multi_processor_count=sms))
+    cfg = KVQConfig.preset("kivi-2")
+    geo = st.Geometry(1, 2, 256, 128, "float16")
+    lay = st.ModelStore(cfg, 1, geo, "cpu").layers[0]
+    names, tensors = lay.attend_tensors()
+    kv = torch.zeros(1, 2, 1, 128, dtype=torch.float16)
+    decode_attention(torch.zeros(1, 8, 1, 128, dtype=torch.float16), dict(zip(names, tensors)), kv, kv,
+                     torch.tensor([200]), None, 0.1, False, cfg, lay.spec, geo, gluon=False)
+    (window,) = [(grid, kw) for name, grid, kw in launches if name == "decode" and kw["WINDOW"]]
+    (main,) = [kw for name, grid, kw in launches if name == "decode" and not kw["WINDOW"]]
+    (combine,) = [kw for name, grid, kw in launches if name == "combine"]
+    programs = window[0][0] * window[0][1]   # KV heads x window tiles: one per SM of 132, not of 4
+    assert 4 < programs <= 132
+    assert window[1]["TRIGGER"] is trigger and window[1]["PDL"] and window[1]["launch_pdl"]
+    assert main["PDL"] and not main.get("TRIGGER", False) and combine["PDL"] and combine["launch_pdl"]
+
+
 @pytest.mark.interpreter
 def test_split_count_does_not_change_the_result():
     cfg = small_windows("kivi-4")
