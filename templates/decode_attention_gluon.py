@@ -862,8 +862,7 @@ if HAVE_GLUON:
         q' = (q a 2^(E - b)) * half (a = 2 / (2^B - 1); q a 2^(E - b) rounded once per program, the product once per
         tile; fp16 E = POST_E, U = 2^(24 - E), q a 2^E scaled by 2^-e to at most 2^8 and U by 2^e, a tile's
         half-ranges to at most 255 by 2^-g and U by 2^g: q' < 65504; bf16 E = 0, U = 1); the per-head constant
-        q . z (and bf16's
-        -128 sum(q')) by one or two more small mma into the logits' initial accumulator."""
+        q . z (and bf16's -128 sum(q')) by one or two more small mma into the logits' initial accumulator."""
         bh = gl.program_id(0)
         split = gl.program_id(1)
         b = bh // H
@@ -1579,8 +1578,6 @@ def supports(query, rep: int, kc: dict, vc: dict, kp: dict, rope: bool, mask_kin
 @functools.lru_cache(maxsize=None)
 def enabled() -> bool:
     """KVQ_GLUON=0 turns the kernel off (every layout then runs the Triton template); read once per process."""
-    import os
-
     return HAVE_GLUON and os.environ.get("KVQ_GLUON", "1") != "0"
 
 
