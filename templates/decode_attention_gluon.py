@@ -756,12 +756,20 @@ if HAVE_GLUON:
         qT = _load_qT(Q, b, h, stride_qb, stride_qh, tchan, REP, b_l).to(gl.float32)
         khalf = gl.load(KHALF + bh64 * D + tchan).to(gl.float32)
         kz = gl.load(KCEN + bh64 * D + tchan).to(gl.float32) - khalf
-        qp = (qT * gl.expand_dims(khalf * 2.0 / (1 << ti).to(gl.float32), 1)).to(dt)
-        c8 = gl.convert_layout(gl.sum(qT * gl.expand_dims(kz, 1) - M * qp.to(gl.float32), 0), gl.SliceLayout(0, mma))
+        qpf = qT * gl.expand_dims(khalf * 2.0 / (1 << ti).to(gl.float32), 1)
+        if IS_BF16:
+            up = 1.0
+        else:  # fp16 holds q' only below 65504: scaled by 2^-e (exact) to at most 2^14, the logits by 2^e
+            qmax = gl.max(gl.max(gl.abs(qpf), 1), 0)
+            up = gl.exp2(gl.maximum(gl.ceil(gl.log2(gl.maximum(qmax, 1.0) / 16384.0)), 0.0))
+            qpf = qpf / up
+        qp = qpf.to(dt)
+        c8 = gl.convert_layout(gl.sum(qT * gl.expand_dims(kz, 1) - M * up * qp.to(gl.float32), 0),
+                               gl.SliceLayout(0, mma)) / up   # q . z - M sum(q') in units of the mma's q'
         negm = gl.full([16, BT], -M, dt, a_l)   # sum_t p^_t (M + 2^j code) - M l^: -M l^ by one more small mma
 
         LOG2E: gl.constexpr = 1.4426950408889634
-        qscale = scale * LOG2E
+        qscale = scale * LOG2E * up
         trow, tcol, m8, lacc, acc = _softmax_state(BT, mma)   # acc: out^T, channels n = 8j + w
         if TAU_PHASE == 1:   # per-lane partial maxima and minima, reduced after the loop
             hi_p = gl.full([BT, 8], float("-inf"), gl.float32, mma)
@@ -860,9 +868,10 @@ if HAVE_GLUON:
             q . k = sum_c (q_c s_c 2^-b_c) (code_c 2^b_c) + q . z = U (e @ q'^T) + q . z
         e: each code straight from one `lop3` (`_kpost_asm`; fp16 the subnormal code 2^(b - 24), bf16 128 + code 2^b),
         q' = (q a 2^(E - b)) * half (a = 2 / (2^B - 1); q a 2^(E - b) rounded once per program, the product once per
-        tile; fp16 E = POST_E, U = 2^(24 - E), q a 2^E scaled by 2^-e to at most 2^8 and U by 2^e, a tile's
-        half-ranges to at most 255 by 2^-g and U by 2^g: q' < 65504; bf16 E = 0, U = 1); the per-head constant
-        q . z (and bf16's -128 sum(q')) by one or two more small mma into the logits' initial accumulator."""
+        tile; fp16 E = POST_E, U = 2^(24 - E), q a 2^E scaled by 2^-e to at most 2^8 and U by 2^e, a tile with a
+        half-range of 256 or more q a by 2^-g (hmax 2^-g < 256) and U by 2^g: q' <= 65504; bf16 E = 0, U = 1); the
+        per-head constant q . z (and bf16's -128 sum(q')) by one or two more small mma into the logits' initial
+        accumulator."""
         bh = gl.program_id(0)
         split = gl.program_id(1)
         b = bh // H
@@ -1003,7 +1012,7 @@ if HAVE_GLUON:
                 qaT = (qf * gl.expand_dims(gl.exp2(qe) * KAF, 1)).to(dt)
                 up = UP
             else:  # fp16 holds q' = q a 2^(E - b) half only below 65504: q a 2^E is scaled by 2^-e to at most 2^8
-                # (exact), the logits by 2^e; a tile whose half-ranges pass 255 scales them in the loop
+                # (exact), the logits by 2^e; a tile with a half-range of 256 or more scales it again in the loop
                 qmax = gl.max(gl.max(gl.abs(qf), 1), 0) * (KAF * (1 << PE))
                 qfac = gl.exp2(-gl.maximum(gl.ceil(gl.log2(gl.maximum(qmax, 1.0) / 256.0)), 0.0))
                 qaT = (qf * gl.expand_dims(gl.exp2(qe) * (KAF * qfac), 1)).to(dt)
@@ -1055,12 +1064,16 @@ if HAVE_GLUON:
             kvT = gl.convert_layout(_kred_t(kv, KP, BT), a_l)   # [BT, 128]
             if KPOST:  # logits^T = e @ q'^T, q'^T = (q a 2^(E - b))^T * half, from q . z (bf16: - 128 sum q')
                 hk = gl.convert_layout(_kred(_sigma(kh, KP), KP), gl.SliceLayout(1, b_l))
-                if not IS_BF16:  # q a 2^E <= 2^8 times a half-range above 255 would pass 65504: such a tile takes
-                    # half 2^-g (exact), g from its largest half-range, its initial accumulator 2^-g, logits 2^g
-                    hmax = gl.max(hk, 0).to(gl.float32)
-                    tg = gl.exp2(-gl.maximum(gl.ceil(gl.log2(hmax * (1.0 / 255.0))), 0.0))
-                    hk = hk * tg.to(dt)
-                qa2, hk2 = gl.broadcast(qaT, gl.expand_dims(hk, 1))
+                if not IS_BF16:  # q a 2^E <= 2^8 times a half-range of 256 or more would pass 65504: such a tile
+                    # takes q a 2^(E - b - g) (exact), g from the exponent of its largest half-range (so that
+                    # hmax 2^-g < 256: q' <= 2^8 * 255.875 = 65504), its initial accumulator 2^-g, its logits 2^g;
+                    # integer ops on the float's bits, and 16 multiplies of q^T (the half-ranges' registers repeat)
+                    hbits = gl.max(hk, 0).to(gl.float32).to(gl.int32, bitcast=True)   # hmax < 2^(e - 126)
+                    g = gl.maximum(((hbits >> 23) & 255) - 134, 0)
+                    tg = ((127 - g) << 23).to(gl.float32, bitcast=True)              # 2^-g
+                    qa2, hk2 = gl.broadcast(qaT * tg.to(dt), gl.expand_dims(hk, 1))
+                else:
+                    qa2, hk2 = gl.broadcast(qaT, gl.expand_dims(hk, 1))
                 qp = _mul(qa2, hk2, IS_BF16)
                 zk = gl.convert_layout(_kred(_sigma(kz, KP), KP), gl.SliceLayout(0, a_l))
                 za, _ = gl.broadcast(gl.expand_dims(zk, 0), negm)

@@ -677,22 +677,36 @@ def test_int8_blocks_center_every_byte(bf16):
             assert out[f"${j}"] == want, (trial, "value", j)
 
 
+def _large_operands(layout, dtype, q_size, k_size, seed, kernel, tol, premise):
+    """One Gluon kernel against the reference op on queries of ~q_size and Keys of ~k_size (B = 2, 640 slots, 600
+    tokens), with logits of a few units (the softmax does not collapse onto one token): finite and within tol.
+    premise(q, bufs, cfg) asserts that the operand the kernel rescales would overflow without its scaling."""
+    B, H, rep, T, n0 = 2, 2, 4, 640, 600
+    cfg, ms, lay, k, v, p = _store(layout, B, H, T, n0, dtype, "cuda", seed=seed, magnitude=k_size)
+    names, tensors = lay.attend_tensors()
+    bufs = dict(zip(names, tensors))
+    q = (torch.randn(B, H * rep, 1, 128, device="cuda") * q_size).to(dtype)
+    premise(q, bufs, cfg)
+    scale = 128 ** -0.5 / (q_size * k_size)
+    ref = attend_cpu_reference(q, tensors, k, v, p, None, scale, False, lay.descriptor(names)).float()
+    out = da.decode_attention(q, bufs, k, v, p, None, scale, False, cfg, lay.spec, ms.geo, gluon=True).float()
+    assert kernel in str(getattr(da.LAST_KERNELS["main"], "name", da.LAST_KERNELS["main"]))
+    assert torch.isfinite(out).all()
+    assert ((out - ref).norm() / ref.norm()).item() < tol
+
+
+def _key_half(bufs):
+    return max(t.float().abs().max().item() for n, t in bufs.items() if n.startswith("k") and "half" in n)
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
 def test_int8_large_bf16_queries_on_gpu():
     """int8's kernel scales a bf16 q above 2^14 by a power of two before its fp16 mma (and the logits back by the
     same): queries up to ~1e5 (an unscaled fp16 q would overflow) against the reference op."""
-    B, H, rep, T, n0 = 2, 2, 4, 640, 600
-    cfg, ms, lay, k, v, p = _store("int8", B, H, T, n0, torch.bfloat16, "cuda", seed=5)
-    names, tensors = lay.attend_tensors()
-    q = (torch.randn(B, H * rep, 1, 128, device="cuda") * 3e4).to(torch.bfloat16)
-    assert q.float().abs().max() > 65504
-    scale = 128 ** -0.5 * 1e-4   # logits of a few units: the softmax does not collapse onto one token
-    ref = attend_cpu_reference(q, tensors, k, v, p, None, scale, False, lay.descriptor(names)).float()
-    out = da.decode_attention(q, dict(zip(names, tensors)), k, v, p, None, scale, False, cfg, lay.spec, ms.geo,
-                              gluon=True).float()
-    assert "_sym8_decode_kernel" in str(getattr(da.LAST_KERNELS["main"], "name", da.LAST_KERNELS["main"]))
-    assert torch.isfinite(out).all()
-    assert ((out - ref).norm() / ref.norm()).item() < 1.5e-2
+    def premise(q, bufs, cfg):
+        assert q.float().abs().max() > 65504
+
+    _large_operands("int8", torch.bfloat16, 3e4, 1.0, 5, "_sym8_decode_kernel", 1.5e-2, premise)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
@@ -700,26 +714,28 @@ def test_int8_large_bf16_queries_on_gpu():
 @pytest.mark.parametrize("q_size,k_size", [(3e3, 10.0), (100.0, 200.0)], ids=["large-q", "large-k"])
 def test_post_scaled_keys_large_fp16_operands_on_gpu(layout, q_size, k_size):
     """Post-scaled Keys in fp16 hold q' = q a 2^(E - b) half in the mma's fp16 operand. The kernel scales q a 2^E
-    down to at most 2^8 per program and a tile's half-ranges down to at most 255 (the logits back up by both), so
-    q' stays below 65504: queries of ~1e4 against Keys of ~10, and queries of ~300 against Keys of ~1000
-    (half-ranges past 255), stay finite and match the reference op."""
-    B, H, rep, T, n0 = 2, 2, 4, 640, 600
-    cfg, ms, lay, k, v, p = _store(layout, B, H, T, n0, torch.float16, "cuda", seed=6, magnitude=k_size)
-    names, tensors = lay.attend_tensors()
-    bufs = dict(zip(names, tensors))
-    q = (torch.randn(B, H * rep, 1, 128, device="cuda") * q_size).to(torch.float16)
-    # the premise: q' unscaled, q a 2^(E - b) half at bit b = 0, would pass fp16's largest value
-    bits = cfg.key.bits
-    half = max(t.float().abs().max().item() for n, t in bufs.items() if n.startswith("k") and "half" in n)
-    assert q.float().abs().max().item() * 2 / (2 ** bits - 1) * 2 ** dag.POST_E * half > 65504
-    if k_size > 100:   # q a 2^E after the per-program scaling lies in (128, 256]: past a half-range of 512 only the
-        assert half > 512   # tile scaling holds q' (without it these cases fail: bench/RESULTS.md, session 17)
-    scale = 128 ** -0.5 / (q_size * k_size)   # logits of a few units: the softmax does not collapse onto one token
-    ref = attend_cpu_reference(q, tensors, k, v, p, None, scale, False, lay.descriptor(names)).float()
-    out = da.decode_attention(q, bufs, k, v, p, None, scale, False, cfg, lay.spec, ms.geo, gluon=True).float()
-    assert "_kivi_decode_kernel" in str(getattr(da.LAST_KERNELS["main"], "name", da.LAST_KERNELS["main"]))
-    assert torch.isfinite(out).all()
-    assert ((out - ref).norm() / ref.norm()).item() < 3e-3
+    down to at most 2^8 per program and, in a tile with a half-range of 256 or more, by 2^-g more (the logits back
+    up by both), so q' stays at most 65504: queries of ~1e4 against Keys of ~10, and queries of ~300 against Keys
+    of ~1000 (half-ranges past 255), stay finite and match the reference op."""
+    def premise(q, bufs, cfg):
+        # q' unscaled, q a 2^(E - b) half at bit b = 0, would pass fp16's largest value
+        half = _key_half(bufs)
+        assert q.float().abs().max().item() * 2 / (2 ** cfg.key.bits - 1) * 2 ** dag.POST_E * half > 65504
+        if k_size > 100:   # q a 2^E after the per-program scaling lies in (128, 256]: past a half-range of 512
+            assert half > 512   # only the tile scaling holds q' (without it these fail: bench/RESULTS.md, session 17)
+
+    _large_operands(layout, torch.float16, q_size, k_size, 6, "_kivi_decode_kernel", 3e-3, premise)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+def test_calibquant_large_fp16_queries_on_gpu():
+    """calibquant's kernel holds q' = q 2 half / 2^i in the mma's fp16 operand once per program: it scales q' down to
+    at most 2^14 by a power of two (the logits back up), so queries of ~100 against Keys of ~1000 (q' would pass
+    65504) stay finite and match the reference op."""
+    def premise(q, bufs, cfg):
+        assert q.float().abs().max().item() * 2 * _key_half(bufs) > 65504
+
+    _large_operands("calibquant-1", torch.float16, 100.0, 200.0, 7, "_post_decode_kernel", 3e-3, premise)
 
 
 def test_gluon_launch_arguments_bind(monkeypatch):

@@ -1,0 +1,65 @@
+"""Why HF's compiled static cache reads 28 ms of GPU time per step inside `generate` (bench_generate) but runs a
+step in 15 ms in bench_decode_loop's tight loop (debug): the top CUDA kernels of 8 decode steps of each, at one shape.
+
+    python bench/debug/hf_profile.py [layers] [BxP]      e.g. 8 32x4096
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench_generate import build, profiled_decode, timed_generate  # noqa: E402
+
+
+def table(prof, title):
+    print(title, flush=True)
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=90),
+          flush=True)
+
+
+@torch.no_grad()
+def tight_loop_profile(model, ids, fn, steps=8, warmup=6):
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import StaticCache
+
+    B, P = ids.shape
+    T = P + warmup + steps + 1
+    cache = StaticCache(config=model.config, max_cache_len=T)
+    mask = torch.ones(B, T, dtype=torch.long, device=ids.device)
+    pos = torch.arange(T, device=ids.device)
+    tok = model(ids, attention_mask=mask[:, :P], past_key_values=cache, cache_position=pos[:P],
+                use_cache=True).logits[:, -1:].argmax(-1)
+    prof = profile(activities=[ProfilerActivity.CUDA])
+    for i in range(warmup + steps):
+        if i == warmup:
+            torch.cuda.synchronize()
+            prof.start()
+        torch.compiler.cudagraph_mark_step_begin()
+        tok = fn(tok, attention_mask=mask, past_key_values=cache, cache_position=pos[P + i:P + i + 1],
+                 position_ids=pos[P + i:P + i + 1].expand(B, 1), use_cache=True).logits[:, -1:].argmax(-1)
+    torch.cuda.synchronize()
+    prof.stop()
+    return prof
+
+
+def main():
+    from transformers import CompileConfig
+
+    layers = int(sys.argv[1]) if len(sys.argv) > 1 else 8
+    B, P = map(int, (sys.argv[2] if len(sys.argv) > 2 else "32x4096").split("x"))
+    model = build(layers)
+    ids = torch.randint(100, 120000, (B, P), device="cuda")
+    kw = dict(cache_implementation="static", compile_config=CompileConfig())
+    print(f"CompileConfig() defaults: {CompileConfig().to_dict()}", flush=True)
+    timed_generate(model, ids, 18, **kw)
+    table(profiled_decode(model, ids, 8, **kw), f"generate, HF compiled static cache, B={B} P={P}: 8 decode steps")
+    torch._dynamo.reset()
+    fn = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    table(tight_loop_profile(model, ids, fn), f"tight loop (bench_decode_loop), B={B} P={P}: 8 decode steps")
+
+
+if __name__ == "__main__":
+    main()
