@@ -181,11 +181,14 @@ def per_shape(args, shapes: list) -> None:
             out = os.path.join(tmp, "rows.json")
             argv = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--shapes", shape, "--one-process",
                     "--out", out] + ([] if i == len(shapes) - 1 else ["--profile", ""])
-            subprocess.run(argv, check=True)
+            rc = subprocess.run(argv).returncode
+            if rc != 0 or not os.path.exists(out):   # report and go on, as one process does with a failed run
+                print(f"shape {shape}: its process failed (exit code {rc}); no rows", flush=True)
+                continue
             with open(out) as f:
                 head = json.load(f)
             rows += head["rows"]
-    if args.out:
+    if args.out and head is not None:   # copy_bw: the last process's (each row's roofline used its own process's)
         write_rows(args.out, head["copy_bw"], args.layers, rows)
 
 

@@ -677,17 +677,18 @@ def test_int8_blocks_center_every_byte(bf16):
             assert out[f"${j}"] == want, (trial, "value", j)
 
 
-def _large_operands(layout, dtype, q_size, k_size, seed, kernel, tol, premise):
+def _large_operands(layout, dtype, q_size, k_size, seed, kernel, tol, premise, logit=1.0):
     """One Gluon kernel against the reference op on queries of ~q_size and Keys of ~k_size (B = 2, 640 slots, 600
-    tokens), with logits of a few units (the softmax does not collapse onto one token): finite and within tol.
-    premise(q, bufs, cfg) asserts that the operand the kernel rescales would overflow without its scaling."""
+    tokens), with logits of a few units (`logit` times q_size k_size / sqrt(128): the softmax does not collapse onto
+    one token): finite and within tol. premise(q, bufs, cfg) asserts that the operand the kernel rescales would
+    overflow without its scaling."""
     B, H, rep, T, n0 = 2, 2, 4, 640, 600
     cfg, ms, lay, k, v, p = _store(layout, B, H, T, n0, dtype, "cuda", seed=seed, magnitude=k_size)
     names, tensors = lay.attend_tensors()
     bufs = dict(zip(names, tensors))
     q = (torch.randn(B, H * rep, 1, 128, device="cuda") * q_size).to(dtype)
     premise(q, bufs, cfg)
-    scale = 128 ** -0.5 / (q_size * k_size)
+    scale = 128 ** -0.5 * logit / (q_size * k_size)
     ref = attend_cpu_reference(q, tensors, k, v, p, None, scale, False, lay.descriptor(names)).float()
     out = da.decode_attention(q, bufs, k, v, p, None, scale, False, cfg, lay.spec, ms.geo, gluon=True).float()
     assert kernel in str(getattr(da.LAST_KERNELS["main"], "name", da.LAST_KERNELS["main"]))
@@ -706,7 +707,7 @@ def test_int8_large_bf16_queries_on_gpu():
     def premise(q, bufs, cfg):
         assert q.float().abs().max() > 65504
 
-    _large_operands("int8", torch.bfloat16, 3e4, 1.0, 5, "_sym8_decode_kernel", 1.5e-2, premise)
+    _large_operands("int8", torch.bfloat16, 3e4, 1.0, 5, "_sym8_decode_kernel", 1.5e-2, premise, logit=3.0)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
@@ -715,8 +716,8 @@ def test_int8_large_bf16_queries_on_gpu():
 def test_post_scaled_keys_large_fp16_operands_on_gpu(layout, q_size, k_size):
     """Post-scaled Keys in fp16 hold q' = q a 2^(E - b) half in the mma's fp16 operand. The kernel scales q a 2^E
     down to at most 2^8 per program and, in a tile with a half-range of 256 or more, by 2^-g more (the logits back
-    up by both), so q' stays at most 65504: queries of ~1e4 against Keys of ~10, and queries of ~300 against Keys
-    of ~1000 (half-ranges past 255), stay finite and match the reference op."""
+    up by both), so q' stays at most 65504: queries of ~3e3 (up to ~1e4) against Keys of ~10, and queries of ~100
+    (up to ~400) against Keys up to ~1000 (half-ranges past 255), stay finite and match the reference op."""
     def premise(q, bufs, cfg):
         # q' unscaled, q a 2^(E - b) half at bit b = 0, would pass fp16's largest value
         half = _key_half(bufs)
@@ -730,8 +731,8 @@ def test_post_scaled_keys_large_fp16_operands_on_gpu(layout, q_size, k_size):
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
 def test_calibquant_large_fp16_queries_on_gpu():
     """calibquant's kernel holds q' = q 2 half / 2^i in the mma's fp16 operand once per program: it scales q' down to
-    at most 2^14 by a power of two (the logits back up), so queries of ~100 against Keys of ~1000 (q' would pass
-    65504) stay finite and match the reference op."""
+    at most 2^14 by a power of two (the logits back up), so queries of ~100 (up to ~400) against Keys up to ~1000
+    (q' would pass 65504) stay finite and match the reference op."""
     def premise(q, bufs, cfg):
         assert q.float().abs().max().item() * 2 * _key_half(bufs) > 65504
 
