@@ -27,10 +27,11 @@ from bench_generate import build, copy_bandwidth, roofline_tok_s, write_rows  # 
 
 
 @torch.no_grad()
-def decode_loop(model, ids, step_fn, warmup: int, steps: int, quanto_bits: int = 0) -> float:
+def decode_loop(model, ids, step_fn, warmup: int, steps: int, quanto_bits: int = 0, prof=None) -> float:
     """Seconds per decode step: an eager prefill into a fresh StaticCache, then warmup + steps steps of step_fn
     (compiled). quanto_bits: HF's QuantizedCache instead (quanto backend, its defaults otherwise: group 64, a
-    128-token residual, so these few steps never requantize), the mask growing each step, step_fn eager."""
+    128-token residual, so these few steps never requantize), the mask growing each step, step_fn eager. prof: a
+    torch profiler, started and stopped around the timed steps."""
     from transformers import StaticCache
 
     B, P = ids.shape
@@ -50,6 +51,8 @@ def decode_loop(model, ids, step_fn, warmup: int, steps: int, quanto_bits: int =
     for i in range(warmup + steps):
         if i == warmup:
             torch.cuda.synchronize()
+            if prof is not None:
+                prof.start()
             t0 = time.perf_counter()
         torch.compiler.cudagraph_mark_step_begin()
         # position ids passed in ([B, 1]): the kvq pass recomputes the rotation tables of the eagerly written
@@ -59,6 +62,8 @@ def decode_loop(model, ids, step_fn, warmup: int, steps: int, quanto_bits: int =
                          use_cache=True).logits
         tok = logits[:, -1:].argmax(-1)
     torch.cuda.synchronize()
+    if prof is not None:
+        prof.stop()
     return (time.perf_counter() - t0) / steps
 
 

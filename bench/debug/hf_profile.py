@@ -13,6 +13,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench_decode_loop import decode_loop  # noqa: E402
 from bench_generate import build, profiled_decode, timed_generate  # noqa: E402
 
 
@@ -22,32 +23,8 @@ def table(prof, title):
           flush=True)
 
 
-@torch.no_grad()
-def tight_loop_profile(model, ids, fn, steps=8, warmup=6):
-    from torch.profiler import ProfilerActivity, profile
-    from transformers import StaticCache
-
-    B, P = ids.shape
-    T = P + warmup + steps + 1
-    cache = StaticCache(config=model.config, max_cache_len=T)
-    mask = torch.ones(B, T, dtype=torch.long, device=ids.device)
-    pos = torch.arange(T, device=ids.device)
-    tok = model(ids, attention_mask=mask[:, :P], past_key_values=cache, cache_position=pos[:P],
-                use_cache=True).logits[:, -1:].argmax(-1)
-    prof = profile(activities=[ProfilerActivity.CUDA])
-    for i in range(warmup + steps):
-        if i == warmup:
-            torch.cuda.synchronize()
-            prof.start()
-        torch.compiler.cudagraph_mark_step_begin()
-        tok = fn(tok, attention_mask=mask, past_key_values=cache, cache_position=pos[P + i:P + i + 1],
-                 position_ids=pos[P + i:P + i + 1].expand(B, 1), use_cache=True).logits[:, -1:].argmax(-1)
-    torch.cuda.synchronize()
-    prof.stop()
-    return prof
-
-
 def main():
+    from torch.profiler import ProfilerActivity, profile
     from transformers import CompileConfig
 
     layers = int(sys.argv[1]) if len(sys.argv) > 1 else 8
@@ -60,7 +37,9 @@ def main():
     table(profiled_decode(model, ids, 8, **kw), f"generate, HF compiled static cache, B={B} P={P}: 8 decode steps")
     torch._dynamo.reset()
     fn = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-    table(tight_loop_profile(model, ids, fn), f"tight loop (bench_decode_loop), B={B} P={P}: 8 decode steps")
+    prof = profile(activities=[ProfilerActivity.CUDA])
+    decode_loop(model, ids, fn, 6, 8, prof=prof)
+    table(prof, f"tight loop (bench_decode_loop), B={B} P={P}: 8 decode steps")
 
 
 if __name__ == "__main__":
