@@ -84,7 +84,7 @@ The row of the transposed Value mma (v^T as its A operand) is a permutation of t
 
 Glossary: BT tokens per tile (the Key group, 32, or half of one: `KIVI_BT`); REP query heads per KV head (<= 8);
 S sink tokens, R recent tokens, TPG_K / TPG_V tokens per group of each side (the fill boundary); MASK_KIND 0 none /
-1 bool / 2 additive; IS_BF16 the cache dtype; KBITS / VBITS the code widths; NSPLIT slices of the quantized region
+1 bool / 2 additive / 3 none through the bool build (`LUT_NO_MASK_AS_BOOL`); IS_BF16 the cache dtype; KBITS / VBITS the code widths; NSPLIT slices of the quantized region
 per KV head, NWIN programs of the window launch (partial-result slots per row: NSPLIT + NWIN); PDL the window launch
 may start early; KA_HI + KA_LO (VA_*) the level spacing 2 / (2^B - 1) of each side in two terms of the cache dtype;
 TMA the shared-memory ring of NST slots; KPOST post-scaled Keys (`KEY_POST`), POST_E and U their fp16 range
@@ -640,6 +640,9 @@ if HAVE_GLUON:
         allowed = gl.expand_dims(tcol < REP, 0) & gl.expand_dims(tt < stop, 1)
         if MASK_KIND == 1:
             mv = gl.load(AMASK + moff + tt, mask=tt < stop, other=0)
+            allowed = allowed & gl.expand_dims(mv != 0, 1)
+        elif MASK_KIND == 3:   # no mask, through the bool build's code: a load predicated off (tt >= 0)
+            mv = gl.load(AMASK.to(gl.pointer_type(gl.int8), bitcast=True) + moff + tt, mask=tt < 0, other=1)
             allowed = allowed & gl.expand_dims(mv != 0, 1)
         elif MASK_KIND == 2:
             mv = gl.load(AMASK + moff + tt, mask=tt < stop, other=0.0).to(gl.float32)
@@ -1525,6 +1528,10 @@ KIVI_BT = 32       # tokens per tile of `_kivi_decode_kernel`: a Key group (32) 
                    # batch 8-32 on an H100, bench/lut_variants.py, bench/RESULTS.md session 13)
 LUT_BT = 16        # tokens per tile of `_lut_decode_kernel`: faster than 32 at every shape of session 12 (at the cap,
                    # 6-14%; bench/RESULTS.md), which spills twice as much there (48 bytes against 24)
+LUT_NO_MASK_AS_BOOL = True   # without a mask and without outliers, run the bool-mask build (MASK_KIND 3: its mask
+                   # load predicated off): ptxas schedules the no-mask build of `_lut_decode_kernel` slower (kvquant-4
+                   # 177.2 against 138.9 us at (32, 4096), bit-equal output; with outliers (kvquant-4-1%) the two
+                   # are within 3%, the no-mask build ahead; H100, bench/RESULTS.md session 19)
 LUT_MAXNREG = 168  # its register cap: 12 programs per SM instead of 8 (176 registers uncapped with RoPE), 8 bytes of
                    # stack (64 at 32-token tiles; sm_90 compile of session 17, `bench/sass_gluon.py`); 1.26-1.35x
                    # faster than uncapped at batch >= 8 on an H100, even at batch 1 (session 12, before the logits
@@ -1650,6 +1657,8 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
             num_warps=1)
     if kind == "lut":  # kvquant: plain loads; rope = (cos, sin) tables [B, T, 128] or None
         cos, sin = rope if rope is not None else (query, query)
+        if mask_kind == 0 and LUT_NO_MASK_AS_BOOL and tuple(nout) == (0, 0):
+            mask_kind = 3
         return _lut_decode_kernel, (
             query, query.stride(0), query.stride(1), *(p[n] for p in (kp, vp) for n in _LUT_BUFFERS), cos, sin,
             positions, amask, smb, m_buf, l_buf, acc_buf, float(scale), T, nsplit), dict(
@@ -1744,7 +1753,7 @@ def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mas
     dev = query.device
     tma = kind == "kivi" and _use_tma(query, sink, T, use_tma)
     key = (kind, inner_flags(kp, vp) if kind == "inner" else None, dev.index, query.dtype, amask.dtype, mask_kind, kbits, vbits, H, rep, sink, recent, tpg_v, nwin,
-           tma, NSTAGES, phase, rope is not None, tuple(nout), LUT_BT, LUT_MAXNREG, SYM8_BT, KIVI_BT, pdl,
+           tma, NSTAGES, phase, rope is not None, tuple(nout), LUT_BT, LUT_MAXNREG, LUT_NO_MASK_AS_BOOL, SYM8_BT, KIVI_BT, pdl,
            KEY_POST)
     if key not in _RESIDENT:
         one = torch.empty(1, dtype=torch.float32, device=dev)   # stand-ins for the partial buffers, temperatures

@@ -215,7 +215,7 @@ SCRIPT = textwrap.dedent('''
         b = compile_sm90(dag._post_decode_kernel, sig, cx, [i for i in range(0, 9) if i not in (1, 2)])
         out.append(("post", phase, b.stack == b.local == 0, b.sass.count("HMMA"), b.sass.count("HFMA2"),
                     b.sass.count("HADD2"), b.shared, b.sass.count("STS") + b.sass.count("LDS"), loop(b)))
-    for bf16, mask, rope, nout in ((False, 1, True, 0), (True, 2, True, 1), (False, 0, False, 0)):   # kvquant's
+    for bf16, mask, rope, nout in ((False, 1, True, 0), (True, 2, True, 1), (False, 0, False, 0), (True, 3, True, 0)):   # kvquant's
         ty = "*bf16" if bf16 else "*fp16"
         sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KCEN=ty, KHALF=ty, KLEV="*fp32", KOIDX="*u8",
                    KOVAL=ty, VC="*i32", VCEN=ty, VHALF=ty, VLEV="*fp32", VOIDX="*u8", VOVAL=ty, COS=ty, SIN=ty,
@@ -264,19 +264,20 @@ def test_compiles_for_sm90_into_registers_only():
     r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = eval(r.stdout.strip().splitlines()[-1])  # noqa: S307  (our own repr of a list of tuples)
-    assert len(rows) == 18
+    assert len(rows) == 19
     # loop: the main loop's (HMMA, MOVM, HFMA2), exact: a padded q (16 query rows where a KV head has <= 8) would
     # double the logits' HMMA, a dequantized side brings its HFMA2 back
-    for _, bf16, shared, no_spill, hmma, sts, lds, loop in rows[16:]:
+    for _, bf16, shared, no_spill, hmma, sts, lds, loop in rows[17:]:
         # int8's kernel: per 16-token tile 8 HMMA (the transposed logits) + 8 (v^T @ p^T), p^T by 2 MOVM; no shared
         # memory, no spills; its codes are centred bytes (no HFMA2)
         assert shared == 0 and sts == 0 and lds == 0 and no_spill and loop == (16, 2, 0), rows
-    for _, bf16, shared, no_spill, hmma, sts, lds, movm, loop in rows[14:16]:
+    for _, bf16, shared, no_spill, hmma, sts, lds, movm, loop in rows[15:17]:
         # InnerQ's layout in the KIVI kernel: plain loads straight into the mma operands, as KIVI's; per 32-token
         # tile 16 HMMA for the transposed logits, 16 for v^T @ p^T, p^T by 4 MOVM; both sides dequantized
         assert shared == 0 and sts == 0 and lds == 0 and no_spill and loop[:2] == (32, 4) and loop[2] >= 128, rows
-    for _, rope, shared, stack, hmma, sts, lds, prmt, loop in rows[11:14]:
-        # kvquant's kernel: per 16-token tile 8 HMMA (k @ q^T) + 8 (v^T @ p^T), p^T by 2 MOVM; no shared memory; at its
+    for _, rope, shared, stack, hmma, sts, lds, prmt, loop in rows[11:15]:
+        # kvquant's kernel (MASK_KIND 3: no mask through the bool build, `LUT_NO_MASK_AS_BOOL`): per 16-token tile 8
+        # HMMA (k @ q^T) + 8 (v^T @ p^T), p^T by 2 MOVM; no shared memory; at its
         # register cap (`LUT_MAXNREG`) at most 8 spilled registers (6 measured on the H100: faster than no cap, no
         # spills at 178 registers); the codebook lookups are byte permutes (8 per 4 codes, 128 codes per lane and tile)
         assert shared == 0 and sts == 0 and lds == 0 and stack <= 32 and loop[:2] == (16, 2) and prmt >= 256, rows
@@ -330,6 +331,24 @@ def test_early_window_launch_only_where_the_gpu_has_it(monkeypatch):
     for on in (None, True, False):
         monkeypatch.setattr(da, "PDL", on)
         assert not da._use_pdl(torch.zeros(1))
+
+
+@pytest.mark.skipif(not dag.HAVE_GLUON, reason="triton without Gluon")
+def test_kvquant_without_a_mask_runs_the_bool_build(monkeypatch):
+    """Without a mask and without outliers, kvquant's launch compiles the bool-mask build with its mask load
+    predicated off (MASK_KIND 3: ptxas schedules it faster, bench/RESULTS.md session 19); a mask keeps its own
+    kind, outliers keep MASK_KIND 0 (no faster there), and `LUT_NO_MASK_AS_BOOL` off restores 0."""
+    q = torch.zeros(2, 8, 1, 128, dtype=torch.bfloat16)
+    side = {n: torch.zeros(4, dtype=torch.int32) for n in dag._LUT_BUFFERS}
+
+    def kind(mask_kind, nout=(0, 0)):
+        _, _, kw = dag._plan(q, side, side, torch.zeros(1, dtype=torch.long), q, 0, mask_kind, q, q, q, 1.0, 64, 1,
+                             2, 1, 2, 4, 1, 32, 1, 4, 4, "lut", None, 0, None, None, nout, False)
+        return kw["MASK_KIND"]
+
+    assert [kind(0), kind(1), kind(2), kind(0, (1, 1)), kind(0, (0, 2))] == [3, 1, 2, 0, 0]
+    monkeypatch.setattr(dag, "LUT_NO_MASK_AS_BOOL", False)
+    assert kind(0) == 0
 
 
 CASES = [  # B, H, rep, T, n0, sink, magnitude of K / V

@@ -1,5 +1,5 @@
 """kvquant-4's `_lut_decode_kernel` compiled for sm_90 (no GPU needed; run with TRITON_INTERPRET unset) at
-MASK_KIND 0 (no mask) and 1 (bool mask): registers, stack, main-loop instructions and local loads / stores (debug).
+MASK_KIND 0 (no mask), 1 (bool mask) and 3 (no mask through the bool build, `LUT_NO_MASK_AS_BOOL`): registers, stack, main-loop instructions and local loads / stores (debug).
 
     env -u TRITON_INTERPRET python bench/debug/lut_spills.py
 """
@@ -17,7 +17,7 @@ from kvq_compile.templates import decode_attention_gluon as dag  # noqa: E402
 
 def main():
     ty = "*bf16"   # kvquant-4's preset: Keys before RoPE, no outliers
-    for mask in (0, 1):
+    for mask in (0, 1, 3):
         sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KCEN=ty, KHALF=ty, KLEV="*fp32", KOIDX="*u8",
                    KOVAL=ty, VC="*i32", VCEN=ty, VHALF=ty, VLEV="*fp32", VOIDX="*u8", VOVAL=ty, COS=ty, SIN=ty,
                    POS="*i64", AMASK="*i1" if mask == 1 else ty, stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32",
