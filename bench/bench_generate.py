@@ -19,6 +19,7 @@ import argparse
 import collections
 import json
 import os
+import re
 import sys
 import time
 
@@ -203,7 +204,7 @@ def main():
     ap.add_argument("--presets", default="fp16,int8,kivi-4,kivi-2")
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--baselines", default="eager,hf-compiled",
-                    help="of eager, hf-compiled, quanto-2, quanto-4 (HF QuantizedCache: needs optimum-quanto)")
+                    help="of eager, hf-compiled, quanto-2, quanto-4 (HF QuantizedCache: needs optimum-quanto); '' for none")
     ap.add_argument("--opaque", default="", help="presets also run with kvq::attend not lowered (default launch)")
     ap.add_argument("--kvqcache", default="", help="presets also run through KVQCache (no fp16 cache at all)")
     ap.add_argument("--out", default=None)
@@ -214,6 +215,10 @@ def main():
     ap.add_argument("--one-process", action="store_true",
                     help="all shapes in this process (default: one child process per shape, see `per_shape`)")
     args = ap.parse_args()
+    bad = [b for b in args.baselines.split(",") if b and b not in ("eager", "hf-compiled")
+           and not re.fullmatch(r"quanto-[24]", b)]
+    if bad:   # an unknown name would run HF's default dynamic cache under that label
+        ap.error(f"unknown baselines {bad}: of eager, hf-compiled, quanto-2, quanto-4 ('' for none)")
     shapes = [sh for sh in args.shapes.split(",") if sh]
     if len(shapes) > 1 and not args.one_process:
         return per_shape(args, shapes)
