@@ -1,7 +1,7 @@
 """Host overhead of one decode step: a tiny model (2 layers, hidden 128) whose GPU work is negligible, so the step
 time of `generate` is the Python of HF's loop, Dynamo's guards, CUDA-graph replay and kvq's step runner.
 
-    python bench/host_overhead.py
+    python bench/host_overhead.py [presets]     e.g. fp16,kivi-2,kvquant-4 (the default: fp16,kivi-2)
 
 Written in session 7 to locate the 2-3 ms of an H100 decode step that neither weights nor attention account for.
 On an H100 (session 8, bench/RESULTS.md): 2.21 ms/step for HF's compiled static cache, 1.61 for kvq fp16, 1.51
@@ -42,8 +42,9 @@ def main():
     model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=2).to(dev)
     ids, mask = (t.to(dev) for t in prompts(1, 16))
     print(torch.cuda.get_device_name() if dev == "cuda" else "cpu", torch.__version__)
-    for name, backend in (("hf static compiled (inductor)", "inductor"), ("kvq fp16", kvq_backend("fp16")),
-                          ("kvq kivi-2", kvq_backend(small_windows("kivi-2")))):
+    presets = (sys.argv[1] if len(sys.argv) > 1 else "fp16,kivi-2").split(",")
+    for name, backend in [("hf static compiled (inductor)", "inductor")] + [
+            (f"kvq {p}", kvq_backend(small_windows(p))) for p in presets]:
         torch._dynamo.reset()
         step_ms(model, ids, mask, compile_config=compile_config(backend))
         print(f"{name:32s} {step_ms(model, ids, mask, compile_config=compile_config(backend)):6.2f} ms/step", flush=True)
