@@ -84,7 +84,7 @@ The row of the transposed Value mma (v^T as its A operand) is a permutation of t
 
 Glossary: BT tokens per tile (the Key group, 32, or half of one: `KIVI_BT`); REP query heads per KV head (<= 8);
 S sink tokens, R recent tokens, TPG_K / TPG_V tokens per group of each side (the fill boundary); MASK_KIND 0 none /
-1 bool / 2 additive / 3 none through the bool build (`LUT_NO_MASK_AS_BOOL`); IS_BF16 the cache dtype; KBITS / VBITS the code widths; NSPLIT slices of the quantized region
+1 bool / 2 additive / 3 none through the bool build (kvquant's kernel only, `LUT_NO_MASK_AS_BOOL`); IS_BF16 the cache dtype; KBITS / VBITS the code widths; NSPLIT slices of the quantized region
 per KV head, NWIN programs of the window launch (partial-result slots per row: NSPLIT + NWIN); PDL the window launch
 may start early; KA_HI + KA_LO (VA_*) the level spacing 2 / (2^B - 1) of each side in two terms of the cache dtype;
 TMA the shared-memory ring of NST slots; KPOST post-scaled Keys (`KEY_POST`), POST_E and U their fp16 range
@@ -635,7 +635,8 @@ if HAVE_GLUON:
     def _mask_scores(s, trow, tcol, t0, stop, AMASK, moff, REP: gl.constexpr, MASK_KIND: gl.constexpr):
         """(s, allowed) of a transposed [BT, 8] tile of base-2 logits (rows: positions t0 + trow, columns: query
         heads): real heads, positions < stop, and the one-row attention mask (MASK_KIND 1 bool, 2 additive: added
-        to s in base 2)."""
+        to s in base 2; 3 none, through the bool build's code with its load predicated off: kvquant's kernel only,
+        `LUT_NO_MASK_AS_BOOL`)."""
         tt = t0 + trow
         allowed = gl.expand_dims(tcol < REP, 0) & gl.expand_dims(tt < stop, 1)
         if MASK_KIND == 1:

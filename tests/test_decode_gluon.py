@@ -276,8 +276,8 @@ def test_compiles_for_sm90_into_registers_only():
         # tile 16 HMMA for the transposed logits, 16 for v^T @ p^T, p^T by 4 MOVM; both sides dequantized
         assert shared == 0 and sts == 0 and lds == 0 and no_spill and loop[:2] == (32, 4) and loop[2] >= 128, rows
     for _, rope, shared, stack, hmma, sts, lds, prmt, loop in rows[11:15]:
-        # kvquant's kernel (MASK_KIND 3: no mask through the bool build, `LUT_NO_MASK_AS_BOOL`): per 16-token tile 8
-        # HMMA (k @ q^T) + 8 (v^T @ p^T), p^T by 2 MOVM; no shared memory; at its
+        # kvquant's kernel (its last row MASK_KIND 3: no mask through the bool build, `LUT_NO_MASK_AS_BOOL`): per
+        # 16-token tile 8 HMMA (k @ q^T) + 8 (v^T @ p^T), p^T by 2 MOVM; no shared memory; at its
         # register cap (`LUT_MAXNREG`) at most 8 spilled registers (6 measured on the H100: faster than no cap, no
         # spills at 178 registers); the codebook lookups are byte permutes (8 per 4 codes, 128 codes per lane and tile)
         assert shared == 0 and sts == 0 and lds == 0 and stack <= 32 and loop[:2] == (16, 2) and prmt >= 256, rows

@@ -1,7 +1,8 @@
 """kvquant's decode attention without a mask, through the no-mask build of `_lut_decode_kernel` (MASK_KIND 0) and
 through the bool-mask build with its mask load predicated off (MASK_KIND 3, `LUT_NO_MASK_AS_BOOL`), beside the call
 with HF's bool mask; CUDA-graph time of the whole call, and whether the two no-mask outputs are equal bit for bit
-(debug).
+(debug). Layouts with outliers (kvquant-4-1%) always take MASK_KIND 0 now (`_plan`), so for them both no-mask
+columns time MASK_KIND 0; session 19's call 3 ran before that guard, and timed MASK_KIND 3 there too.
 
     python bench/debug/lut_nomask.py [presets] [shapes]     e.g. kvquant-4,kvquant-4-1% 8x8192,32x4096
 """
