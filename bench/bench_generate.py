@@ -104,13 +104,13 @@ def timed_generate(model, ids, new, **kw):
 
 class ProfileWindow:
     """A logits processor that runs the torch profiler over generated tokens [start, start + steps) only, so
-    that neither the prefill nor the compiling steps are in the trace."""
+    that neither the prefill nor the compiling steps are in the trace. cpu: host ops too, not only CUDA kernels."""
 
-    def __init__(self, start: int = 8, steps: int = 8):
+    def __init__(self, start: int = 8, steps: int = 8, cpu: bool = False):
         from torch.profiler import ProfilerActivity, profile
 
         self.start, self.steps, self.n = start, steps, 0
-        self.prof = profile(activities=[ProfilerActivity.CUDA])
+        self.prof = profile(activities=[ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if cpu else []))
 
     def __call__(self, input_ids, scores):
         if self.n == self.start:
@@ -123,14 +123,14 @@ class ProfileWindow:
         return scores
 
 
-def profiled_decode(model, ids, steps: int = 8, new: int | None = None, **kw):
+def profiled_decode(model, ids, steps: int = 8, new: int | None = None, cpu: bool = False, **kw):
     """The torch profiler over `steps` decode steps of one generate (tokens 8 .. 8 + steps: no prefill, no
     compiling step); the generate runs `new` tokens (at least 8 + steps + 2; default that many): give it the
-    timed generate's length, so that the profiled one runs the same static cache shape."""
+    timed generate's length, so that the profiled one runs the same static cache shape. cpu: host ops too."""
     from transformers import LogitsProcessorList
 
     n = max(new or 0, 8 + steps + 2)
-    win = ProfileWindow(8, steps)
+    win = ProfileWindow(8, steps, cpu)
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False,
                    logits_processor=LogitsProcessorList([win]), **kw)
     return win.prof

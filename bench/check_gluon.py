@@ -53,10 +53,10 @@ def check(preset="kivi-2", quick=False):
     print(f"worst gluon/triton error ratio {worst:.2f}")
 
 
-def decode_call(preset: str, B: int, ctx: int, dtype=torch.bfloat16):
+def decode_call(preset: str, B: int, ctx: int, dtype=torch.bfloat16, mask: bool = True):
     """(fn, bytes read): one decode-attention call over a random store of `preset` (Llama-3-8B attention shapes:
-    32 query heads, 8 KV heads, head_dim 128) holding ctx tokens, with HF's bool mask; fn(**kw) passes kw on to
-    `decode_attention` (and keeps the store alive)."""
+    32 query heads, 8 KV heads, head_dim 128) holding ctx tokens, with HF's bool mask (mask=False: none); fn(**kw)
+    passes kw on to `decode_attention` (and keeps the store alive)."""
     from bench_decode_attention import pick_layer
 
     cfg = KVQConfig.preset(preset)
@@ -66,7 +66,7 @@ def decode_call(preset: str, B: int, ctx: int, dtype=torch.bfloat16):
     bufs = dict(zip(*lay.attend_tensors()))
     q = torch.randn(B, 32, 1, 128, device="cuda", dtype=dtype)
     kc = torch.randn(B, 8, 1, 128, device="cuda", dtype=dtype)
-    am = torch.ones(B, 1, 1, ctx, dtype=torch.bool, device="cuda")
+    am = torch.ones(B, 1, 1, ctx, dtype=torch.bool, device="cuda") if mask else None
     pos = torch.tensor([ctx - 1], device="cuda")
 
     def fn(**kw):

@@ -84,9 +84,10 @@ The row of the transposed Value mma (v^T as its A operand) is a permutation of t
 
 Glossary: BT tokens per tile (the Key group, 32, or half of one: `KIVI_BT`); REP query heads per KV head (<= 8);
 S sink tokens, R recent tokens, TPG_K / TPG_V tokens per group of each side (the fill boundary); MASK_KIND 0 none /
-1 bool / 2 additive / 3 none through the bool build (kvquant's kernel only, `LUT_NO_MASK_AS_BOOL`); IS_BF16 the cache dtype; KBITS / VBITS the code widths; NSPLIT slices of the quantized region
-per KV head, NWIN programs of the window launch (partial-result slots per row: NSPLIT + NWIN); PDL the window launch
-may start early; KA_HI + KA_LO (VA_*) the level spacing 2 / (2^B - 1) of each side in two terms of the cache dtype;
+1 bool / 2 additive / 3 none through the bool build (kvquant's kernel only, `LUT_NO_MASK_AS_BOOL`); IS_BF16 the
+cache dtype; KBITS / VBITS the code widths; NSPLIT slices of the quantized region per KV head, NWIN programs of the
+window launch (partial-result slots per row: NSPLIT + NWIN); PDL the window launch may start early; KA_HI + KA_LO
+(VA_*) the level spacing 2 / (2^B - 1) of each side in two terms of the cache dtype;
 TMA the shared-memory ring of NST slots; KPOST post-scaled Keys (`KEY_POST`), POST_E and U their fp16 range
 factors.
 """

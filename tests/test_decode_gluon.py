@@ -342,8 +342,10 @@ def test_kvquant_without_a_mask_runs_the_bool_build(monkeypatch):
     side = {n: torch.zeros(4, dtype=torch.int32) for n in dag._LUT_BUFFERS}
 
     def kind(mask_kind, nout=(0, 0)):
-        _, _, kw = dag._plan(q, side, side, torch.zeros(1, dtype=torch.long), q, 0, mask_kind, q, q, q, 1.0, 64, 1,
-                             2, 1, 2, 4, 1, 32, 1, 4, 4, "lut", None, 0, None, None, nout, False)
+        _, _, kw = dag._plan(q, side, side, positions=torch.zeros(1, dtype=torch.long), amask=q, smb=0,
+                             mask_kind=mask_kind, m_buf=q, l_buf=q, acc_buf=q, scale=1.0, T=64, ng_k=1, nsplit=2,
+                             nwin=1, H=2, rep=4, sink=1, recent=32, tpg_v=1, kbits=4, vbits=4, kind="lut",
+                             use_tma=None, phase=0, temp=None, rope=None, nout=nout, pdl=False)
         return kw["MASK_KIND"]
 
     assert [kind(0), kind(1), kind(2), kind(0, (1, 1)), kind(0, (0, 2))] == [3, 1, 2, 0, 0]
