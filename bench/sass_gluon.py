@@ -67,7 +67,7 @@ def main():
     print(f"InnerQ layout 2-bit hybrid: {b.regs} registers, stack {b.stack} B, loop {sum(ops.values())} "
           f"instructions per 32 tokens: {dict(ops.most_common(12))}", flush=True)
     post = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KCEN=ty, KHALF=ty, VC="*i32", VCEN=ty, VHALF=ty,
-                POS="*i64", AMASK="*i1", stride_mb="i32", TEMP="*fp32", OUT_M="*fp32", OUT_L="*fp32",
+                POS="*i64", AMASK="*i1", stride_mb="i32", TEMP="*fp32", LOGITS="*fp32", OUT_M="*fp32", OUT_L="*fp32",
                 OUT_ACC="*fp32", scale="fp32", T="i32", NSPLIT="i32")
     for phase in (1, 2):   # calibquant: the range pass, then the calibrated attention
         cx = dict(H=8, REP=4, S=0, R=128, MASK_KIND=1, IS_BF16=False, BT=32, TAU_PHASE=phase, NWIN=3,

@@ -26,8 +26,9 @@ own), and waits for launch 1 before it ends; the merge waits for the window laun
 of at most one program per SM, TRIGGER, lets the merge launch at once). CalibQuant's
 temperature needs each row's logit range first: TAU_PHASE 1 runs both launches without V (with its own split count
 and max / min buffers), `_temperature_kernel` turns each row's range into its temperature, then TAU_PHASE 2
-attends. Every length is read from `positions` on the device: no host synchronization, fixed launch shapes
-(CUDA-graph safe).
+attends (the Gluon launch's range pass also keeps its logits, which its attention pass reads instead of the Keys).
+Every length is read from `positions` on the device: no host synchronization, fixed launch shapes (CUDA-graph
+safe).
 
 Glossary of constants: PDL programmatic dependent launch (above), TRIGGER the window launch's early trigger; D
 head_dim; REP query heads per KV head (REP_PAD: padded to >= 16 for tl.dot); BITS_* code width (16: unquantized
@@ -844,11 +845,12 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
                                 dag.resident_programs(query, kp, vp, phase=phase, **gluon_layer))
         return _num_splits(B * H, T, block_t, query.device, programs_per_sm)
 
+    new_buffer = functools.partial(torch.full, fill_value=float("nan")) if POISON else torch.empty
+
     def partials(nsplit, with_acc=True):  # (max, sum, acc) buffers: nsplit + nwin slots per row
-        new = functools.partial(torch.full, fill_value=float("nan")) if POISON else torch.empty
-        m = new((B * H * rep_pad * (nsplit + nwin),), dtype=torch.float32, device=query.device)
-        return m, new(m.shape, dtype=torch.float32, device=query.device), (
-            new((m.numel() * D,), dtype=torch.float32, device=query.device) if with_acc else m)
+        m = new_buffer((B * H * rep_pad * (nsplit + nwin),), dtype=torch.float32, device=query.device)
+        return m, new_buffer(m.shape, dtype=torch.float32, device=query.device), (
+            new_buffer((m.numel() * D,), dtype=torch.float32, device=query.device) if with_acc else m)
 
     nsplit = splits(0 if cfg.softmax_tau is None else 2)
     ns = nsplit + nwin
@@ -861,7 +863,7 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
                          f"{out.dtype} {tuple(out.shape)} with strides {out.stride()}")
     ieee = query.dtype == torch.float32
 
-    def launch(phase, temp, nsplit, m_buf, l_buf, acc_buf):
+    def launch(phase, temp, nsplit, m_buf, l_buf, acc_buf, logits=None):
         args = (query, query.stride(0), query.stride(1),
                 *side_pointers(kp, True), key, key.stride(0), key.stride(1),
                 *side_pointers(vp, False), value, value.stride(0), value.stride(1),
@@ -873,7 +875,7 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
         if use_gluon:
             LAST_KERNELS["main"] = dag.launch(query, kp, vp, m_buf=m_buf, l_buf=l_buf, acc_buf=acc_buf, scale=scale,
                                               nsplit=nsplit, phase=phase, temp=temp if phase == 2 else None,
-                                              **gluon_layer)
+                                              logits=logits, **gluon_layer)
         else:
             LAST_KERNELS["main"] = _decode_kernel[(B * H, nsplit)](*args, **consts, WINDOW=False,
                                                                    num_warps=num_warps, num_stages=num_stages)
@@ -883,11 +885,14 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
     if cfg.softmax_tau is not None:
         n1 = splits(1)   # the range pass: its own slices (and buffers of max and min, no acc)
         m1, l1, _ = partials(n1, with_acc=False)
-        launch(1, query, n1, m1, l1, acc_buf)
+        # the Gluon kernel's range pass keeps its logits for the attention pass (fp32 [B * H, T, rep]: 4 rep bytes a
+        # token and KV head, as many as the 1-bit Keys' 16 at rep 4), which then reads no Keys
+        logits = (new_buffer((B * H * T * rep,), dtype=torch.float32, device=query.device) if use_gluon else None)
+        launch(1, query, n1, m1, l1, acc_buf, logits)
         temp = torch.empty(B * Hq, dtype=torch.float32, device=query.device)
         _temperature_kernel[(B * Hq,)](m1, l1, temp, float(sum(cfg.softmax_tau)), REP=rep, REP_PAD=rep_pad,
                                        NS=n1 + nwin, NS_PAD=triton.next_power_of_2(n1 + nwin))
-        launch(2, temp, nsplit, m_buf, l_buf, acc_buf)
+        launch(2, temp, nsplit, m_buf, l_buf, acc_buf, logits)
     else:
         launch(0, query, nsplit, m_buf, l_buf, acc_buf)
     _combine_kernel[(B * Hq,)](m_buf, l_buf, acc_buf, out, H=H, REP=rep, REP_PAD=rep_pad, D=D, NS=ns,

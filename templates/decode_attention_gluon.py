@@ -24,7 +24,9 @@ the padded form (bench/RESULTS.md, session 16, with KIVI's post-scaled Keys): ki
 calibquant-1's layout (1-bit channel-wise Keys and Values, one static range per channel) has its own kernel,
 `_post_decode_kernel`: post-scaling folds the Keys' scale into q and the Values' into the accumulator, so each code
 reaches the mma as `M + 2^i code` from one `lop3` (~450 SASS instructions per 32-token tile against ~790 in the
-KIVI kernel at 2 bits), with the calibrated softmax's two phases.
+KIVI kernel at 2 bits), with the calibrated softmax's two phases: the range pass keeps its logits (fp32), which the
+attention pass reads instead of the Keys (at batch x context >= 64k 7-13% faster, 2% at (1, 65536): H100,
+bench/RESULTS.md session 20).
 
 kvquant's layout (4-bit codebook Keys with one static range per channel, stored before or after RoPE; 4-bit codebook
 Values with one range per token; optional dense-and-sparse outliers) has `_lut_decode_kernel`: the same structure
@@ -697,7 +699,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _post_decode_kernel(
-            Q, stride_qb, stride_qh, KC, KCEN, KHALF, VC, VCEN, VHALF, POS, AMASK, stride_mb, TEMP,
+            Q, stride_qb, stride_qh, KC, KCEN, KHALF, VC, VCEN, VHALF, POS, AMASK, stride_mb, TEMP, LOGITS,
             OUT_M, OUT_L, OUT_ACC, scale, T, NSPLIT,
             H: gl.constexpr, REP: gl.constexpr, S: gl.constexpr, R: gl.constexpr, MASK_KIND: gl.constexpr,
             IS_BF16: gl.constexpr, BT: gl.constexpr, TAU_PHASE: gl.constexpr, NWIN: gl.constexpr,
@@ -710,9 +712,11 @@ if HAVE_GLUON:
             out = sum_t p_t v_t = s_v acc / 2^j + z_v l^, acc = sum_t p^_t (M + 2^j code) - M l^, l^ = sum_t p^_t
             (p^: p rounded to the cache dtype, as the mma takes it; each tile's M l^ is taken out as the tile's mma
             starts from the accumulator, -M l^ by a small mma of p^T).
-        TAU_PHASE 1 writes each head's max and min logit (CalibQuant's calibration reads them), 2 scales the logits
-        by TEMP (per head) before the softmax, 0 neither. The channel of Key reduction index k (same register
-        layout as `_kivi_decode_kernel` at 1 bit, with the asm block a covering bits 8a..8a+7 and 16+8a..16+8a+7):
+        TAU_PHASE 1 writes each head's max and min logit (CalibQuant's calibration reads them) and the logits
+        themselves (base 2, before the mask: LOGITS [B * H, T, REP] fp32); 2 reads them back instead of the Keys,
+        scales them by TEMP (per head) and runs the softmax and p @ v; 0 neither (the Keys, then the softmax). The
+        channel of Key reduction index k (same register layout as `_kivi_decode_kernel` at 1 bit, with the asm block
+        a covering bits 8a..8a+7 and 16+8a..16+8a+7):
             x = 16a + c, c = 2i + h  <->  channel 32b + 16h + 8a + i, factor 2^-i."""
         bh = gl.program_id(0)
         split = gl.program_id(1)
@@ -753,29 +757,33 @@ if HAVE_GLUON:
         kc_base = KC + bh64 * T * 4
         vc_base = VC + bh64 * T * 4
 
-        # q'^T = (q s_k / 2^i)^T in the Key mma's reduction order (the B operand of the transposed logits), and the
-        # per-head constant C
-        tk = gl.arange(0, 128, layout=gl.SliceLayout(1, b_l))
-        ti = ((tk >> 5) & 1) * 4 + ((tk >> 4) & 1) * 2 + ((tk >> 3) & 1)
-        tchan = 32 * ((tk >> 1) & 3) + 16 * (tk & 1) + 8 * ((tk >> 6) & 1) + ti
-        qT = _load_qT(Q, b, h, stride_qb, stride_qh, tchan, REP, b_l).to(gl.float32)
-        khalf = gl.load(KHALF + bh64 * D + tchan).to(gl.float32)
-        kz = gl.load(KCEN + bh64 * D + tchan).to(gl.float32) - khalf
-        qpf = qT * gl.expand_dims(khalf * 2.0 / (1 << ti).to(gl.float32), 1)
-        if IS_BF16:
-            up = 1.0
-        else:  # fp16 holds q' only below 65504: scaled by 2^-e (exact) to at most 2^14, the logits by 2^e
-            qmax = gl.max(gl.max(gl.abs(qpf), 1), 0)
-            up = gl.exp2(gl.maximum(gl.ceil(gl.log2(gl.maximum(qmax, 1.0) / 16384.0)), 0.0))
-            qpf = qpf / up
-        qp = qpf.to(dt)
-        c8 = gl.convert_layout(gl.sum(qT * gl.expand_dims(kz, 1) - M * up * qp.to(gl.float32), 0),
-                               gl.SliceLayout(0, mma)) / up   # q . z - M sum(q') in units of the mma's q'
+        if TAU_PHASE != 2:
+            # q'^T = (q s_k / 2^i)^T in the Key mma's reduction order (the B operand of the transposed logits), and
+            # the per-head constant C
+            tk = gl.arange(0, 128, layout=gl.SliceLayout(1, b_l))
+            ti = ((tk >> 5) & 1) * 4 + ((tk >> 4) & 1) * 2 + ((tk >> 3) & 1)
+            tchan = 32 * ((tk >> 1) & 3) + 16 * (tk & 1) + 8 * ((tk >> 6) & 1) + ti
+            qT = _load_qT(Q, b, h, stride_qb, stride_qh, tchan, REP, b_l).to(gl.float32)
+            khalf = gl.load(KHALF + bh64 * D + tchan).to(gl.float32)
+            kz = gl.load(KCEN + bh64 * D + tchan).to(gl.float32) - khalf
+            qpf = qT * gl.expand_dims(khalf * 2.0 / (1 << ti).to(gl.float32), 1)
+            if IS_BF16:
+                up = 1.0
+            else:  # fp16 holds q' only below 65504: scaled by 2^-e (exact) to at most 2^14, the logits by 2^e
+                qmax = gl.max(gl.max(gl.abs(qpf), 1), 0)
+                up = gl.exp2(gl.maximum(gl.ceil(gl.log2(gl.maximum(qmax, 1.0) / 16384.0)), 0.0))
+                qpf = qpf / up
+            qp = qpf.to(dt)
+            c8 = gl.convert_layout(gl.sum(qT * gl.expand_dims(kz, 1) - M * up * qp.to(gl.float32), 0),
+                                   gl.SliceLayout(0, mma)) / up   # q . z - M sum(q') in units of the mma's q'
+            LOG2E: gl.constexpr = 1.4426950408889634
+            qscale = scale * LOG2E * up
         negm = gl.full([16, BT], -M, dt, a_l)   # sum_t p^_t (M + 2^j code) - M l^: -M l^ by one more small mma
 
-        LOG2E: gl.constexpr = 1.4426950408889634
-        qscale = scale * LOG2E * up
         trow, tcol, m8, lacc, acc = _softmax_state(BT, mma)   # acc: out^T, channels n = 8j + w
+        # the logits of phase 1, read back in phase 2: token t0 + trow, head tcol at LOGITS[bh, t0 + trow, tcol]
+        lg_off = gl.expand_dims(trow, 1) * REP + gl.expand_dims(tcol, 0)
+        lg_base = LOGITS + bh64 * T * REP
         if TAU_PHASE == 1:   # per-lane partial maxima and minima, reduced after the loop
             hi_p = gl.full([BT, 8], float("-inf"), gl.float32, mma)
             lo_p = gl.full([BT, 8], float("inf"), gl.float32, mma)
@@ -785,12 +793,18 @@ if HAVE_GLUON:
 
         for it in range(0, n_iter):
             t0 = start + it * BT
-            kvalid = gl.expand_dims((t0 + kt) < stop, 0)
-            kwords = gl.expand_dims(gl.load(kc_base + t0 * 4 + koff, mask=kvalid, other=0), 0) >> kshift  # [2, 4, BT]
-            kw4, _ = gl.broadcast(gl.expand_dims(kwords, 2), cdummy)                                   # [2, 4, 16, BT]
-            kv = _unpack_post(kw4, "kpost", IS_BF16)
-            kvT = gl.convert_layout(_kred_t(kv, 16, BT), a_l)                                          # [BT, 128]
-            s = (mma_v2(kvT, qp, gl.zeros([BT, 8], gl.float32, mma)) + gl.expand_dims(c8, 0)) * qscale
+            lvalid = gl.expand_dims((t0 + trow) < stop, 1) & gl.expand_dims(tcol < REP, 0)
+            if TAU_PHASE == 2:
+                s = gl.load(lg_base + t0 * REP + lg_off, mask=lvalid, other=0.0)
+            else:
+                kvalid = gl.expand_dims((t0 + kt) < stop, 0)
+                kwords = gl.expand_dims(gl.load(kc_base + t0 * 4 + koff, mask=kvalid, other=0), 0) >> kshift
+                kw4, _ = gl.broadcast(gl.expand_dims(kwords, 2), cdummy)                          # [2, 4, 16, BT]
+                kv = _unpack_post(kw4, "kpost", IS_BF16)
+                kvT = gl.convert_layout(_kred_t(kv, 16, BT), a_l)                                 # [BT, 128]
+                s = (mma_v2(kvT, qp, gl.zeros([BT, 8], gl.float32, mma)) + gl.expand_dims(c8, 0)) * qscale
+                if TAU_PHASE == 1:
+                    gl.store(lg_base + t0 * REP + lg_off, s, mask=lvalid)
             s, allowed = _mask_scores(s, trow, tcol, t0, stop, AMASK, b.to(gl.int64) * stride_mb, REP, MASK_KIND)
             if TAU_PHASE == 1:
                 hi_p = gl.maximum(hi_p, gl.where(allowed, s, float("-inf")))
@@ -1646,7 +1660,7 @@ def _use_tma(query, sink: int, T: int, use_tma: bool | None) -> bool:
 def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int, m_buf, l_buf, acc_buf,
           scale: float, T: int, ng_k: int, nsplit: int, nwin: int, H: int, rep: int, sink: int, recent: int,
           tpg_v: int, kbits: int, vbits: int, kind: str, use_tma: bool | None, phase: int, temp, rope,
-          nout: tuple = (0, 0), pdl: bool = False):
+          nout: tuple = (0, 0), pdl: bool = False, logits=None):
     """(kernel, arguments, keywords) of the quantized-region launch (see `launch`)."""
     import torch
 
@@ -1667,10 +1681,12 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
             H=H, REP=rep, S=sink, R=recent, MASK_KIND=mask_kind, IS_BF16=bf16, BT=LUT_BT, ROPE=rope is not None,
             KNOUT=nout[0], VNOUT=nout[1], NWIN=nwin, PDL=pdl, num_warps=1, maxnreg=LUT_MAXNREG)
     if kind == "post":  # calibquant: plain loads (a word per token and side; no per-tile statistics)
+        if phase and logits is None:
+            raise ValueError("calibquant's Gluon launch needs the logits buffer in calibrated-softmax phases 1 and 2")
         return _post_decode_kernel, (
             query, query.stride(0), query.stride(1), kp["codes"], kp["cen"], kp["half"], vp["codes"], vp["cen"],
-            vp["half"], positions, amask, smb, query if temp is None else temp, m_buf, l_buf, acc_buf, float(scale),
-            T, nsplit), dict(H=H, REP=rep, S=sink, R=recent, MASK_KIND=mask_kind, IS_BF16=bf16, BT=BT,
+            vp["half"], positions, amask, smb, query if temp is None else temp, query if logits is None else logits,
+            m_buf, l_buf, acc_buf, float(scale), T, nsplit), dict(H=H, REP=rep, S=sink, R=recent, MASK_KIND=mask_kind, IS_BF16=bf16, BT=BT,
                              TAU_PHASE=phase, NWIN=nwin, PDL=pdl, num_warps=1)
     if kind not in ("kivi", "inner") or phase:
         raise ValueError(f"no Gluon launch for layout {kind!r} with calibrated-softmax phase {phase}")
@@ -1710,19 +1726,20 @@ def inner_flags(kp: dict, vp: dict) -> tuple[bool, bool, bool]:
 def launch(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int, m_buf, l_buf, acc_buf,
            scale: float, T: int, ng_k: int, nsplit: int, nwin: int, H: int, rep: int, sink: int, recent: int,
            tpg_v: int, kbits: int, vbits: int, *, kind: str, use_tma: bool | None = None, phase: int = 0,
-           temp=None, rope=None, nout: tuple = (0, 0), pdl: bool = False):
+           temp=None, rope=None, nout: tuple = (0, 0), pdl: bool = False, logits=None):
     """Run the quantized-region launch into slots [0, nsplit) of the partial buffers (grid (B * H, nsplit); each
     row has nsplit + nwin slots, the last nwin the window launch's). kind: `layout_kind` of the store. ng_k: the
     statistics rows per KV head of the token-grouped side (KIVI's Keys, InnerQ's Values). use_tma (KIVI's layout
     only): stream the tiles through shared memory with the tensor-memory accelerator (None: `USE_TMA`, whose
     None means on sm_90+ inside CUDA-graph capture; never for an odd sink or cache length). phase, temp: the
-    calibrated softmax's phase (calibquant only) and, in phase 2, its per-row temperatures. rope (kvquant's layout
+    calibrated softmax's phase (calibquant only), in phase 2 its per-row temperatures, and in both phases the logits
+    that phase 1 writes and phase 2 reads (fp32 [B * H, T, rep]). rope (kvquant's layout
     only): the (cos, sin) tables [B, T, 128] of Keys stored before RoPE, else None; nout (the same): outliers per
     token of the Keys and the Values. pdl: let the window launch that follows start at once (`griddepcontrol`, sm_90+
     only: `decode_attention._use_pdl`)."""
     fn, args, kw = _plan(query, kp, vp, positions, amask, smb, mask_kind, m_buf, l_buf, acc_buf, scale, T, ng_k,
                          nsplit, nwin, H, rep, sink, recent, tpg_v, kbits, vbits, kind, use_tma, phase, temp, rope,
-                         nout, pdl)
+                         nout, pdl, logits)
     return fn[(query.shape[0] * H, nsplit)](*args, **kw)
 
 
@@ -1763,7 +1780,7 @@ def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mas
         try:
             fn, args, kw = _plan(query, kp, vp, positions, amask, smb, mask_kind, one, one, one, 1.0, T, ng_k, 2,
                                  nwin, H, rep, sink, recent, tpg_v, kbits, vbits, kind, tma, phase,
-                                 one if phase == 2 else None, rope, nout, pdl)
+                                 one if phase == 2 else None, rope, nout, pdl, one if phase else None)
             k = fn.warmup(*args, grid=(1,), **kw)
             k._init_handles()   # Triton's loader: reads the kernel's register count (n_regs)
             n = programs_per_sm(k.n_regs, k.metadata.shared, (props.major, props.minor),

@@ -208,7 +208,7 @@ SCRIPT = textwrap.dedent('''
     for bf16, mask, phase in ((True, 1, 2), (False, 2, 1), (False, 0, 0)):   # calibquant's kernel
         ty = "*bf16" if bf16 else "*fp16"
         sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KCEN=ty, KHALF=ty, VC="*i32", VCEN=ty,
-                   VHALF=ty, POS="*i64", AMASK="*i1" if mask == 1 else ty, stride_mb="i32", TEMP="*fp32",
+                   VHALF=ty, POS="*i64", AMASK="*i1" if mask == 1 else ty, stride_mb="i32", TEMP="*fp32", LOGITS="*fp32",
                    OUT_M="*fp32", OUT_L="*fp32", OUT_ACC="*fp32", scale="fp32", T="i32", NSPLIT="i32")
         cx = dict(H=8, REP=4, S=0, R=128, MASK_KIND=mask, IS_BF16=bf16, BT=32, TAU_PHASE=phase, NWIN=3,
                   PDL=phase != 1)
@@ -282,11 +282,11 @@ def test_compiles_for_sm90_into_registers_only():
         # spills at 178 registers); the codebook lookups are byte permutes (8 per 4 codes, 128 codes per lane and tile)
         assert shared == 0 and sts == 0 and lds == 0 and stack <= 32 and loop[:2] == (16, 2) and prmt >= 256, rows
     for _, phase, no_local, hmma, hfma2, hadd2, shared, sts_lds, loop in rows[8:11]:
-        # calibquant's kernel: tensor cores for codes @ q'^T (16 per tile), in phases 0 and 2 codes^T @ p^T (16, p^T by
-        # 4 MOVM) and M l^ (2); no packed-half multiply-add (its codes leave the lop3 ready for the mma), no shared
-        # memory, no spills
+        # calibquant's kernel: tensor cores for codes @ q'^T (16 per tile) in phases 0 and 1, codes^T @ p^T (16, p^T by
+        # 4 MOVM) and M l^ (2) in phases 0 and 2 (phase 2 reads phase 1's logits: no Key mma); no packed-half
+        # multiply-add (its codes leave the lop3 ready for the mma), no shared memory, no spills
         assert no_local and shared == 0 and sts_lds == 0, rows
-        assert loop == ((16, 0, 0) if phase == 1 else (34, 4, 0)), rows
+        assert loop == {0: (34, 4, 0), 1: (16, 0, 0), 2: (18, 4, 0)}[phase], rows
     for bf16, mask, kb, vb, tma, post, shared, no_local, hmma, sts, lds, tma_loads, movm, hfma2, loop in rows[:8]:
         if tma:  # the ring: filled by TMA copies (six per tile, in the prologue and the loop), read by LDS
             assert shared > 0 and sts == 0 and lds > 0 and tma_loads >= 12, rows
@@ -788,3 +788,30 @@ def test_gluon_launch_arguments_bind(monkeypatch):
         assert a["kind"] == "lut" and a["nout"] == (1, 1) and a["rope"][0] is bufs["rope.cos"] and a["rep"] == 4
         assert a["T"] == 256 and a["sink"] == cfg.sink and a["kbits"] == a["vbits"] == 4
     assert res["pdl"] == run["pdl"]   # both compile the same variant
+
+
+def test_calibquant_range_pass_hands_its_logits_to_the_attention_pass(monkeypatch):
+    """calibquant's Gluon launches (GPU only) on the CPU, stubbed: the range pass (phase 1) and the attention pass
+    (phase 2) get one fp32 logits buffer of [B * H, T, rep] (phase 1 writes it, phase 2 reads it instead of the
+    Keys), and the plan refuses a phase without one."""
+    import inspect
+
+    calls, sig = [], inspect.signature(dag.launch)
+
+    def launch(*args, **kw):
+        calls.append(sig.bind(*args, **kw).arguments)
+
+    monkeypatch.setattr(dag, "supports", lambda *a, **k: None)
+    monkeypatch.setattr(dag, "resident_programs", lambda *a, **k: 8)
+    monkeypatch.setattr(dag, "launch", launch)
+    monkeypatch.setattr(da, "_fill_splits", lambda bh, max_len, device, resident: resident // 4)
+    cfg, ms, lay, k, v, p = _store("calibquant-1", 2, 2, 224, 200, torch.float16, "cpu")
+    names, tensors = lay.attend_tensors()
+    q = torch.randn(2, 6, 1, 128).half()
+    da.decode_attention(q, dict(zip(names, tensors)), k, v, p, None, 0.1, False, cfg, lay.spec, ms.geo, gluon=True)
+    assert [c["phase"] for c in calls] == [1, 2] and calls[0]["kind"] == "post"
+    lg = calls[0]["logits"]
+    assert lg is calls[1]["logits"] and lg.dtype == torch.float32 and lg.numel() == 2 * 2 * 224 * 3
+    kw = {n: c for n, c in calls[0].items() if n != "logits"}
+    with pytest.raises(ValueError, match="logits buffer"):
+        dag._plan(**{n: kw[n] for n in inspect.signature(dag._plan).parameters if n in kw}, use_tma=None)
