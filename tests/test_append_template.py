@@ -12,8 +12,7 @@ from kvq_compile import KVQConfig, QuantizerSpec
 from kvq_compile import reference as ref
 from kvq_compile import store as st
 from kvq_compile.config import Axis, Levels, Symmetry
-from kvq_compile.presets import PRESETS
-from models import rope_tables, small_windows
+from models import LAYOUT_PRESETS, rope_tables, small_windows
 
 triton = pytest.importorskip("triton")
 from kvq_compile.templates.quantize_append import append_decode  # noqa: E402
@@ -85,8 +84,8 @@ def _q(bits, axis, group, sym=Symmetry.ASYMMETRIC, levels=Levels.UNIFORM, outlie
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("name", list(PRESETS))
-def test_every_preset(name):
+@pytest.mark.parametrize("name", LAYOUT_PRESETS)
+def test_every_layout(name):
     cfg = small_windows(name)
     check(cfg, layers=4 if name.startswith("xquant") else 1, seed=len(name))
 

@@ -5,9 +5,8 @@ import torch
 from kvq_compile import KVQConfig, kvq_backend
 from kvq_compile import backend as bk
 from kvq_compile import store as st
-from kvq_compile.presets import PRESETS
 from kvq_compile.simulate import HFSimulation, quantized_view
-from models import GptFastModel, compile_config, hf_model, prompts, small_windows, snr_db
+from models import LAYOUT_PRESETS, GptFastModel, compile_config, hf_model, prompts, small_windows, snr_db
 
 GEN = dict(do_sample=False, output_logits=True, return_dict_in_generate=True)
 
@@ -72,7 +71,7 @@ def test_int8_and_kivi4_snr_and_bytes(name, min_snr):
     assert store.nbytes() == pytest.approx(bits * 2 * 2 * B * H * T * D / 8)
 
 
-@pytest.mark.parametrize("name", list(PRESETS))
+@pytest.mark.parametrize("name", LAYOUT_PRESETS)
 def test_preset_matches_eager_simulation(name):
     model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=4)
     cfg = small_windows(name)

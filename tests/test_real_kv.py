@@ -14,8 +14,7 @@ import torch
 
 from kvq_compile import store as st
 from kvq_compile.ops import attend_cpu_reference, attend_reference
-from kvq_compile.presets import PRESETS
-from models import small_windows, snr_db
+from models import LAYOUT_PRESETS, small_windows, snr_db
 
 triton = pytest.importorskip("triton")
 from kvq_compile.templates.decode_attention import decode_attention  # noqa: E402
@@ -74,7 +73,7 @@ def run(real, cfg, layers=(0, 29), steps=STEPS, compare=True):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("name", list(PRESETS))
+@pytest.mark.parametrize("name", LAYOUT_PRESETS)
 def test_template_matches_reference_on_real_kv(real, name):
     for layers in ((0, 29), (14, 0), (29, 14)):
         run(real, small_windows(name), layers)

@@ -8,7 +8,7 @@ from kvq_compile import Axis, KVQConfig, QuantizerSpec, Symmetry
 from kvq_compile import store as st
 from kvq_compile.presets import PRESETS
 from kvq_compile.simulate import quantized_view
-from models import small_windows
+from models import LAYOUT_PRESETS, small_windows
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
@@ -130,7 +130,7 @@ def test_sync_free_decode_append_is_bit_exact(name, prefill):
             assert torch.equal(a.buffers[n], b.buffers[n]), f"layer {i} {n}"
 
 
-@pytest.mark.parametrize("name", list(PRESETS))
+@pytest.mark.parametrize("name", LAYOUT_PRESETS)
 def test_compiled_decode_append_matches_reference(name):
     """What the CUDA op runs: `append_decode` compiled by Inductor (fullgraph), here on the CPU."""
     from kvq_compile.ops import compiled_decode_append
