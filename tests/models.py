@@ -56,13 +56,15 @@ def graph_of(fn):
     return graph, out
 
 
-# One preset per store layout, for the slow per-preset tests (compiled generate, the compiled append, the interpreter
-# on real K/V, the append template): presets that differ from one of these only in code width run the same code
-# paths at another width, which the per-width tests cover (bits 1, 2, 3, 4, 8). Unquantized; int8 (per-token
-# symmetric); KIVI (per-channel Key groups, per-token Value groups); kvquant without and with outliers (codebooks, Keys
-# before RoPE, a sink; 3 bits: 10 codes a word); calibquant (static per-channel ranges, the calibrated softmax);
-# xquant (shared codes, mixed widths); InnerQ (inner-dimension hybrid groups, the Key norm).
-LAYOUT_PRESETS = ["fp16", "int8", "kivi-2", "kvquant-4", "kvquant-3-1%", "calibquant-1", "xquant-1.38", "innerq-2"]
+# One preset per store layout and quantizer kind, for the slow per-preset tests (compiled generate, the compiled
+# append, the interpreter on real K/V, the append template): the six presets left out (kivi-4, kvquant-3, kvquant-2,
+# kvquant-4-1%, kvquant-2-1%, calibquant-2) differ from one of these only in code width, which the per-width tests
+# cover (bits 1, 2, 3, 4, 8). Unquantized; int8 (per-token symmetric); KIVI (per-channel Key groups, per-token Value
+# groups); kvquant without and with outliers (codebooks, Keys before RoPE, a sink; 3 bits: 10 codes a word);
+# calibquant (static per-channel ranges, the calibrated softmax); xquant (shared codes, mixed widths); InnerQ with
+# hybrid groups and with 3-bit symmetric Keys (inner-dimension groups, the Key norm).
+LAYOUT_PRESETS = ["fp16", "int8", "kivi-2", "kvquant-4", "kvquant-3-1%", "calibquant-1", "xquant-1.38", "innerq-2",
+                  "innerq-k3v2"]
 
 
 def small_windows(name: str) -> KVQConfig:

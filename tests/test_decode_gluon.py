@@ -434,6 +434,33 @@ def test_matches_reference_on_gpu(dtype, layout, case, mask, monkeypatch):
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("splits", [(3, 11), (11, 3), (1, 7)])
+@pytest.mark.parametrize("case", [CASES[0], CASES[3]])
+def test_calibquant_passes_with_different_slice_counts_on_gpu(dtype, splits, case, monkeypatch):
+    """calibquant's range pass writes the logits that its attention pass reads back: with each pass sliced its own
+    way (the default sizes each pass from its own kernel's registers), against the reference op, with every
+    partial-result and logits buffer NaN-poisoned first."""
+    B, H, rep, T, n0, sink, magnitude = case
+    cfg, ms, lay, k, v, p = _store("calibquant-1", B, H, T, n0, dtype, "cuda", seed=B * 100 + n0 + splits[0])
+    names, tensors = lay.attend_tensors()
+    q = torch.randn(B, H * rep, 1, 128, device="cuda").to(dtype)
+    am = random_mask("bool", B, T, n0, dtype, "cuda")
+    ref = attend_cpu_reference(q, tensors, k, v, p, am, 128 ** -0.5, False, lay.descriptor(names)).float()
+    per_phase = dict(zip((1, 2), splits))
+    real = dag.resident_programs
+    monkeypatch.setattr(dag, "resident_programs", lambda *a, phase=0, **kw: (real(*a, phase=phase, **kw),
+                                                                             per_phase[phase])[1])
+    monkeypatch.setattr(da, "_fill_splits", lambda bh, max_len, device, resident: resident)
+    monkeypatch.setattr(da, "POISON", True)
+    out = da.decode_attention(q, dict(zip(names, tensors)), k, v, p, am, 128 ** -0.5, False, cfg, lay.spec, ms.geo,
+                              gluon=True).float()
+    assert da.LAST_KERNELS["splits"] == splits[1]
+    tol = 1.5e-2 if dtype == torch.bfloat16 else 3e-3
+    assert torch.isfinite(out).all() and ((out - ref).norm() / ref.norm()).item() < tol
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["kivi-2", "kvquant-4-1%", "innerq-2"])
 def test_reduce_overhead_generate_in_half_precision(preset):
@@ -760,6 +787,7 @@ def test_calibquant_large_fp16_queries_on_gpu():
     _large_operands("calibquant-1", torch.float16, 100.0, 200.0, 7, "_post_decode_kernel", 3e-3, premise)
 
 
+@pytest.mark.skipif(CUDA, reason="the Triton launches run on CPU tensors: the interpreter, without a GPU")
 def test_gluon_launch_arguments_bind(monkeypatch):
     """The Gluon path of `decode_attention` (GPU only) on the CPU, its kernels stubbed: the layer's arguments bind to
     `resident_programs` and `launch` as they are declared, with kvquant's rotation tables and outlier counts."""
@@ -790,6 +818,7 @@ def test_gluon_launch_arguments_bind(monkeypatch):
     assert res["pdl"] == run["pdl"]   # both compile the same variant
 
 
+@pytest.mark.skipif(CUDA, reason="the Triton launches run on CPU tensors: the interpreter, without a GPU")
 def test_calibquant_range_pass_hands_its_logits_to_the_attention_pass(monkeypatch):
     """calibquant's Gluon launches (GPU only) on the CPU, stubbed: the range pass (phase 1) and the attention pass
     (phase 2) get one fp32 logits buffer of [B * H, T, rep] (phase 1 writes it, phase 2 reads it instead of the
