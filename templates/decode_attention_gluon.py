@@ -1686,8 +1686,9 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
         return _post_decode_kernel, (
             query, query.stride(0), query.stride(1), kp["codes"], kp["cen"], kp["half"], vp["codes"], vp["cen"],
             vp["half"], positions, amask, smb, query if temp is None else temp, query if logits is None else logits,
-            m_buf, l_buf, acc_buf, float(scale), T, nsplit), dict(H=H, REP=rep, S=sink, R=recent, MASK_KIND=mask_kind, IS_BF16=bf16, BT=BT,
-                             TAU_PHASE=phase, NWIN=nwin, PDL=pdl, num_warps=1)
+            m_buf, l_buf, acc_buf, float(scale), T, nsplit), dict(
+            H=H, REP=rep, S=sink, R=recent, MASK_KIND=mask_kind, IS_BF16=bf16, BT=BT, TAU_PHASE=phase, NWIN=nwin,
+            PDL=pdl, num_warps=1)
     if kind not in ("kivi", "inner") or phase:
         raise ValueError(f"no Gluon launch for layout {kind!r} with calibrated-softmax phase {phase}")
     stores = [kp["codes"], kp["cen"], kp["half"], vp["codes"], vp["cen"], vp["half"]]
@@ -1733,9 +1734,9 @@ def launch(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int
     only): stream the tiles through shared memory with the tensor-memory accelerator (None: `USE_TMA`, whose
     None means on sm_90+ inside CUDA-graph capture; never for an odd sink or cache length). phase, temp: the
     calibrated softmax's phase (calibquant only), in phase 2 its per-row temperatures, and in both phases the logits
-    that phase 1 writes and phase 2 reads (fp32 [B * H, T, rep]). rope (kvquant's layout
-    only): the (cos, sin) tables [B, T, 128] of Keys stored before RoPE, else None; nout (the same): outliers per
-    token of the Keys and the Values. pdl: let the window launch that follows start at once (`griddepcontrol`, sm_90+
+    that phase 1 writes and phase 2 reads (fp32 [B * H, T, rep]). rope (kvquant's layout only): the (cos, sin)
+    tables [B, T, 128] of Keys stored before RoPE, else None; nout (the same): outliers per token of the Keys and the
+    Values. pdl: let the window launch that follows start at once (`griddepcontrol`, sm_90+
     only: `decode_attention._use_pdl`)."""
     fn, args, kw = _plan(query, kp, vp, positions, amask, smb, mask_kind, m_buf, l_buf, acc_buf, scale, T, ng_k,
                          nsplit, nwin, H, rep, sink, recent, tpg_v, kbits, vbits, kind, use_tma, phase, temp, rope,

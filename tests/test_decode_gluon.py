@@ -208,8 +208,8 @@ SCRIPT = textwrap.dedent('''
     for bf16, mask, phase in ((True, 1, 2), (False, 2, 1), (False, 0, 0)):   # calibquant's kernel
         ty = "*bf16" if bf16 else "*fp16"
         sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KCEN=ty, KHALF=ty, VC="*i32", VCEN=ty,
-                   VHALF=ty, POS="*i64", AMASK="*i1" if mask == 1 else ty, stride_mb="i32", TEMP="*fp32", LOGITS="*fp32",
-                   OUT_M="*fp32", OUT_L="*fp32", OUT_ACC="*fp32", scale="fp32", T="i32", NSPLIT="i32")
+                   VHALF=ty, POS="*i64", AMASK="*i1" if mask == 1 else ty, stride_mb="i32", TEMP="*fp32",
+                   LOGITS="*fp32", OUT_M="*fp32", OUT_L="*fp32", OUT_ACC="*fp32", scale="fp32", T="i32", NSPLIT="i32")
         cx = dict(H=8, REP=4, S=0, R=128, MASK_KIND=mask, IS_BF16=bf16, BT=32, TAU_PHASE=phase, NWIN=3,
                   PDL=phase != 1)
         b = compile_sm90(dag._post_decode_kernel, sig, cx, [i for i in range(0, 9) if i not in (1, 2)])

@@ -20,7 +20,8 @@ from kvq_compile.templates import decode_attention_gluon as dag  # noqa: E402
 
 def main():
     presets = (sys.argv[1] if len(sys.argv) > 1 else "calibquant-1,kivi-2").split(",")
-    shapes = [tuple(map(int, s.split("x"))) for s in (sys.argv[2] if len(sys.argv) > 2 else "1x65536,32x16384").split(",")]
+    shapes = [tuple(map(int, s.split("x")))
+              for s in (sys.argv[2] if len(sys.argv) > 2 else "1x65536,32x16384").split(",")]
     launch, seen = dag.launch, {}
 
     def recorded(*args, **kw):
