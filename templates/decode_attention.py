@@ -41,7 +41,6 @@ softmax / 1 range pass (max, min of s) / 2 calibrated pass (s *= temp).
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import triton
@@ -845,12 +844,14 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
                                 dag.resident_programs(query, kp, vp, phase=phase, **gluon_layer))
         return _num_splits(B * H, T, block_t, query.device, programs_per_sm)
 
-    new_buffer = functools.partial(torch.full, fill_value=float("nan")) if POISON else torch.empty
+    def new_buffer(n):  # fp32 scratch of n elements (NaN-filled under POISON)
+        if POISON:
+            return torch.full((n,), float("nan"), dtype=torch.float32, device=query.device)
+        return torch.empty(n, dtype=torch.float32, device=query.device)
 
     def partials(nsplit, with_acc=True):  # (max, sum, acc) buffers: nsplit + nwin slots per row
-        m = new_buffer((B * H * rep_pad * (nsplit + nwin),), dtype=torch.float32, device=query.device)
-        return m, new_buffer(m.shape, dtype=torch.float32, device=query.device), (
-            new_buffer((m.numel() * D,), dtype=torch.float32, device=query.device) if with_acc else m)
+        m = new_buffer(B * H * rep_pad * (nsplit + nwin))
+        return m, new_buffer(m.numel()), (new_buffer(m.numel() * D) if with_acc else m)
 
     nsplit = splits(0 if cfg.softmax_tau is None else 2)
     ns = nsplit + nwin
@@ -887,7 +888,7 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
         m1, l1, _ = partials(n1, with_acc=False)
         # the Gluon kernel's range pass keeps its logits for the attention pass (fp32 [B * H, T, rep]: 4 rep bytes a
         # token and KV head, as many as the 1-bit Keys' 16 at rep 4), which then reads no Keys
-        logits = (new_buffer((B * H * T * rep,), dtype=torch.float32, device=query.device) if use_gluon else None)
+        logits = new_buffer(B * H * T * rep) if use_gluon else None
         launch(1, query, n1, m1, l1, acc_buf, logits)
         temp = torch.empty(B * Hq, dtype=torch.float32, device=query.device)
         _temperature_kernel[(B * Hq,)](m1, l1, temp, float(sum(cfg.softmax_tau)), REP=rep, REP_PAD=rep_pad,

@@ -1736,8 +1736,8 @@ def launch(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int
     calibrated softmax's phase (calibquant only), in phase 2 its per-row temperatures, and in both phases the logits
     that phase 1 writes and phase 2 reads (fp32 [B * H, T, rep]). rope (kvquant's layout only): the (cos, sin)
     tables [B, T, 128] of Keys stored before RoPE, else None; nout (the same): outliers per token of the Keys and the
-    Values. pdl: let the window launch that follows start at once (`griddepcontrol`, sm_90+
-    only: `decode_attention._use_pdl`)."""
+    Values. pdl: let the window launch that follows start at once (`griddepcontrol`, sm_90+ only:
+    `decode_attention._use_pdl`)."""
     fn, args, kw = _plan(query, kp, vp, positions, amask, smb, mask_kind, m_buf, l_buf, acc_buf, scale, T, ng_k,
                          nsplit, nwin, H, rep, sink, recent, tpg_v, kbits, vbits, kind, use_tma, phase, temp, rope,
                          nout, pdl, logits)
@@ -1776,7 +1776,7 @@ def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mas
            tma, NSTAGES, phase, rope is not None, tuple(nout), LUT_BT, LUT_MAXNREG, LUT_NO_MASK_AS_BOOL, SYM8_BT, KIVI_BT, pdl,
            KEY_POST)
     if key not in _RESIDENT:
-        one = torch.empty(1, dtype=torch.float32, device=dev)   # stand-ins for the partial buffers, temperatures
+        one = torch.empty(1, dtype=torch.float32, device=dev)   # stand-ins: partial buffers, temperatures, logits
         props = torch.cuda.get_device_properties(dev)
         try:
             fn, args, kw = _plan(query, kp, vp, positions, amask, smb, mask_kind, one, one, one, 1.0, T, ng_k, 2,

@@ -787,17 +787,18 @@ def test_calibquant_large_fp16_queries_on_gpu():
     _large_operands("calibquant-1", torch.float16, 100.0, 200.0, 7, "_post_decode_kernel", 3e-3, premise)
 
 
-@pytest.mark.skipif(CUDA, reason="the Triton launches run on CPU tensors: the interpreter, without a GPU")
-def test_gluon_launch_arguments_bind(monkeypatch):
-    """The Gluon path of `decode_attention` (GPU only) on the CPU, its kernels stubbed: the layer's arguments bind to
-    `resident_programs` and `launch` as they are declared, with kvquant's rotation tables and outlier counts."""
+def _stub_gluon(monkeypatch) -> list:
+    """The Gluon path of `decode_attention` (GPU only) made to run on the CPU: every layer supported, its
+    `resident_programs` (8) and `launch` stubbed. Returns the calls, as (name, arguments bound to the signature)."""
     import inspect
 
     calls = []
 
     def stub(fn, result):
+        sig = inspect.signature(fn)
+
         def call(*args, **kw):
-            calls.append((fn.__name__, inspect.signature(fn).bind(*args, **kw).arguments))
+            calls.append((fn.__name__, sig.bind(*args, **kw).arguments))
             return result
         return call
 
@@ -805,6 +806,14 @@ def test_gluon_launch_arguments_bind(monkeypatch):
     monkeypatch.setattr(dag, "resident_programs", stub(dag.resident_programs, 8))
     monkeypatch.setattr(dag, "launch", stub(dag.launch, "stub"))
     monkeypatch.setattr(da, "_fill_splits", lambda bh, max_len, device, resident: resident // 4)
+    return calls
+
+
+@pytest.mark.skipif(CUDA, reason="the Triton launches run on CPU tensors: the interpreter, without a GPU")
+def test_gluon_launch_arguments_bind(monkeypatch):
+    """The Gluon path of `decode_attention` (GPU only) on the CPU, its kernels stubbed: the layer's arguments bind to
+    `resident_programs` and `launch` as they are declared, with kvquant's rotation tables and outlier counts."""
+    calls = _stub_gluon(monkeypatch)
     cfg, ms, lay, k, v, p = _store("kvquant-4-1%", 1, 2, 256, 200, torch.float16, "cpu")
     names, tensors = lay.attend_tensors()
     bufs = dict(zip(names, tensors))
@@ -825,19 +834,12 @@ def test_calibquant_range_pass_hands_its_logits_to_the_attention_pass(monkeypatc
     Keys), and the plan refuses a phase without one."""
     import inspect
 
-    calls, sig = [], inspect.signature(dag.launch)
-
-    def launch(*args, **kw):
-        calls.append(sig.bind(*args, **kw).arguments)
-
-    monkeypatch.setattr(dag, "supports", lambda *a, **k: None)
-    monkeypatch.setattr(dag, "resident_programs", lambda *a, **k: 8)
-    monkeypatch.setattr(dag, "launch", launch)
-    monkeypatch.setattr(da, "_fill_splits", lambda bh, max_len, device, resident: resident // 4)
+    recorded = _stub_gluon(monkeypatch)
     cfg, ms, lay, k, v, p = _store("calibquant-1", 2, 2, 224, 200, torch.float16, "cpu")
     names, tensors = lay.attend_tensors()
     q = torch.randn(2, 6, 1, 128).half()
     da.decode_attention(q, dict(zip(names, tensors)), k, v, p, None, 0.1, False, cfg, lay.spec, ms.geo, gluon=True)
+    calls = [a for name, a in recorded if name == "launch"]
     assert [c["phase"] for c in calls] == [1, 2] and calls[0]["kind"] == "post"
     lg = calls[0]["logits"]
     assert lg is calls[1]["logits"] and lg.dtype == torch.float32 and lg.numel() == 2 * 2 * 224 * 3
