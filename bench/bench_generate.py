@@ -9,8 +9,9 @@ token after a device sync; the prefill and the first three steps, which compile 
 out). Peak memory is torch.cuda.max_memory_allocated over the whole generate. Roofline tokens/s = copy bandwidth /
 (weight bytes + KV bytes read per step), with the KV bytes of each preset from its store size at the mean context
 and the weight bytes without the input embedding table (a step gathers B of its rows; until session 8 the table,
-1 GiB, was counted, which put every "% of roofline" too high). --gpu-time adds the GPU time of a step (the kernels
-of 8 profiled decode steps), which leaves out HF's Python between steps: generate syncs every step, so the GPU
+1 GiB, was counted, which put every "% of roofline" too high). --gpu-time adds the GPU time of a step (the union of
+the kernels' intervals over 8 profiled decode steps; until session 20 their durations summed), which leaves out
+HF's Python between steps: generate syncs every step, so the GPU
 idles meanwhile (bench/host_overhead.py measures that part: 1.5-2.2 ms on an H100).
 """
 from __future__ import annotations
@@ -136,18 +137,23 @@ def profiled_decode(model, ids, steps: int = 8, new: int | None = None, cpu: boo
     return win.prof
 
 
-def gpu_ms_per_step(model, ids, steps: int = 8, new: int | None = None, **kw) -> float:
-    """GPU time of one decode step: the CUDA kernels' time summed over `steps` profiled decode steps of a
-    generate of `new` tokens (the timed one's: `profiled_decode`); the wall-clock step also holds HF's Python
-    between steps, during which the GPU idles: generate syncs every step."""
+def gpu_ms_per_step(model, ids, steps: int = 8, new: int | None = None, **kw) -> tuple[float, float]:
+    """GPU time of one decode step over `steps` profiled decode steps of a generate of `new` tokens (the timed
+    one's: `profiled_decode`): (busy, summed) ms, busy the union of the CUDA kernels' intervals, summed their
+    durations added up. They differ where kernels overlap: on sm_90 kvq's launches after the quantized region go
+    out as programmatic dependent launches, which start early and wait on the GPU (`griddepcontrol.wait`), so their
+    durations hold time the region's kernel also holds (until session 20 this reported the sum). The wall-clock step
+    also holds HF's Python between steps, during which the GPU idles: generate syncs every step."""
     from torch.autograd import DeviceType
 
-    us = 0.0
-    for e in profiled_decode(model, ids, steps, new, **kw).key_averages():  # kernels only (a CPU op repeats them)
-        if e.device_type == DeviceType.CUDA:
-            t = getattr(e, "self_device_time_total", None)
-            us += t if t is not None else getattr(e, "self_cuda_time_total", 0.0)
-    return us / 1e3 / steps
+    spans = sorted((e.time_range.start, e.time_range.end) for e in profiled_decode(model, ids, steps, new, **kw).events()
+                   if e.device_type == DeviceType.CUDA)
+    summed = sum(b - a for a, b in spans)
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:   # the union: each interval's part past the furthest end so far
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    return busy / 1e3 / steps, summed / 1e3 / steps
 
 
 def profile_step(model, preset, B: int = 8, P: int = 2048):
@@ -260,9 +266,9 @@ def main():
                 torch.cuda.reset_peak_memory_stats()
                 step, _ = timed_generate(model, ids, args.new, **kw)
                 peak = torch.cuda.max_memory_allocated()
-                gpu = None
+                gpu = gpu_summed = None
                 if args.gpu_time and kind in ("hf-compiled", "kvq", "kvq-opaque"):  # (a used KVQCache is full)
-                    gpu = gpu_ms_per_step(model, ids, new=args.new, **kw)
+                    gpu, gpu_summed = gpu_ms_per_step(model, ids, new=args.new, **kw)
             except Exception as e:  # noqa: BLE001  report and go on
                 print(f"{kind} {preset} B={B} P={P}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
@@ -273,12 +279,14 @@ def main():
             roof = roofline_tok_s(model, preset if kind in ("kvq", "kvq-opaque", "kvqcache") else None, args.layers,
                                   B, P + args.new // 2, bw)
             row = dict(kind=kind, preset=preset, batch=B, prompt=P, tok_s=tps, ms_step=1e3 * step,
-                       peak_gib=peak / 2**30, roofline_tok_s=roof, frac_roofline=tps / roof, gpu_ms_step=gpu)
+                       peak_gib=peak / 2**30, roofline_tok_s=roof, frac_roofline=tps / roof, gpu_ms_step=gpu,
+                       gpu_ms_step_summed=gpu_summed)
             rows.append(row)
             kw.pop("past_key_values", None)
             print(f"{kind:12s} {str(preset):12s} B={B:2d} P={P:6d}  {tps:9.1f} tok/s  {row['ms_step']:7.2f} ms/step  "
                   f"peak {row['peak_gib']:6.1f} GiB  roofline {roof:9.1f} tok/s ({100 * tps / roof:5.1f}%)"
-                  + (f"  GPU {gpu:6.2f} ms/step ({100 * B / roof / (gpu * 1e-3):5.1f}% of roofline)" if gpu else ""),
+                  + (f"  GPU {gpu:6.2f} ms/step ({100 * B / roof / (gpu * 1e-3):5.1f}% of roofline; kernels summed "
+                     f"{gpu_summed:.2f})" if gpu else ""),
                   flush=True)
     for preset in (args.profile or "").split(","):
         if preset:

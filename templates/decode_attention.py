@@ -27,8 +27,11 @@ of at most one program per SM, TRIGGER, lets the merge launch at once). CalibQua
 temperature needs each row's logit range first: TAU_PHASE 1 runs both launches without V (with its own split count
 and max / min buffers), `_temperature_kernel` turns each row's range into its temperature, then TAU_PHASE 2
 attends (the Gluon launch's range pass also keeps its logits, which its attention pass reads instead of the Keys).
-Every length is read from `positions` on the device: no host synchronization, fixed launch shapes (CUDA-graph
-safe).
+calibquant's Gluon launches attend the exact windows themselves, into the same slots, so that no window launch
+follows them, and its attention pass turns the ranges into temperatures itself (no `_temperature_kernel`; on sm_90+
+it is the range pass's programmatic dependent, and the merge the attention pass's): three launches in all
+(`decode_attention_gluon.window_inside`). Every length is read from `positions` on the device: no host
+synchronization, fixed launch shapes (CUDA-graph safe).
 
 Glossary of constants: PDL programmatic dependent launch (above), TRIGGER the window launch's early trigger; D
 head_dim; REP query heads per KV head (REP_PAD: padded to >= 16 for tl.dot); BITS_* code width (16: unquantized
@@ -583,7 +586,7 @@ def _combine_kernel(OUT_M, OUT_L, OUT_ACC, O, H: tl.constexpr, REP: tl.constexpr
                     D: tl.constexpr, NS: tl.constexpr, NS_PAD: tl.constexpr, PDL: tl.constexpr):
     """out = sum_j exp(m_j - m) acc_j / sum_j exp(m_j - m) l_j over the NS partial results of one row."""
     if PDL:
-        gdc_wait()   # launched early behind the window launch: its results (and the quantized region's) first
+        gdc_wait()   # launched early behind the window launch (or calibquant's attention pass): its results first
     row = tl.program_id(0)  # (b * H + h) * REP + r
     bh = row // REP
     r = row % REP
@@ -707,7 +710,9 @@ def _window_tiles(cfg, kc: dict, vc: dict, block_t: int) -> int:
 COMBINE_WARPS = 4       # warps of each program of the final reduction (bench/check_gluon.py --sweep flips it)
 PDL = None              # programmatic dependent launch of the window launch and the final reduction (each may start
                         # before the launch ahead of it ends; the window launch waits for the quantized region's
-                        # before it ends, the reduction for the window's before it reads): None = on sm_90+, False off
+                        # before it ends, the reduction for the window's before it reads; with calibquant's windows
+                        # inside its Gluon launches, its attention pass waits for the range pass before it reads
+                        # and the reduction for the attention pass): None = on sm_90+, False off
 POISON = False          # partial-result buffers filled with NaN before each call (a check that nothing reads a slot
                         # before it is written: bench/check_gluon.py --pdl, tests/test_templates.py on a GPU)
 LAST_KERNELS: dict = {}  # the last launch's compiled kernels (registers, spills) and slices per KV head: see bench/
@@ -774,8 +779,8 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
     gluon: run the quantized region through `decode_attention_gluon` where it supports the layout (None: unless
     KVQ_GLUON=0; False: never; True: required, ValueError where unsupported). That launch has its own fixed
     configuration (one warp, 32-token tiles (`KIVI_BT`; 16 for kvquant's and int8's), as many slices as fill the
-    SMs once: `_fill_splits`): block_t, num_warps and num_stages then apply to the window launch only (block_t) or
-    not at all, programs_per_sm not at all; block_t None then means 32 (faster than 64 by 2-7% on an H100, session 10).
+    SMs once: `_fill_splits`): block_t, num_warps and num_stages then apply to the window launch only (block_t; for
+    calibquant, whose Gluon launches attend the windows too, to nothing) or not at all, programs_per_sm not at all; block_t None then means 32 (faster than 64 by 2-7% on an H100, session 10).
     window_warps: warps of each window-launch program."""
     import torch
 
@@ -823,8 +828,10 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
                          "(use 32 or more)")
     kpost = _post_mode(kc, block_t, D) if (post_scaling and not rope) else 0
     vpost = _post_mode(vc, block_t, D) if post_scaling else 0
-    nwin = _window_tiles(cfg, kc, vc, block_t)
     kind = dag.layout_kind(kc, vc, D) if use_gluon else None
+    # calibquant's Gluon launch attends the exact windows itself, into the window launch's slots (then not launched)
+    win_in = use_gluon and dag.window_inside(kind, kc, vc, cfg.softmax_tau)
+    nwin = _window_tiles(cfg, kc, vc, dag.BT if win_in else block_t)
     pdl = _use_pdl(query)   # the window launch and the final reduction start early (sm_90+)
     early = dict(launch_pdl=True) if pdl else {}
     # a window launch of at most one program per SM lets the final reduction start at once (`_window_triggers`)
@@ -834,7 +841,8 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
                        ng_k=vc["NG"] if kind == "inner" else kc["NG"],   # the token-grouped side's statistics rows
                        H=H, rep=rep, sink=cfg.sink, recent=cfg.recent, tpg_v=vc["TPG"], kbits=kc["BITS"],
                        vbits=vc["BITS"], kind=kind, rope=(cos, sin) if rope else None, nout=(kc["NOUT"], vc["NOUT"]),
-                       pdl=pdl)
+                       pdl=pdl, exact=dict(k=dict(sink=kp["sink"], ring=kp["ring"], chunk=key),
+                                           v=dict(sink=vp["sink"], ring=vp["ring"], chunk=value)) if win_in else None)
 
     def splits(phase):  # slices per KV head of the quantized-region launch in this softmax phase
         if num_splits:
@@ -864,7 +872,7 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
                          f"{out.dtype} {tuple(out.shape)} with strides {out.stride()}")
     ieee = query.dtype == torch.float32
 
-    def launch(phase, temp, nsplit, m_buf, l_buf, acc_buf, logits=None):
+    def launch(phase, temp, nsplit, m_buf, l_buf, acc_buf, logits=None, ranges=None):
         args = (query, query.stride(0), query.stride(1),
                 *side_pointers(kp, True), key, key.stride(0), key.stride(1),
                 *side_pointers(vp, False), value, value.stride(0), value.stride(1),
@@ -876,12 +884,12 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
         if use_gluon:
             LAST_KERNELS["main"] = dag.launch(query, kp, vp, m_buf=m_buf, l_buf=l_buf, acc_buf=acc_buf, scale=scale,
                                               nsplit=nsplit, phase=phase, temp=temp if phase == 2 else None,
-                                              logits=logits, **gluon_layer)
+                                              logits=logits, ranges=ranges, **gluon_layer)
         else:
             LAST_KERNELS["main"] = _decode_kernel[(B * H, nsplit)](*args, **consts, WINDOW=False,
                                                                    num_warps=num_warps, num_stages=num_stages)
-        LAST_KERNELS["window"] = _decode_kernel[(B * H, nwin)](*args, **consts, WINDOW=True, num_warps=window_warps,
-                                                               num_stages=1, TRIGGER=trigger, **early)
+        LAST_KERNELS["window"] = None if win_in else _decode_kernel[(B * H, nwin)](
+            *args, **consts, WINDOW=True, num_warps=window_warps, num_stages=1, TRIGGER=trigger, **early)
 
     if cfg.softmax_tau is not None:
         n1 = splits(1)   # the range pass: its own slices (and buffers of max and min, no acc)
@@ -890,10 +898,14 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
         # token and KV head, as many as the 1-bit Keys' 16 at rep 4), which then reads no Keys
         logits = new_buffer(B * H * T * rep) if use_gluon else None
         launch(1, query, n1, m1, l1, acc_buf, logits)
-        temp = torch.empty(B * Hq, dtype=torch.float32, device=query.device)
-        _temperature_kernel[(B * Hq,)](m1, l1, temp, float(sum(cfg.softmax_tau)), REP=rep, REP_PAD=rep_pad,
-                                       NS=n1 + nwin, NS_PAD=triton.next_power_of_2(n1 + nwin))
-        launch(2, temp, nsplit, m_buf, l_buf, acc_buf, logits)
+        if win_in:  # the attention pass turns the ranges into temperatures itself (no temperature launch)
+            launch(2, None, nsplit, m_buf, l_buf, acc_buf, logits, ranges=(m1, l1, n1 + nwin,
+                                                                             float(sum(cfg.softmax_tau))))
+        else:
+            temp = torch.empty(B * Hq, dtype=torch.float32, device=query.device)
+            _temperature_kernel[(B * Hq,)](m1, l1, temp, float(sum(cfg.softmax_tau)), REP=rep, REP_PAD=rep_pad,
+                                           NS=n1 + nwin, NS_PAD=triton.next_power_of_2(n1 + nwin))
+            launch(2, temp, nsplit, m_buf, l_buf, acc_buf, logits)
     else:
         launch(0, query, nsplit, m_buf, l_buf, acc_buf)
     _combine_kernel[(B * Hq,)](m_buf, l_buf, acc_buf, out, H=H, REP=rep, REP_PAD=rep_pad, D=D, NS=ns,

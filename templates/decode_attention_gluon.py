@@ -697,13 +697,165 @@ if HAVE_GLUON:
         gl.store(OUT_ACC + gl.expand_dims(o8, 0) * 128 + gl.expand_dims(chan, 1), acc,
                  mask=gl.expand_dims(r8 < REP, 0))
 
+    @gluon.constexpr_function
+    def _rows_layout(bt):
+        """[bt, 128] rows of the cache dtype, 8 channels (16 bytes) a register block: the exact windows' Values."""
+        return gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[1, 1],
+                                order=[1, 0])
+
+    @gluon.jit
+    def _window(POS, S: gl.constexpr, R: gl.constexpr, BT: gl.constexpr):
+        """(p0, win_lo, sink tiles, all tiles) of the exact windows of a layout whose sides are both quantized a
+        token at a time (kvquant's, calibquant's: Q(L) = S + max(L - S - R, 0) on both sides): tiles
+        [0, sink tiles) cover [0, min(S, p0)), the rest [win_lo, p0] (the ring, then the appended chunk at p0), as
+        `decode_attention._window_t` lays them out."""
+        p0 = gl.load(POS).to(gl.int32)
+        qend = gl.minimum(S + gl.maximum(p0 + 1 - S - R, 0), p0)
+        win_lo = gl.minimum(gl.maximum(qend, S), p0)
+        n_sink = gl.cdiv(gl.minimum(p0, S), BT)
+        return p0, win_lo, n_sink, n_sink + gl.cdiv(p0 + 1 - win_lo, BT)
+
+    @gluon.jit
+    def _window_tile(wt, p0, win_lo, n_sink, S: gl.constexpr, BT: gl.constexpr):
+        """(first position, end of the valid positions) of exact-window tile wt (`_window`)."""
+        in_sink = wt < n_sink
+        t0 = gl.where(in_sink, wt * BT, win_lo + (wt - n_sink) * BT)
+        return t0, gl.where(in_sink, gl.minimum(p0, S), p0 + 1)
+
+    @gluon.jit
+    def _exact_rows(SINK, RING, CHUNK, stride_cb, stride_ch, b, h, bh64, t, c, valid, p0, S: gl.constexpr,
+                    WR: gl.constexpr):
+        """Cache-dtype values at positions t (a row tensor) and channels c (a tensor that broadcasts against it)
+        from where the store keeps them exactly: the sink [B * H, S, 128] below S, ring slot t % WR
+        [B * H, WR, 128] from S up to p0, the appended chunk (the attention's key or value input, row stride_cb,
+        head stride_ch) at p0; zero where not valid. One predicated load per source into the same registers (each
+        keeps the last one's values where it does not load). Window tiles of `_window` meet no codes."""
+        x = gl.load(CHUNK + b.to(gl.int64) * stride_cb + h * stride_ch + c + t * 0, mask=valid & (t == p0), other=0.0)
+        if WR > 0:
+            x = gl.load(RING + bh64 * (WR * 128) + (t % WR) * 128 + c, mask=valid & (t >= S) & (t < p0), other=x)
+        if S > 0:
+            x = gl.load(SINK + bh64 * (S * 128) + t * 128 + c, mask=valid & (t < S) & (t < p0), other=x)
+        return x
+
+    @gluon.jit
+    def _exact_keys(KSINK, KRING, KCHUNK, stride_cb, stride_ch, b, h, bh64, t0, stop, p0, S: gl.constexpr,
+                    WR: gl.constexpr, BT: gl.constexpr, a_l: gl.constexpr):
+        """An exact-window tile's Keys [BT, 128] (channels in order), loaded straight into the A operand of the
+        transposed logits (each register: two adjacent channels of one token)."""
+        t = gl.expand_dims(t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, a_l)), 1)              # [BT, 1]
+        c = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, a_l)), 0)                  # [1, 128]
+        return _exact_rows(KSINK, KRING, KCHUNK, stride_cb, stride_ch, b, h, bh64, t, c, t < stop, p0, S, WR)
+
+    @gluon.jit
+    def _exact_values(VSINK, VRING, VCHUNK, stride_cb, stride_ch, b, h, bh64, t0, stop, p0, S: gl.constexpr,
+                      WR: gl.constexpr, BT: gl.constexpr, a_l: gl.constexpr):
+        """An exact-window tile's v^T [128 (n = 8r + w), BT] in the Values' mma order (channel 16w + r, as the kernels
+        unpack theirs: `_value_layout`), the A operand of v^T @ p^T; loaded as rows (16 bytes a register block)."""
+        RL: gl.constexpr = _rows_layout(BT)
+        t = gl.expand_dims(t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, RL)), 1)               # [BT, 1]
+        c = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, RL)), 0)                   # [1, 128]
+        v = _exact_rows(VSINK, VRING, VCHUNK, stride_cb, stride_ch, b, h, bh64, t, c, t < stop, p0, S, WR)
+        return gl.convert_layout(v.reshape([BT, 8, 16]).permute([2, 1, 0]).reshape([128, BT]), a_l)
+
+    @gluon.jit
+    def _temperatures(M1, L1, NS1, tau_sum, bh, REP: gl.constexpr, layout: gl.constexpr):
+        """CalibQuant's temperature of the REP query heads of KV head bh, from the range pass's NS1 partial results
+        per row (max in M1, min in L1, rows (bh * 16 + r) * NS1) as `decode_attention._temperature_kernel` computes
+        it: t = 1 - (tau1 + tau2) / (max - min), 1 where the range is empty, zero or not finite; an [8] vector in
+        `layout` (1 past REP)."""
+        TL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[8, 4], warps_per_cta=[1, 1],
+                                            order=[1, 0])   # [8 heads, 16 slots]
+        r = gl.arange(0, 8, layout=gl.SliceLayout(1, TL))
+        j = gl.arange(0, 16, layout=gl.SliceLayout(0, TL))
+        row = gl.expand_dims((bh * 16 + r) * NS1, 1)
+        hi = gl.full([8], float("-inf"), gl.float32, gl.SliceLayout(1, TL))
+        lo = gl.full([8], float("inf"), gl.float32, gl.SliceLayout(1, TL))
+        for j0 in range(0, NS1, 16):
+            ok = gl.expand_dims(r < REP, 1) & gl.expand_dims(j0 + j < NS1, 0)
+            hi = gl.maximum(hi, gl.max(gl.load(M1 + row + j0 + gl.expand_dims(j, 0), mask=ok, other=float("-inf")),
+                                       1))
+            lo = gl.minimum(lo, gl.min(gl.load(L1 + row + j0 + gl.expand_dims(j, 0), mask=ok, other=float("inf")), 1))
+        width = hi - lo
+        ok = (width > 0) & (width < float("inf"))
+        t = gl.where(ok, 1.0 - gl.div_rn(gl.zeros_like(width) + tau_sum, gl.where(ok, width, 1.0)), 1.0)
+        return gl.convert_layout(t, layout)
+
+    @gluon.jit
+    def _window_partials(Q, stride_qb, stride_qh, KSINK, KRING, KCHUNK, stride_kcb, stride_kch, VSINK, VRING, VCHUNK,
+                         stride_vcb, stride_vch, POS, AMASK, stride_mb, temp, LOGITS, OUT_M, OUT_L, OUT_ACC, scale, T,
+                         bh, split, NSPLIT, H: gl.constexpr, REP: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
+                         WR_K: gl.constexpr, WR_V: gl.constexpr, MASK_KIND: gl.constexpr, IS_BF16: gl.constexpr,
+                         BT: gl.constexpr, TAU_PHASE: gl.constexpr, NWIN: gl.constexpr):
+        """The exact windows' partial results, as the window launch (`decode_attention._decode_kernel` WINDOW) writes
+        them: tile wt of `_window` (BT tokens) into slot NSPLIT + wt, for wt = split, split + NSPLIT, ... < NWIN (a
+        tile past the window: an empty result, max -inf, sum 0). Phase 0 attends; 1 writes the logits' max and min
+        (and the logits, base 2, into LOGITS [B * H, T, REP] like the slices'); 2 reads the logits back, scales them
+        by temp (per head, [8] along the logits' columns) and attends. Keys and Values come from the sink, the ring
+        and the appended chunk (`_exact_rows`), 16 tokens at a time (32 took 138-174 registers); q . k on the tensor
+        cores in the cache dtype with fp32 sums, as the window launch's tl.dot. Run before a program's slice, so that
+        none of the slice's state is live here (after it, the slice's loop lost registers to it)."""
+        b = bh // H
+        h = bh % H
+        bh64 = bh.to(gl.int64)
+        dt: gl.constexpr = gl.bfloat16 if IS_BF16 else gl.float16
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+        LN2: gl.constexpr = 0.6931471805599453
+        SUB: gl.constexpr = 16
+        p0, win_lo, n_sink, n_wt = _window(POS, S, R, BT)
+        trow, tcol, m_init, l_init, a_init = _softmax_state(SUB, mma)
+        lg_off = gl.expand_dims(trow, 1) * REP + gl.expand_dims(tcol, 0)
+        lg_base = LOGITS + bh64 * T * REP
+        for wt in range(split, NWIN, NSPLIT):
+            t0w, wstop = _window_tile(wt, p0, win_lo, n_sink, S, BT)   # past the window: t0w > p0, nothing valid
+            m8 = m_init
+            lacc = l_init
+            acc = a_init
+            hi = gl.full([8], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
+            lo = gl.full([8], float("inf"), gl.float32, gl.SliceLayout(0, mma))
+            for half in gl.static_range(BT // SUB):
+                t0 = t0w + half * SUB
+                lvalid = gl.expand_dims((t0 + trow) < wstop, 1) & gl.expand_dims(tcol < REP, 0)
+                if TAU_PHASE == 2:
+                    s = gl.load(lg_base + t0 * REP + lg_off, mask=lvalid, other=0.0)
+                else:
+                    kx = _exact_keys(KSINK, KRING, KCHUNK, stride_kcb, stride_kch, b, h, bh64, t0, wstop, p0, S, WR_K,
+                                     SUB, a_l)
+                    qn = _load_qT(Q, b, h, stride_qb, stride_qh, gl.arange(0, 128, layout=gl.SliceLayout(1, b_l)),
+                                  REP, b_l)   # q^T in channel order
+                    s = mma_v2(kx, qn, gl.zeros([SUB, 8], gl.float32, mma)) * (scale * 1.4426950408889634)
+                    if TAU_PHASE == 1:
+                        gl.store(lg_base + t0 * REP + lg_off, s, mask=lvalid)
+                s, allowed = _mask_scores(s, trow, tcol, t0, wstop, AMASK, b.to(gl.int64) * stride_mb, REP,
+                                          MASK_KIND)
+                if TAU_PHASE == 1:
+                    hi = gl.maximum(hi, gl.max(gl.where(allowed, s, float("-inf")), 0))
+                    lo = gl.minimum(lo, gl.min(gl.where(allowed, s, float("inf")), 0))
+                else:
+                    if TAU_PHASE == 2:
+                        s = s * gl.expand_dims(temp, 0)
+                    p, alpha8, m8, lacc = _softmax_step(s, allowed, m8, lacc)
+                    vx = _exact_values(VSINK, VRING, VCHUNK, stride_vcb, stride_vch, b, h, bh64, t0, wstop, p0, S,
+                                       WR_V, SUB, a_l)
+                    acc = mma_v2(vx, _p_transposed(p.to(dt), b_l, SUB, IS_BF16), acc * gl.expand_dims(alpha8, 0))
+            if TAU_PHASE == 1:
+                o8 = (bh * 16 + tcol) * (NSPLIT + NWIN) + NSPLIT + wt
+                gl.store(OUT_M + o8, hi * LN2, mask=tcol < REP)
+                gl.store(OUT_L + o8, lo * LN2, mask=tcol < REP)
+            else:
+                _store_partials(OUT_M, OUT_L, OUT_ACC, bh, NSPLIT + wt, NSPLIT, NWIN, m8, gl.sum(lacc, 0), acc, REP,
+                                mma)
+
     @gluon.jit
     def _post_decode_kernel(
             Q, stride_qb, stride_qh, KC, KCEN, KHALF, VC, VCEN, VHALF, POS, AMASK, stride_mb, TEMP, LOGITS,
             OUT_M, OUT_L, OUT_ACC, scale, T, NSPLIT,
+            KSINK, KRING, KCHUNK, stride_kcb, stride_kch, VSINK, VRING, VCHUNK, stride_vcb, stride_vch,
+            M1, L1, NS1, tau_sum,
             H: gl.constexpr, REP: gl.constexpr, S: gl.constexpr, R: gl.constexpr, MASK_KIND: gl.constexpr,
             IS_BF16: gl.constexpr, BT: gl.constexpr, TAU_PHASE: gl.constexpr, NWIN: gl.constexpr,
-            PDL: gl.constexpr):
+            PDL: gl.constexpr, WIN: gl.constexpr = False, WR_K: gl.constexpr = 0, WR_V: gl.constexpr = 0):
         """Post-scaled decode over 1-bit channel-wise Keys and Values with one static range per channel
         (calibquant-1): k[t, c] = s_k[c] code + z_k[c], v likewise, s = 2 half, z = center - half.
             logits^T = k @ q^T = codes @ (q * s_k)^T + q . z_k: the mma takes q' = q s_k / 2^i (rounded once to the
@@ -714,7 +866,12 @@ if HAVE_GLUON:
             starts from the accumulator, -M l^ by a small mma of p^T).
         TAU_PHASE 1 writes each head's max and min logit (CalibQuant's calibration reads them) and the logits
         themselves (base 2, before the mask: LOGITS [B * H, T, REP] fp32); 2 reads them back instead of the Keys,
-        scales them by TEMP (per head) and runs the softmax and p @ v; 0 neither (the Keys, then the softmax). The
+        scales them by TEMP (per head) and runs the softmax and p @ v; 0 neither (the Keys, then the softmax).
+        WIN: the exact windows (sink, ring, appended chunk: K/VSINK, K/VRING of WR_K / WR_V slots, K/VCHUNK) are
+        attended here too, before each program's slice, into the window launch's slots (`_window_partials`), and no
+        window launch follows; phase 2 then also computes its temperatures from the range pass's NS1 partial
+        (max, min) slots M1, L1 and tau_sum = tau1 + tau2 (`_temperatures`; no temperature launch), after waiting
+        for the range pass (PDL: `griddepcontrol.wait`; the launch may start early). The
         channel of Key reduction index k (same register layout as `_kivi_decode_kernel` at 1 bit, with the asm block
         a covering bits 8a..8a+7 and 16+8a..16+8a+7):
             x = 16a + c, c = 2i + h  <->  channel 32b + 16h + 8a + i, factor 2^-i."""
@@ -731,6 +888,22 @@ if HAVE_GLUON:
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
         gl.static_assert(BT == 32, "32-token tiles")
+        if TAU_PHASE == 2:  # the temperature of each head (a column of the transposed logits)
+            tc8 = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
+            if WIN:  # from the range pass's partial results, once it has ended (PDL: this launch may start early)
+                if PDL:
+                    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                              pack=1)
+                temp = _temperatures(M1, L1, NS1, tau_sum, bh, REP, gl.SliceLayout(0, mma))
+            else:
+                temp = gl.load(TEMP + bh * REP + tc8, mask=tc8 < REP, other=1.0)
+        else:
+            temp = 0.0
+        if WIN:
+            _window_partials(Q, stride_qb, stride_qh, KSINK, KRING, KCHUNK, stride_kcb, stride_kch, VSINK, VRING,
+                             VCHUNK, stride_vcb, stride_vch, POS, AMASK, stride_mb, temp, LOGITS, OUT_M, OUT_L, OUT_ACC,
+                             scale, T, bh, split, NSPLIT, H, REP, S, R, WR_K, WR_V, MASK_KIND, IS_BF16, BT, TAU_PHASE,
+                             NWIN)
         PK: gl.constexpr = _key_layout(BT, 16)
         KW: gl.constexpr = gl.SliceLayout(2, PK)   # words [2, 4, BT]
         PV: gl.constexpr = _value_layout(BT)
@@ -787,8 +960,6 @@ if HAVE_GLUON:
         if TAU_PHASE == 1:   # per-lane partial maxima and minima, reduced after the loop
             hi_p = gl.full([BT, 8], float("-inf"), gl.float32, mma)
             lo_p = gl.full([BT, 8], float("inf"), gl.float32, mma)
-        if TAU_PHASE == 2:
-            temp = gl.load(TEMP + bh * REP + tcol, mask=tcol < REP, other=1.0)
         lracc = gl.zeros([BT, 8], gl.float32, mma)   # per-lane partial sums of p^ (the rounded p the mma takes)
 
         for it in range(0, n_iter):
@@ -852,8 +1023,9 @@ if HAVE_GLUON:
     def _slice(POS, split, NSPLIT, S: gl.constexpr, R: gl.constexpr, TPG_K: gl.constexpr, TPG_V: gl.constexpr,
                BT: gl.constexpr, PDL: gl.constexpr):
         """(start, stop, tiles) of this program's slice of [S, qend), as `_decode_kernel` computes it. PDL (sm_90+:
-        `decode_attention._use_pdl`) first lets the window launch that follows start: it reads nothing this launch
-        writes, and waits for it before it ends."""
+        `decode_attention._use_pdl`) first lets the launch that follows start: the window launch, which reads nothing
+        this launch writes and waits for it before it ends, or (calibquant with its windows inside) the attention
+        pass or the final reduction, which wait for it before they read."""
         if PDL:
             gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
                                       is_pure=False, pack=1)
@@ -1620,6 +1792,13 @@ def enabled() -> bool:
 NSTAGES = 2       # ring slots of the TMA path: 2 was best of 2 / 3 / 4 (bench/RESULTS.md, session 10)
 # KIVI's layout: post-scaled Keys (`_kivi_decode_kernel` KPOST); KVQ_KEY_POST=0 turns them off (read at import)
 KEY_POST = os.environ.get("KVQ_KEY_POST", "1") != "0"
+WINDOW_INSIDE = True  # calibquant's Gluon launches attend the exact windows themselves (`window_inside`)
+POST_MAXNREG = {1: 80, 2: 128}  # register caps of calibquant's passes (by phase) with the windows inside. The
+                     # attention pass takes 138 registers uncapped (12 programs per SM), 115 under 128 (16); the range
+                     # pass 82 (bf16; fp16 128) uncapped, 80 under 80 (24 programs per SM; fp16 spills 144 bytes, none
+                     # in the loop). Offline sm_90 compile with the launch's argument specializations. Of five cap
+                     # pairs timed on an H100 these were the fastest at 4 of 6 shapes, 0.5-2.4% behind {1: 80, 2: 96}
+                     # at the other two, which spills and was 10% slower at batch 1 (bench/RESULTS.md, session 21)
 USE_TMA = None    # the TMA path: None = on compute capability 9.0+ while capturing a CUDA graph (check_gluon.py flips it)
 
 
@@ -1660,7 +1839,7 @@ def _use_tma(query, sink: int, T: int, use_tma: bool | None) -> bool:
 def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int, m_buf, l_buf, acc_buf,
           scale: float, T: int, ng_k: int, nsplit: int, nwin: int, H: int, rep: int, sink: int, recent: int,
           tpg_v: int, kbits: int, vbits: int, kind: str, use_tma: bool | None, phase: int, temp, rope,
-          nout: tuple = (0, 0), pdl: bool = False, logits=None):
+          nout: tuple = (0, 0), pdl: bool = False, logits=None, exact=None, ranges=None):
     """(kernel, arguments, keywords) of the quantized-region launch (see `launch`)."""
     import torch
 
@@ -1683,12 +1862,16 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
     if kind == "post":  # calibquant: plain loads (a word per token and side; no per-tile statistics)
         if phase and logits is None:
             raise ValueError("calibquant's Gluon launch needs the logits buffer in calibrated-softmax phases 1 and 2")
+        win = exact is not None
         return _post_decode_kernel, (
             query, query.stride(0), query.stride(1), kp["codes"], kp["cen"], kp["half"], vp["codes"], vp["cen"],
             vp["half"], positions, amask, smb, query if temp is None else temp, query if logits is None else logits,
-            m_buf, l_buf, acc_buf, float(scale), T, nsplit), dict(
+            m_buf, l_buf, acc_buf, float(scale), T, nsplit, *_exact_args(query, exact),
+            *(ranges if ranges is not None else (query, query, 2, 0.0))), dict(
             H=H, REP=rep, S=sink, R=recent, MASK_KIND=mask_kind, IS_BF16=bf16, BT=BT, TAU_PHASE=phase, NWIN=nwin,
-            PDL=pdl, num_warps=1)
+            PDL=pdl, WIN=win, WR_K=exact["k"]["ring"].shape[2] if win else 0,
+            WR_V=exact["v"]["ring"].shape[2] if win else 0, num_warps=1,
+            **({"maxnreg": POST_MAXNREG[phase]} if win and POST_MAXNREG.get(phase) else {}))
     if kind not in ("kivi", "inner") or phase:
         raise ValueError(f"no Gluon launch for layout {kind!r} with calibrated-softmax phase {phase}")
     stores = [kp["codes"], kp["cen"], kp["half"], vp["codes"], vp["cen"], vp["half"]]
@@ -1718,6 +1901,29 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
         NWIN=nwin, TMA=use_tma, NST=NSTAGES, PDL=pdl, KPOST=KEY_POST, num_warps=1)
 
 
+def window_inside(kind: str | None, kc: dict, vc: dict, tau) -> bool:
+    """Whether the layout's Gluon launches attend the exact windows themselves (`_post_decode_kernel` WIN, into the
+    window launch's slots; no window launch then follows them): calibquant's layout with its calibrated softmax (tau:
+    the config's `softmax_tau`), whose sides are both quantized a token at a time and keep an exact ring of the
+    recent tokens (`_window`); its attention pass then computes the temperatures too (`_temperatures`). Without the
+    calibrated softmax (phase 0) the window code would raise the kernel's registers from 128 to about 145 (12
+    programs per SM instead of 16; offline sm_90 compile), so the window launch stays. `WINDOW_INSIDE` False turns it
+    off."""
+    return WINDOW_INSIDE and kind == "post" and tau is not None and kc["TPG"] == vc["TPG"] == 1 and kc["WR"] > 0 \
+        and vc["WR"] > 0
+
+
+def _exact_args(query, exact) -> tuple:
+    """The window arguments of `_post_decode_kernel` (K/VSINK, K/VRING, K/VCHUNK and the chunks' batch and head
+    strides) from `exact` = {"k": {"sink", "ring", "chunk"}, "v": ...} (the store's buffers [B, H, n, 128] and
+    the attention's key / value input [B, H, 1, 128]); stand-ins when None."""
+    if exact is None:
+        return (query, query, query, 0, 0) * 2
+    return tuple(x for side in ("k", "v") for x in (
+        exact[side]["sink"], exact[side]["ring"], exact[side]["chunk"], exact[side]["chunk"].stride(0),
+        exact[side]["chunk"].stride(1)))
+
+
 def inner_flags(kp: dict, vp: dict) -> tuple[bool, bool, bool]:
     """(Keys hybrid, Values hybrid, Key normalization) of an InnerQ-layout store: which of the optional buffers it
     has (`decode_attention._side_args` puts the side's `half` where one is absent)."""
@@ -1727,7 +1933,7 @@ def inner_flags(kp: dict, vp: dict) -> tuple[bool, bool, bool]:
 def launch(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int, m_buf, l_buf, acc_buf,
            scale: float, T: int, ng_k: int, nsplit: int, nwin: int, H: int, rep: int, sink: int, recent: int,
            tpg_v: int, kbits: int, vbits: int, *, kind: str, use_tma: bool | None = None, phase: int = 0,
-           temp=None, rope=None, nout: tuple = (0, 0), pdl: bool = False, logits=None):
+           temp=None, rope=None, nout: tuple = (0, 0), pdl: bool = False, logits=None, exact=None, ranges=None):
     """Run the quantized-region launch into slots [0, nsplit) of the partial buffers (grid (B * H, nsplit); each
     row has nsplit + nwin slots, the last nwin the window launch's). kind: `layout_kind` of the store. ng_k: the
     statistics rows per KV head of the token-grouped side (KIVI's Keys, InnerQ's Values). use_tma (KIVI's layout
@@ -1737,10 +1943,17 @@ def launch(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int
     that phase 1 writes and phase 2 reads (fp32 [B * H, T, rep]). rope (kvquant's layout only): the (cos, sin)
     tables [B, T, 128] of Keys stored before RoPE, else None; nout (the same): outliers per token of the Keys and the
     Values. pdl: let the window launch that follows start at once (`griddepcontrol`, sm_90+ only:
-    `decode_attention._use_pdl`)."""
+    `decode_attention._use_pdl`). exact (calibquant's layout, `window_inside`): the exact windows' buffers, which
+    this launch then attends too, into the last nwin slots (`_exact_args`), else None; with it, phase 2 takes
+    ranges = (the range pass's max and min buffers, their slots per row, tau1 + tau2) instead of temp and computes
+    the temperatures itself (with pdl it is then launched as the range pass's programmatic dependent)."""
+    if kind == "post" and phase == 2 and exact is not None and ranges is None:
+        raise ValueError("calibquant's attention pass with the windows inside needs the range pass's results (ranges)")
     fn, args, kw = _plan(query, kp, vp, positions, amask, smb, mask_kind, m_buf, l_buf, acc_buf, scale, T, ng_k,
                          nsplit, nwin, H, rep, sink, recent, tpg_v, kbits, vbits, kind, use_tma, phase, temp, rope,
-                         nout, pdl, logits)
+                         nout, pdl, logits, exact, ranges)
+    if kind == "post" and phase == 2 and exact is not None and pdl:
+        kw = dict(kw, launch_pdl=True)
     return fn[(query.shape[0] * H, nsplit)](*args, **kw)
 
 
@@ -1762,7 +1975,7 @@ def programs_per_sm(n_regs: int, shared: int, cc: tuple, regs_sm: int = 65536, s
 def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int, T: int, ng_k: int,
                       nwin: int, H: int, rep: int, sink: int, recent: int, tpg_v: int, kbits: int, vbits: int, *,
                       kind: str, use_tma: bool | None = None, phase: int = 0, rope=None,
-                      nout: tuple = (0, 0), pdl: bool = False) -> int:
+                      nout: tuple = (0, 0), pdl: bool = False, exact=None) -> int:
     """How many programs of this launch (in calibrated-softmax `phase`) one SM holds at once: its compiled kernel's
     registers and shared memory against the SM's, and CUDA's blocks-per-SM limit (one-warp programs). Compiles the
     kernel if needed (Triton's warmup, no launch); cached per configuration (the constexprs) and device. Triton also
@@ -1774,14 +1987,19 @@ def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mas
     tma = kind == "kivi" and _use_tma(query, sink, T, use_tma)
     key = (kind, inner_flags(kp, vp) if kind == "inner" else None, dev.index, query.dtype, amask.dtype, mask_kind, kbits, vbits, H, rep, sink, recent, tpg_v, nwin,
            tma, NSTAGES, phase, rope is not None, tuple(nout), LUT_BT, LUT_MAXNREG, LUT_NO_MASK_AS_BOOL, SYM8_BT, KIVI_BT, pdl,
-           KEY_POST)
+           KEY_POST, None if exact is None else tuple(exact[s]["ring"].shape[2] for s in ("k", "v")),
+           tuple(sorted(POST_MAXNREG.items())))
     if key not in _RESIDENT:
         one = torch.empty(1, dtype=torch.float32, device=dev)   # stand-ins: partial buffers, temperatures, logits
         props = torch.cuda.get_device_properties(dev)
         try:
+            # the launched variant's argument types: calibquant's attention pass with the windows inside takes the
+            # range pass's buffers (fp32) and no temperatures (the query stands in), the others temperatures
+            ranges = (one, one, 2, 0.0) if exact is not None and phase == 2 else None
             fn, args, kw = _plan(query, kp, vp, positions, amask, smb, mask_kind, one, one, one, 1.0, T, ng_k, 2,
                                  nwin, H, rep, sink, recent, tpg_v, kbits, vbits, kind, tma, phase,
-                                 one if phase == 2 else None, rope, nout, pdl, one if phase else None)
+                                 one if phase == 2 and ranges is None else None, rope, nout, pdl,
+                                 one if phase else None, exact, ranges)
             k = fn.warmup(*args, grid=(1,), **kw)
             k._init_handles()   # Triton's loader: reads the kernel's register count (n_regs)
             n = programs_per_sm(k.n_regs, k.metadata.shared, (props.major, props.minor),

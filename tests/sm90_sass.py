@@ -39,8 +39,9 @@ def compile_sm90(fn, sig: dict, cx: dict, pointers, arch: int = 90, **options) -
     return Sm90Build(n["REG"], n["STACK"], n["LOCAL"], k.metadata.shared, sass)
 
 
-def main_loop(sass: str) -> collections.Counter:
-    """Opcodes of the longest loop: the instructions from a backward branch's target to the branch."""
+def main_loop(sass: str, last: bool = False) -> collections.Counter:
+    """Opcodes of the longest loop (last: of the last one in the code) : the instructions from a backward branch's
+    target to the branch."""
     lines = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)]
     addr = [int(re.match(r"\s+/\*([0-9a-f]{4})\*/", ln).group(1), 16) for ln in lines]
     best = []
@@ -48,7 +49,7 @@ def main_loop(sass: str) -> collections.Counter:
         m = re.search(r"BRA\s.*?0x([0-9a-f]+)", ln)
         if m and int(m.group(1), 16) < addr[i] and int(m.group(1), 16) in addr:
             body = lines[addr.index(int(m.group(1), 16)):i + 1]
-            best = body if len(body) > len(best) else best
+            best = body if (last or len(body) > len(best)) else best
     ops = collections.Counter()
     for ln in best:
         ins = re.sub(r"/\*.*?\*/", "", ln).split(";")[0].split()

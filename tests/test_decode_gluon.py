@@ -176,9 +176,9 @@ SCRIPT = textwrap.dedent('''
     from kvq_compile.templates import decode_attention_gluon as dag
     from sm90_sass import compile_sm90, main_loop
 
-    def loop(b):   # the main loop's HMMA, MOVM and HFMA2
-        ops = main_loop(b.sass)
-        return ops["HMMA"], ops["MOVM"], ops["HFMA2"]
+    def loop(b, last=False):   # the main loop's HMMA, MOVM and HFMA2 (last: the last loop in the code)
+        ops = main_loop(b.sass, last)
+        return ops["HMMA"], ops["MOVM"], ops["HFMA2"], ops["LDS"] + ops["STS"] + ops["LDL"] + ops["STL"]
 
     out = []
     for bf16, mask, kb, vb, tma, post in ((False, 0, 2, 2, False, True), (True, 1, 2, 2, False, True),
@@ -209,12 +209,18 @@ SCRIPT = textwrap.dedent('''
         ty = "*bf16" if bf16 else "*fp16"
         sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KCEN=ty, KHALF=ty, VC="*i32", VCEN=ty,
                    VHALF=ty, POS="*i64", AMASK="*i1" if mask == 1 else ty, stride_mb="i32", TEMP="*fp32",
-                   LOGITS="*fp32", OUT_M="*fp32", OUT_L="*fp32", OUT_ACC="*fp32", scale="fp32", T="i32", NSPLIT="i32")
-        cx = dict(H=8, REP=4, S=0, R=128, MASK_KIND=mask, IS_BF16=bf16, BT=32, TAU_PHASE=phase, NWIN=3,
-                  PDL=phase != 1)
-        b = compile_sm90(dag._post_decode_kernel, sig, cx, [i for i in range(0, 9) if i not in (1, 2)])
-        out.append(("post", phase, b.stack == b.local == 0, b.sass.count("HMMA"), b.sass.count("HFMA2"),
-                    b.sass.count("HADD2"), b.shared, b.sass.count("STS") + b.sass.count("LDS"), loop(b)))
+                   LOGITS="*fp32", OUT_M="*fp32", OUT_L="*fp32", OUT_ACC="*fp32", scale="fp32", T="i32", NSPLIT="i32",
+                   KSINK=ty, KRING=ty, KCHUNK=ty, stride_kcb="i32", stride_kch="i32", VSINK=ty, VRING=ty, VCHUNK=ty,
+                   stride_vcb="i32", stride_vch="i32", M1="*fp32", L1="*fp32", NS1="i32", tau_sum="fp32")
+        win = phase != 0   # the calibrated softmax's passes attend the exact windows too (`window_inside`)
+        cx = dict(H=8, REP=4, S=0, R=128, MASK_KIND=mask, IS_BF16=bf16, BT=32, TAU_PHASE=phase, NWIN=4,
+                  PDL=phase != 1, WIN=win, WR_K=128 * win, WR_V=128 * win)
+        cap = dag.POST_MAXNREG.get(phase) if win else None
+        b = compile_sm90(dag._post_decode_kernel, sig, cx, list(range(0, 9)) + [20, 21, 22, 23, 24, 25, 26, 27, 28,
+                                                                              29, 30, 31],
+                         **({"maxnreg": cap} if cap else {}))   # strides divisible by 16 too, as the launch's are
+        out.append(("post", phase, b.stack == b.local == 0, b.regs, b.sass.count("HFMA2"),
+                    b.sass.count("HADD2"), b.shared, b.sass.count("STS") + b.sass.count("LDS"), loop(b, True)))
     for bf16, mask, rope, nout in ((False, 1, True, 0), (True, 2, True, 1), (False, 0, False, 0), (True, 3, True, 0)):   # kvquant's
         ty = "*bf16" if bf16 else "*fp16"
         sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KCEN=ty, KHALF=ty, KLEV="*fp32", KOIDX="*u8",
@@ -270,7 +276,7 @@ def test_compiles_for_sm90_into_registers_only():
     for _, bf16, shared, no_spill, hmma, sts, lds, loop in rows[17:]:
         # int8's kernel: per 16-token tile 8 HMMA (the transposed logits) + 8 (v^T @ p^T), p^T by 2 MOVM; no shared
         # memory, no spills; its codes are centred bytes (no HFMA2)
-        assert shared == 0 and sts == 0 and lds == 0 and no_spill and loop == (16, 2, 0), rows
+        assert shared == 0 and sts == 0 and lds == 0 and no_spill and loop == (16, 2, 0, 0), rows
     for _, bf16, shared, no_spill, hmma, sts, lds, movm, loop in rows[15:17]:
         # InnerQ's layout in the KIVI kernel: plain loads straight into the mma operands, as KIVI's; per 32-token
         # tile 16 HMMA for the transposed logits, 16 for v^T @ p^T, p^T by 4 MOVM; both sides dequantized
@@ -281,12 +287,15 @@ def test_compiles_for_sm90_into_registers_only():
         # register cap (`LUT_MAXNREG`) at most 8 spilled registers (6 measured on the H100: faster than no cap, no
         # spills at 178 registers); the codebook lookups are byte permutes (8 per 4 codes, 128 codes per lane and tile)
         assert shared == 0 and sts == 0 and lds == 0 and stack <= 32 and loop[:2] == (16, 2) and prmt >= 256, rows
-    for _, phase, no_local, hmma, hfma2, hadd2, shared, sts_lds, loop in rows[8:11]:
+    for _, phase, no_local, regs, hfma2, hadd2, shared, sts_lds, loop in rows[8:11]:
         # calibquant's kernel: tensor cores for codes @ q'^T (16 per tile) in phases 0 and 1, codes^T @ p^T (16, p^T by
         # 4 MOVM) and M l^ (2) in phases 0 and 2 (phase 2 reads phase 1's logits: no Key mma); no packed-half
-        # multiply-add (its codes leave the lop3 ready for the mma), no shared memory, no spills
-        assert no_local and shared == 0 and sts_lds == 0, rows
-        assert loop == {0: (34, 4, 0), 1: (16, 0, 0), 2: (18, 4, 0)}[phase], rows
+        # multiply-add (its codes leave the lop3 ready for the mma), no shared memory or spills in the loop; with the
+        # exact windows inside (phases 1 and 2: 16-token steps, `_window_partials`) under `POST_MAXNREG`: at most
+        # 128 registers (16 programs per SM), the Values' layout change through 512 bytes of shared memory
+        assert loop[3] == 0 and regs <= 128 and (no_local or phase == 1), rows
+        assert (shared, sts_lds) == ((0, 0) if phase != 2 else (512, 32)), rows
+        assert loop[:3] == {0: (34, 4, 0), 1: (16, 0, 0), 2: (18, 4, 0)}[phase], rows
     for bf16, mask, kb, vb, tma, post, shared, no_local, hmma, sts, lds, tma_loads, movm, hfma2, loop in rows[:8]:
         if tma:  # the ring: filled by TMA copies (six per tile, in the prologue and the loop), read by LDS
             assert shared > 0 and sts == 0 and lds > 0 and tma_loads >= 12, rows
@@ -296,7 +305,7 @@ def test_compiles_for_sm90_into_registers_only():
         # per 32-token tile: 16 HMMA (logits^T = k @ q^T, m16n8k16) + 16 (v^T @ p^T, p^T by 4 MOVM); post-scaled
         # Keys 8 more for q . z (and bf16 8 for its magic); their dequantization drops out: only the Values' 64
         # HFMA2 (and their scales') remain, 88 against 168
-        assert loop == ((40 + 8 * bf16, 4, 88) if post else (32, 4, 168)), rows
+        assert loop[:3] == ((40 + 8 * bf16, 4, 88) if post else (32, 4, 168)), rows
 
 
 PDL_SCRIPT = textwrap.dedent('''
@@ -431,6 +440,35 @@ def test_matches_reference_on_gpu(dtype, layout, case, mask, monkeypatch):
         diff, tri_err = (out - tri).abs().max().item(), (tri - ref).abs().max().item()
         ulp = scale * (2 ** -7 if dtype == torch.bfloat16 else 2 ** -10)  # one rounding of the output
         assert diff <= (4 * tri_err + ulp) * loose, (ns, bt, diff, tri_err, scale)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n0,sink", [(40, None), (20, 33), (70, 33), (150, 33)])
+@pytest.mark.parametrize("num_splits", [None, 1])
+def test_calibquant_windows_inside_short_and_sink_windows_on_gpu(dtype, n0, sink, num_splits, monkeypatch):
+    """calibquant's Gluon launches attend the exact windows themselves (`window_inside`): at lengths where the window
+    has fewer tiles than its slots (nothing quantized yet: the slots past it must read as empty), inside the sink
+    (the appended token follows the sink's tiles), and across the sink's end; every partial-result and logits buffer
+    NaN-poisoned. Against the reference op and against the window launch (`WINDOW_INSIDE` off)."""
+    B, H, rep, T = 2, 2, 4, 320
+    cfg, ms, lay, k, v, p = _store("calibquant-1", B, H, T, n0, dtype, "cuda", seed=n0 + (sink or 0), sink=sink)
+    names, tensors = lay.attend_tensors()
+    q = torch.randn(B, H * rep, 1, 128, device="cuda").to(dtype)
+    am = random_mask("bool", B, T, n0, dtype, "cuda")
+    ref = attend_cpu_reference(q, tensors, k, v, p, am, 128 ** -0.5, False, lay.descriptor(names)).float()
+    monkeypatch.setattr(da, "POISON", True)
+    outs = {}
+    for inside in (True, False):
+        monkeypatch.setattr(dag, "WINDOW_INSIDE", inside)
+        outs[inside] = da.decode_attention(q, dict(zip(names, tensors)), k, v, p, am, 128 ** -0.5, False, cfg,
+                                           lay.spec, ms.geo, gluon=True, num_splits=num_splits).float()
+        assert (da.LAST_KERNELS["window"] is None) == inside
+    tol = 1.5e-2 if dtype == torch.bfloat16 else 3e-3
+    for out in outs.values():
+        assert torch.isfinite(out).all() and ((out - ref).norm() / ref.norm()).item() < tol
+    ulp = ref.abs().max().item() * (2 ** -7 if dtype == torch.bfloat16 else 2 ** -10)
+    assert (outs[True] - outs[False]).abs().max().item() <= 4 * ulp
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
@@ -787,6 +825,16 @@ def test_calibquant_large_fp16_queries_on_gpu():
     _large_operands("calibquant-1", torch.float16, 100.0, 200.0, 7, "_post_decode_kernel", 3e-3, premise)
 
 
+class _Launches:
+    """Stands in for a Triton kernel: `kernel[grid](...)` records (name, grid) in `calls` and launches nothing."""
+
+    def __init__(self, calls: list, name: str):
+        self.calls, self.name = calls, name
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.calls.append((self.name, grid))
+
+
 def _stub_gluon(monkeypatch) -> list:
     """The Gluon path of `decode_attention` (GPU only) made to run on the CPU: every layer supported, its
     `resident_programs` (8) and `launch` stubbed. Returns the calls, as (name, arguments bound to the signature)."""
@@ -835,6 +883,7 @@ def test_calibquant_range_pass_hands_its_logits_to_the_attention_pass(monkeypatc
     import inspect
 
     recorded = _stub_gluon(monkeypatch)
+    monkeypatch.setattr(da, "_temperature_kernel", _Launches(recorded, "temperature"))
     cfg, ms, lay, k, v, p = _store("calibquant-1", 2, 2, 224, 200, torch.float16, "cpu")
     names, tensors = lay.attend_tensors()
     q = torch.randn(2, 6, 1, 128).half()
@@ -846,3 +895,29 @@ def test_calibquant_range_pass_hands_its_logits_to_the_attention_pass(monkeypatc
     kw = {n: c for n, c in calls[0].items() if n != "logits"}
     with pytest.raises(ValueError, match="logits buffer"):
         dag._plan(**{n: kw[n] for n in inspect.signature(dag._plan).parameters if n in kw}, use_tma=None)
+    # both passes attend the exact windows themselves, into the window launch's slots, and no window launch runs
+    bufs = dict(zip(names, tensors))
+    for c in calls:
+        ex = c["exact"]
+        assert ex["k"]["ring"] is bufs["k.ring"] and ex["v"]["ring"] is bufs["v.ring"]
+        assert ex["k"]["chunk"] is k and ex["v"]["chunk"] is v and c["nwin"] == da._window_tiles(cfg, *(
+            da._side_args(bufs, s, q_, ms.geo, cfg)[1] for s, q_ in (("k", lay.spec.key), ("v", lay.spec.value))),
+            dag.BT)
+    assert da.LAST_KERNELS["window"] is None
+    fn, args, consts = dag._plan(**{n: calls[1][n] for n in inspect.signature(dag._plan).parameters
+                                    if n in calls[1]}, use_tma=None)
+    ring = bufs["k.ring"].shape[2]
+    assert consts["WIN"] and consts["WR_K"] == consts["WR_V"] == ring and consts["NWIN"] == calls[1]["nwin"]
+    want = (bufs.get("k.sink", bufs["k.half"]), bufs["k.ring"], k, k.stride(0), k.stride(1),
+            bufs.get("v.sink", bufs["v.half"]), bufs["v.ring"], v, v.stride(0), v.stride(1))
+    assert all(a is w or (isinstance(w, int) and a == w) for a, w in zip(args[-14:-4], want))
+    # ... and the attention pass its temperatures from the range pass's (max, min) slots: no temperature launch
+    m1, l1, ns1, tau = calls[1]["ranges"]
+    assert m1 is calls[0]["m_buf"] and l1 is calls[0]["l_buf"] and ns1 == calls[0]["nsplit"] + calls[0]["nwin"]
+    assert tau == sum(cfg.softmax_tau) and args[-4:] == calls[1]["ranges"] and calls[1]["temp"] is None
+    assert not [n for n, _ in recorded if n == "temperature"]
+    # without the calibrated softmax (phase 0) the window launch stays; other layouts keep theirs
+    kc = dict(TPG=1, WR=ring)
+    assert dag.window_inside("post", kc, kc, (0.0, 3.0)) and not dag.window_inside("post", kc, kc, None)
+    assert not dag.window_inside("lut", kc, kc, (0.0, 3.0)) and not dag.window_inside("post", kc, dict(kc, WR=0),
+                                                                                       (0.0, 3.0))

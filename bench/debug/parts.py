@@ -1,7 +1,9 @@
 """Where one decode-attention call's time goes (debug): the CUDA-graph time of the whole call, of the call without
 the window launch, without the final reduction, and of the quantized-region launch alone (outputs then wrong:
 timing only), plus each kernel's own time (torch profiler, no graph). With a calibrated softmax (calibquant), also
-without the range pass (TAU_PHASE 1: both its launches; the temperature then reads stale buffers).
+without the range pass (TAU_PHASE 1: both its launches; the temperature then reads stale buffers). calibquant-1's
+Gluon launches attend the windows themselves since session 21 (`decode_attention_gluon.window_inside`): there "no
+window" skips nothing, and "no range pass" leaves its attention pass reading stale ranges.
 
     python bench/debug/parts.py [presets] [shapes] [dtype]     e.g. kivi-2,kivi-4 8x8192,32x4096 float16
 """
