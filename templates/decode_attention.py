@@ -780,7 +780,8 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
     KVQ_GLUON=0; False: never; True: required, ValueError where unsupported). That launch has its own fixed
     configuration (one warp, 32-token tiles (`KIVI_BT`; 16 for kvquant's and int8's), as many slices as fill the
     SMs once: `_fill_splits`): block_t, num_warps and num_stages then apply to the window launch only (block_t; for
-    calibquant, whose Gluon launches attend the windows too, to nothing) or not at all, programs_per_sm not at all; block_t None then means 32 (faster than 64 by 2-7% on an H100, session 10).
+    calibquant, whose Gluon launches attend the windows too, to nothing) or not at all, programs_per_sm not at all;
+    block_t None then means 32 (faster than 64 by 2-7% on an H100, session 10).
     window_warps: warps of each window-launch program."""
     import torch
 
