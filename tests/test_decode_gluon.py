@@ -875,6 +875,39 @@ def test_gluon_launch_arguments_bind(monkeypatch):
     assert res["pdl"] == run["pdl"]   # both compile the same variant
 
 
+@pytest.mark.skipif(not dag.HAVE_GLUON, reason="triton without Gluon")
+def test_calibquant_attention_pass_launch_with_the_windows_inside(monkeypatch):
+    """`launch` of calibquant's attention pass with the windows inside (kernel stubbed): it needs the range pass's
+    results (ranges) and refuses without them; with PDL it goes out as a programmatic dependent (launch_pdl), without
+    PDL, in the range pass or with the window launch (no `exact`) it does not."""
+    launched = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launched.append((grid, kw))
+
+    monkeypatch.setattr(dag, "_post_decode_kernel", Kernel())
+    q = torch.zeros(2, 8, 1, 128, dtype=torch.bfloat16)
+    side = dict(codes=torch.zeros(4, dtype=torch.int32), cen=q, half=q)
+    ring = torch.zeros(2, 2, 128, 128, dtype=torch.bfloat16)
+    exact = {s: dict(sink=q, ring=ring, chunk=torch.zeros(2, 2, 1, 128, dtype=torch.bfloat16)) for s in "kv"}
+    one = torch.zeros(64, dtype=torch.float32)
+    common = dict(positions=torch.zeros(1, dtype=torch.long), amask=q, smb=0, mask_kind=1, m_buf=one, l_buf=one,
+                  acc_buf=one, scale=1.0, T=256, ng_k=1, nsplit=3, nwin=4, H=2, rep=4, sink=0, recent=128, tpg_v=1,
+                  kbits=1, vbits=1, kind="post", logits=one)
+    with pytest.raises(ValueError, match="range pass's results"):
+        dag.launch(q, side, side, **common, phase=2, exact=exact, pdl=True)
+    ranges = (one, one, 7, 3.0)
+    for phase, ex, pdl, early in ((2, exact, True, True), (2, exact, False, False), (1, exact, True, False),
+                                  (2, None, True, False)):
+        launched.clear()
+        dag.launch(q, side, side, **common, phase=phase, exact=ex, pdl=pdl, ranges=ranges if ex else None,
+                   temp=None if ex else one)
+        (grid, kw), = launched
+        assert grid == (4, 3) and kw.get("launch_pdl", False) == early and kw["WIN"] == (ex is not None)
+        assert kw.get("maxnreg") == (dag.POST_MAXNREG.get(phase) if ex is not None else None)
+
+
 @pytest.mark.skipif(CUDA, reason="the Triton launches run on CPU tensors: the interpreter, without a GPU")
 def test_calibquant_range_pass_hands_its_logits_to_the_attention_pass(monkeypatch):
     """calibquant's Gluon launches (GPU only) on the CPU, stubbed: the range pass (phase 1) and the attention pass
