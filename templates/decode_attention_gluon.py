@@ -705,7 +705,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _window(POS, S: gl.constexpr, R: gl.constexpr, BT: gl.constexpr):
-        """(p0, win_lo, sink tiles, all tiles) of the exact windows of a layout whose sides are both quantized a
+        """(p0, win_lo, sink tiles) of the exact windows of a layout whose sides are both quantized a
         token at a time (kvquant's, calibquant's: Q(L) = S + max(L - S - R, 0) on both sides): tiles
         [0, sink tiles) cover [0, min(S, p0)), the rest [win_lo, p0] (the ring, then the appended chunk at p0), as
         `decode_attention._window_t` lays them out."""
@@ -713,7 +713,7 @@ if HAVE_GLUON:
         qend = gl.minimum(S + gl.maximum(p0 + 1 - S - R, 0), p0)
         win_lo = gl.minimum(gl.maximum(qend, S), p0)
         n_sink = gl.cdiv(gl.minimum(p0, S), BT)
-        return p0, win_lo, n_sink, n_sink + gl.cdiv(p0 + 1 - win_lo, BT)
+        return p0, win_lo, n_sink
 
     @gluon.jit
     def _window_tile(wt, p0, win_lo, n_sink, S: gl.constexpr, BT: gl.constexpr):
@@ -803,7 +803,7 @@ if HAVE_GLUON:
         b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
         LN2: gl.constexpr = 0.6931471805599453
         SUB: gl.constexpr = 16
-        p0, win_lo, n_sink, n_wt = _window(POS, S, R, BT)
+        p0, win_lo, n_sink = _window(POS, S, R, BT)   # the slots NWIN cover the longest window
         trow, tcol, m_init, l_init, a_init = _softmax_state(SUB, mma)
         lg_off = gl.expand_dims(trow, 1) * REP + gl.expand_dims(tcol, 0)
         lg_base = LOGITS + bh64 * T * REP
