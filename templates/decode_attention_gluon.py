@@ -855,7 +855,8 @@ if HAVE_GLUON:
             M1, L1, NS1, tau_sum,
             H: gl.constexpr, REP: gl.constexpr, S: gl.constexpr, R: gl.constexpr, MASK_KIND: gl.constexpr,
             IS_BF16: gl.constexpr, BT: gl.constexpr, TAU_PHASE: gl.constexpr, NWIN: gl.constexpr,
-            PDL: gl.constexpr, WIN: gl.constexpr = False, WR_K: gl.constexpr = 0, WR_V: gl.constexpr = 0):
+            PDL: gl.constexpr, WIN: gl.constexpr = False, WR_K: gl.constexpr = 0, WR_V: gl.constexpr = 0,
+            WCOST: gl.constexpr = 0):
         """Post-scaled decode over 1-bit channel-wise Keys and Values with one static range per channel
         (calibquant-1): k[t, c] = s_k[c] code + z_k[c], v likewise, s = 2 half, z = center - half.
             logits^T = k @ q^T = codes @ (q * s_k)^T + q . z_k: the mma takes q' = q s_k / 2^i (rounded once to the
@@ -871,8 +872,8 @@ if HAVE_GLUON:
         attended here too, before each program's slice, into the window launch's slots (`_window_partials`), and no
         window launch follows; phase 2 then also computes its temperatures from the range pass's NS1 partial
         (max, min) slots M1, L1 and tau_sum = tau1 + tau2 (`_temperatures`; no temperature launch), after waiting
-        for the range pass (PDL: `griddepcontrol.wait`; the launch may start early). The
-        channel of Key reduction index k (same register layout as `_kivi_decode_kernel` at 1 bit, with the asm block
+        for the range pass (PDL: `griddepcontrol.wait`; the launch may start early). WCOST: the programs with window
+        tiles take shorter slices (`_slice`). The channel of Key reduction index k (same register layout as `_kivi_decode_kernel` at 1 bit, with the asm block
         a covering bits 8a..8a+7 and 16+8a..16+8a+7):
             x = 16a + c, c = 2i + h  <->  channel 32b + 16h + 8a + i, factor 2^-i."""
         bh = gl.program_id(0)
@@ -882,7 +883,7 @@ if HAVE_GLUON:
         dt: gl.constexpr = gl.bfloat16 if IS_BF16 else gl.float16
         M: gl.constexpr = 128.0 if IS_BF16 else 1024.0
         D: gl.constexpr = D_
-        start, stop, n_iter = _slice(POS, split, NSPLIT, S, R, 1, 1, BT, PDL)
+        start, stop, n_iter = _slice(POS, split, NSPLIT, S, R, 1, 1, BT, PDL, WCOST, NWIN)
 
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -1021,11 +1022,16 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _slice(POS, split, NSPLIT, S: gl.constexpr, R: gl.constexpr, TPG_K: gl.constexpr, TPG_V: gl.constexpr,
-               BT: gl.constexpr, PDL: gl.constexpr):
+               BT: gl.constexpr, PDL: gl.constexpr, WCOST: gl.constexpr, NWIN: gl.constexpr):
         """(start, stop, tiles) of this program's slice of [S, qend), as `_decode_kernel` computes it. PDL (sm_90+:
         `decode_attention._use_pdl`) first lets the launch that follows start: the window launch, which reads nothing
         this launch writes and waits for it before it ends, or (calibquant with its windows inside) the attention
-        pass or the final reduction, which wait for it before they read."""
+        pass or the final reduction, which wait for it before they read.
+        WCOST > 0 (calibquant with its windows inside, `POST_WCOST`): the programs that also attend exact-window tiles
+        (tile wt of the NWIN to program wt mod NSPLIT, `_window_partials`) take shorter slices, each window tile
+        counted as WCOST slice tiles: program i covers units [i per, (i + 1) per) of a list of the window tiles'
+        units followed by the quantized region's tiles, per = ceil((tiles + WCOST NWIN) / NSPLIT) (at least WCOST
+        times the most window tiles a program takes, so that no slice is negative)."""
         if PDL:
             gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
                                       is_pure=False, pack=1)
@@ -1035,9 +1041,20 @@ if HAVE_GLUON:
         bnd_v = S + gl.maximum(L - S - R, 0) // TPG_V * TPG_V
         qend = gl.minimum(gl.minimum(bnd_k, bnd_v), p0)
         qlen = gl.maximum(qend - S, 0)
-        per = gl.cdiv(gl.cdiv(qlen, NSPLIT), BT) * BT
-        start = S + split * per
-        stop = gl.minimum(start + per, qend)
+        if WCOST > 0:
+            tiles = gl.cdiv(qlen, BT)
+            per = gl.maximum(gl.cdiv(tiles + WCOST * NWIN, NSPLIT), WCOST * gl.cdiv(NWIN, NSPLIT))
+            # window tiles of the programs before this one and before the next
+            w_lo = NWIN // NSPLIT * split + gl.minimum(split, NWIN % NSPLIT)
+            w_hi = NWIN // NSPLIT * (split + 1) + gl.minimum(split + 1, NWIN % NSPLIT)
+            lo = split * per - WCOST * w_lo
+            hi = (split + 1) * per - WCOST * w_hi
+            start = S + gl.minimum(lo, tiles) * BT
+            stop = gl.minimum(S + gl.minimum(hi, tiles) * BT, qend)
+        else:
+            per = gl.cdiv(gl.cdiv(qlen, NSPLIT), BT) * BT
+            start = S + split * per
+            stop = gl.minimum(start + per, qend)
         return start, stop, gl.cdiv(gl.maximum(stop - start, 0), BT)
 
     @gluon.jit
@@ -1074,7 +1091,7 @@ if HAVE_GLUON:
         NA: gl.constexpr = 32 // KP                    # Key asm blocks per lane and token
         D: gl.constexpr = D_
 
-        start, stop, n_iter = _slice(POS, split, NSPLIT, S, R, TPG_K, TPG_V, BT, PDL)   # this program's slice
+        start, stop, n_iter = _slice(POS, split, NSPLIT, S, R, TPG_K, TPG_V, BT, PDL, 0, 0)   # this program's slice
 
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -1486,7 +1503,7 @@ if HAVE_GLUON:
         h = bh % H
         dt: gl.constexpr = gl.bfloat16 if IS_BF16 else gl.float16
         D: gl.constexpr = D_
-        start, stop, n_iter = _slice(POS, split, NSPLIT, S, R, 1, 1, BT, PDL)
+        start, stop, n_iter = _slice(POS, split, NSPLIT, S, R, 1, 1, BT, PDL, 0, 0)
 
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -1627,7 +1644,7 @@ if HAVE_GLUON:
         b = bh // H
         h = bh % H
         dt: gl.constexpr = gl.bfloat16 if IS_BF16 else gl.float16
-        start, stop, n_iter = _slice(POS, split, NSPLIT, S, R, 1, 1, BT, PDL)
+        start, stop, n_iter = _slice(POS, split, NSPLIT, S, R, 1, 1, BT, PDL, 0, 0)
 
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -1793,6 +1810,8 @@ NSTAGES = 2       # ring slots of the TMA path: 2 was best of 2 / 3 / 4 (bench/R
 # KIVI's layout: post-scaled Keys (`_kivi_decode_kernel` KPOST); KVQ_KEY_POST=0 turns them off (read at import)
 KEY_POST = os.environ.get("KVQ_KEY_POST", "1") != "0"
 WINDOW_INSIDE = True  # calibquant's Gluon launches attend the exact windows themselves (`window_inside`)
+POST_WCOST = {1: 2, 2: 2}  # calibquant with its windows inside: an exact-window tile counts as this many slice tiles
+                          # of its pass (`_slice` WCOST), so the programs that take window tiles take shorter slices
 POST_MAXNREG = {1: 80, 2: 128}  # register caps of calibquant's passes (by phase) with the windows inside. The
                      # attention pass takes 138 registers uncapped (12 programs per SM), 115 under 128 (16); the range
                      # pass 82 (bf16; fp16 128) uncapped, 80 under 80 (24 programs per SM; fp16 spills 144 bytes, none
@@ -1869,7 +1888,8 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
             m_buf, l_buf, acc_buf, float(scale), T, nsplit, *_exact_args(query, exact),
             *(ranges if ranges is not None else (query, query, 2, 0.0))), dict(
             H=H, REP=rep, S=sink, R=recent, MASK_KIND=mask_kind, IS_BF16=bf16, BT=BT, TAU_PHASE=phase, NWIN=nwin,
-            PDL=pdl, WIN=win, WR_K=exact["k"]["ring"].shape[2] if win else 0,
+            PDL=pdl, WIN=win, WCOST=POST_WCOST.get(phase, 0) if win else 0,
+            WR_K=exact["k"]["ring"].shape[2] if win else 0,
             WR_V=exact["v"]["ring"].shape[2] if win else 0, num_warps=1,
             **({"maxnreg": POST_MAXNREG[phase]} if win and POST_MAXNREG.get(phase) else {}))
     if kind not in ("kivi", "inner") or phase:
@@ -1988,7 +2008,7 @@ def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mas
     key = (kind, inner_flags(kp, vp) if kind == "inner" else None, dev.index, query.dtype, amask.dtype, mask_kind, kbits, vbits, H, rep, sink, recent, tpg_v, nwin,
            tma, NSTAGES, phase, rope is not None, tuple(nout), LUT_BT, LUT_MAXNREG, LUT_NO_MASK_AS_BOOL, SYM8_BT, KIVI_BT, pdl,
            KEY_POST, None if exact is None else tuple(exact[s]["ring"].shape[2] for s in ("k", "v")),
-           tuple(sorted(POST_MAXNREG.items())))
+           tuple(sorted(POST_MAXNREG.items())), tuple(sorted(POST_WCOST.items())))
     if key not in _RESIDENT:
         one = torch.empty(1, dtype=torch.float32, device=dev)   # stand-ins: partial buffers, temperatures, logits
         props = torch.cuda.get_device_properties(dev)

@@ -214,7 +214,8 @@ SCRIPT = textwrap.dedent('''
                    stride_vcb="i32", stride_vch="i32", M1="*fp32", L1="*fp32", NS1="i32", tau_sum="fp32")
         win = phase != 0   # the calibrated softmax's passes attend the exact windows too (`window_inside`)
         cx = dict(H=8, REP=4, S=0, R=128, MASK_KIND=mask, IS_BF16=bf16, BT=32, TAU_PHASE=phase, NWIN=4,
-                  PDL=phase != 1, WIN=win, WR_K=128 * win, WR_V=128 * win)
+                  PDL=phase != 1, WIN=win, WR_K=128 * win, WR_V=128 * win,
+                  WCOST=dag.POST_WCOST.get(phase, 0) if win else 0)
         cap = dag.POST_MAXNREG.get(phase) if win else None
         b = compile_sm90(dag._post_decode_kernel, sig, cx, list(range(0, 9)) + [20, 21, 22, 23, 24, 25, 26, 27, 28,
                                                                               29, 30, 31],
@@ -905,6 +906,7 @@ def test_calibquant_attention_pass_launch_with_the_windows_inside(monkeypatch):
                    temp=None if ex else one)
         (grid, kw), = launched
         assert grid == (4, 3) and kw.get("launch_pdl", False) == early and kw["WIN"] == (ex is not None)
+        assert kw["WCOST"] == (dag.POST_WCOST[phase] if ex is not None else 0)
         assert kw.get("maxnreg") == (dag.POST_MAXNREG.get(phase) if ex is not None else None)
 
 
@@ -941,6 +943,10 @@ def test_calibquant_range_pass_hands_its_logits_to_the_attention_pass(monkeypatc
                                     if n in calls[1]}, use_tma=None)
     ring = bufs["k.ring"].shape[2]
     assert consts["WIN"] and consts["WR_K"] == consts["WR_V"] == ring and consts["NWIN"] == calls[1]["nwin"]
+    # the programs that take window tiles take shorter slices (`_slice` WCOST), in each pass by its own weight
+    assert consts["WCOST"] == dag.POST_WCOST[2] > 0
+    assert dag._plan(**{n: calls[0][n] for n in inspect.signature(dag._plan).parameters if n in calls[0]},
+                     use_tma=None)[2]["WCOST"] == dag.POST_WCOST[1] > 0
     want = (bufs.get("k.sink", bufs["k.half"]), bufs["k.ring"], k, k.stride(0), k.stride(1),
             bufs.get("v.sink", bufs["v.half"]), bufs["v.ring"], v, v.stride(0), v.stride(1))
     assert all(a is w or (isinstance(w, int) and a == w) for a, w in zip(args[-14:-4], want))
