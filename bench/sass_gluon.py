@@ -45,7 +45,7 @@ def main():
                   f"{sum(ops.values())} instructions per {bt} tokens: {dict(ops.most_common(12))}", flush=True)
     kivi = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KCEN=ty, KHALF=ty, VC="*i32", VCEN=ty, VHALF=ty,
                 POS="*i64", AMASK="*i1", stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32", OUT_ACC="*fp32",
-                scale="fp32", T="i32", NG_K="i32", NSPLIT="i32")
+                scale="fp32", T="i32", NG_K="i32", NSPLIT="i32", KMASK=ty, VMASK=ty, KNORM=ty)   # InnerQ's: unread
     for bits in (2, 4):
         for post in (True, False):
             a = dag.split_scale(2 / (2 ** bits - 1), False)
@@ -68,12 +68,15 @@ def main():
           f"instructions per 32 tokens: {dict(ops.most_common(12))}", flush=True)
     post = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KCEN=ty, KHALF=ty, VC="*i32", VCEN=ty, VHALF=ty,
                 POS="*i64", AMASK="*i1", stride_mb="i32", TEMP="*fp32", LOGITS="*fp32", OUT_M="*fp32", OUT_L="*fp32",
-                OUT_ACC="*fp32", scale="fp32", T="i32", NSPLIT="i32")
-    for phase in (1, 2):   # calibquant: the range pass, then the calibrated attention
-        cx = dict(H=8, REP=4, S=0, R=128, MASK_KIND=1, IS_BF16=False, BT=32, TAU_PHASE=phase, NWIN=3,
-                  PDL=phase != 1)
-        b = compile_sm90(dag._post_decode_kernel, post, cx, [i for i in range(0, 9) if i not in (1, 2)])
-        ops = main_loop(b.sass)
+                OUT_ACC="*fp32", scale="fp32", T="i32", NSPLIT="i32", KSINK=ty, KRING=ty, KCHUNK=ty,
+                stride_kcb="i32", stride_kch="i32", VSINK=ty, VRING=ty, VCHUNK=ty, stride_vcb="i32", stride_vch="i32",
+                M1="*fp32", L1="*fp32", NS1="i32", tau_sum="fp32")
+    for phase in (1, 2):   # calibquant: the range pass, then the calibrated attention, with the windows inside
+        cx = dict(H=8, REP=4, S=0, R=128, MASK_KIND=1, IS_BF16=False, BT=32, TAU_PHASE=phase, NWIN=4,
+                  PDL=phase != 1, WIN=True, WR_K=128, WR_V=128, WCOST=dag.POST_WCOST[phase])
+        b = compile_sm90(dag._post_decode_kernel, post, cx, [i for i in range(0, 9) if i not in (1, 2)],
+                         maxnreg=dag.POST_MAXNREG[phase])
+        ops = main_loop(b.sass, last=True)   # the slice's loop (the windows' loop comes first)
         print(f"calibquant phase {phase}: {b.regs} registers, stack {b.stack} B, loop {sum(ops.values())} "
               f"instructions per 32 tokens: {dict(ops.most_common(12))}", flush=True)
 

@@ -873,8 +873,8 @@ if HAVE_GLUON:
         window launch follows; phase 2 then also computes its temperatures from the range pass's NS1 partial
         (max, min) slots M1, L1 and tau_sum = tau1 + tau2 (`_temperatures`; no temperature launch), after waiting
         for the range pass (PDL: `griddepcontrol.wait`; the launch may start early). WCOST: the programs with window
-        tiles take shorter slices (`_slice`). The channel of Key reduction index k (same register layout as `_kivi_decode_kernel` at 1 bit, with the asm block
-        a covering bits 8a..8a+7 and 16+8a..16+8a+7):
+        tiles take shorter slices (`_slice`). The channel of Key reduction index k (same register layout as
+        `_kivi_decode_kernel` at 1 bit, with the asm block a covering bits 8a..8a+7 and 16+8a..16+8a+7):
             x = 16a + c, c = 2i + h  <->  channel 32b + 16h + 8a + i, factor 2^-i."""
         bh = gl.program_id(0)
         split = gl.program_id(1)
@@ -1023,15 +1023,15 @@ if HAVE_GLUON:
     @gluon.jit
     def _slice(POS, split, NSPLIT, S: gl.constexpr, R: gl.constexpr, TPG_K: gl.constexpr, TPG_V: gl.constexpr,
                BT: gl.constexpr, PDL: gl.constexpr, WCOST: gl.constexpr, NWIN: gl.constexpr):
-        """(start, stop, tiles) of this program's slice of [S, qend), as `_decode_kernel` computes it. PDL (sm_90+:
-        `decode_attention._use_pdl`) first lets the launch that follows start: the window launch, which reads nothing
-        this launch writes and waits for it before it ends, or (calibquant with its windows inside) the attention
-        pass or the final reduction, which wait for it before they read.
+        """(start, stop, tiles) of this program's slice of [S, qend), as `_decode_kernel` computes it (WCOST 0). PDL
+        (sm_90+: `decode_attention._use_pdl`) first lets the launch that follows start: the window launch, which
+        reads nothing this launch writes and waits for it before it ends, or (calibquant with its windows inside)
+        the attention pass or the final reduction, which wait for it before they read.
         WCOST > 0 (calibquant with its windows inside, `POST_WCOST`): the programs that also attend exact-window tiles
-        (tile wt of the NWIN to program wt mod NSPLIT, `_window_partials`) take shorter slices, each window tile
-        counted as WCOST slice tiles: program i covers units [i per, (i + 1) per) of a list of the window tiles'
-        units followed by the quantized region's tiles, per = ceil((tiles + WCOST NWIN) / NSPLIT) (at least WCOST
-        times the most window tiles a program takes, so that no slice is negative)."""
+        (tile wt of the NWIN to program wt mod NSPLIT, `_window_partials`) take shorter slices. Every program gets
+        per = ceil((tiles + WCOST NWIN) / NSPLIT) units of work (at least WCOST times the most window tiles a
+        program takes, so that no slice is negative), each of its own window tiles counting WCOST units and the rest
+        its share of the quantized region's tiles, in order (`bench/debug/slice_wcost_check.py` mirrors it)."""
         if PDL:
             gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
                                       is_pure=False, pack=1)
@@ -1813,7 +1813,8 @@ WINDOW_INSIDE = True  # calibquant's Gluon launches attend the exact windows the
 POST_WCOST = {1: 2, 2: 2}  # calibquant with its windows inside: an exact-window tile counts as this many slice tiles
                           # of its pass (`_slice` WCOST), so the programs that take window tiles take shorter slices
 POST_MAXNREG = {1: 80, 2: 128}  # register caps of calibquant's passes (by phase) with the windows inside. The
-                     # attention pass takes 138 registers uncapped (12 programs per SM), 115 under 128 (16); the range
+                     # attention pass takes 138 registers uncapped (12 programs per SM), 115 under 128 (16; 125 with
+                     # POST_WCOST, session 22); the range
                      # pass 82 (bf16; fp16 128) uncapped, 80 under 80 (24 programs per SM; fp16 spills 144 bytes, none
                      # in the loop). Offline sm_90 compile with the launch's argument specializations. Of five cap
                      # pairs timed on an H100 these were the fastest at 4 of 6 shapes, 0.5-2.4% behind {1: 80, 2: 96}
