@@ -5,24 +5,39 @@ with no gap or overlap, over slice counts, lengths, window tiles and weights (th
     python bench/debug/slice_wcost_check.py        (prints "bad 0")
 """
 import itertools
-def cdiv(a,b): return -(-a//b)
-def sl(split, NSPLIT, qlen, BT, WCOST, NWIN, S=0):
-    tiles = cdiv(qlen, BT)
-    per = max(cdiv(tiles + WCOST*NWIN, NSPLIT), WCOST*cdiv(NWIN, NSPLIT))
-    w_lo = NWIN//NSPLIT*split + min(split, NWIN % NSPLIT)
-    w_hi = NWIN//NSPLIT*(split+1) + min(split+1, NWIN % NSPLIT)
-    lo = split*per - WCOST*w_lo; hi = (split+1)*per - WCOST*w_hi
-    start = S + min(lo, tiles)*BT; stop = min(S + min(hi, tiles)*BT, S + qlen)
-    return start, stop
-bad=0
-for NSPLIT, qlen, W, E in itertools.product([1,2,3,7,8,16,200], [0,1,31,32,33,500,3968,65000], [0,1,4,5,9,10], [1,2,4,8]):
-    cov=[]
-    for i in range(NSPLIT):
-        a,b=sl(i,NSPLIT,qlen,32,E,W)
-        if b>a: cov.append((a,b))
-    pos=0
-    for a,b in cov:
-        if a!=pos: bad+=1; print("gap/overlap", NSPLIT,qlen,W,E,cov[:5]); break
-        pos=b
-    if pos != qlen and qlen>0: bad+=1; print("end", NSPLIT,qlen,W,E,pos)
-print("bad", bad)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def slice_of(split: int, nsplit: int, qlen: int, bt: int, wcost: int, nwin: int, sink: int = 0) -> tuple[int, int]:
+    """(start, stop) of program `split`, as `_slice` computes them with WCOST > 0."""
+    tiles = cdiv(qlen, bt)
+    per = max(cdiv(tiles + wcost * nwin, nsplit), wcost * cdiv(nwin, nsplit))
+    w_lo = nwin // nsplit * split + min(split, nwin % nsplit)            # window tiles of the programs before
+    w_hi = nwin // nsplit * (split + 1) + min(split + 1, nwin % nsplit)
+    lo, hi = split * per - wcost * w_lo, (split + 1) * per - wcost * w_hi
+    return sink + min(lo, tiles) * bt, min(sink + min(hi, tiles) * bt, sink + qlen)
+
+
+def main() -> None:
+    bad = 0
+    for nsplit, qlen, nwin, wcost in itertools.product([1, 2, 3, 7, 8, 16, 200], [0, 1, 31, 32, 33, 500, 3968, 65000],
+                                                       [0, 1, 4, 5, 9, 10], [1, 2, 4, 8]):
+        covered = [(a, b) for a, b in (slice_of(i, nsplit, qlen, 32, wcost, nwin) for i in range(nsplit)) if b > a]
+        pos = 0
+        for a, b in covered:
+            if a != pos:
+                bad += 1
+                print("gap or overlap:", nsplit, qlen, nwin, wcost, covered[:5])
+                break
+            pos = b
+        if qlen > 0 and pos != qlen:
+            bad += 1
+            print("does not reach the end:", nsplit, qlen, nwin, wcost, pos)
+    print("bad", bad)
+
+
+if __name__ == "__main__":
+    main()
