@@ -1480,13 +1480,55 @@ if HAVE_GLUON:
             return 64 * (a // 2) + 16 * b + 8 * (a % 2) + c
         return 32 * b + 8 * a + c
 
+    @gluon.constexpr_function
+    def _lut_split_layout(bt, words):
+        """`_key_layout(bt, 8)` with its block a = 2 a1 + a0 as two dimensions: the RoPE table's rows as
+        [a1(2), a0(2), b(4), c(8), t(bt)] (channel 64 a1 + 16 b + 8 a0 + c, `_lut_chan` with RoPE), or with words
+        its Key words' slice [a1, a0, b, t] (word 8 a1 + 2 b + a0). These read the TMA ring's rows (a permuted view
+        of [t, 128 channels] or [t, 16 words]); reshaped, they are the kernel's own layouts."""
+        keep = [0, 1, 2, 4] if words else [0, 1, 2, 3, 4]
+        reg = [[0, 0, 0, 1 << i, 0] for i in range(3)] + [[0, 1, 0, 0, 0], [1, 0, 0, 0, 0]] \
+            + [[0, 0, 0, 0, 8 << i] for i in range(bt.bit_length() - 4)]
+        lane = [[0, 0, 1, 0, 0], [0, 0, 2, 0, 0], [0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 0, 0, 0, 4]]
+        reg = [[v[i] for i in keep] for v in reg if not (words and v[3])]
+        return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=[[v[i] for i in keep] for v in lane],
+                                          warp_bases=[], block_bases=[], shape=[[2, 2, 4, 8, bt][i] for i in keep])
+
+    @gluon.jit
+    def _issue_pair(A, B, abuf, bbuf, bar, row, pred, NBYTES: gl.constexpr):
+        """Start the TMA copies of rows [row, row + box) of A and B into abuf and bbuf; `bar` completes when all
+        NBYTES have landed."""
+        mbarrier.expect(bar, NBYTES, pred=pred)
+        tma.async_copy_global_to_shared(A, [row, 0], bar, abuf, pred=pred)
+        tma.async_copy_global_to_shared(B, [row, 0], bar, bbuf, pred=pred)
+
+    @gluon.jit
+    def _lut_smem_kwords(kb, KW: gl.constexpr, BT: gl.constexpr, ROPE: gl.constexpr):
+        """A ring slot's Key words [BT, 16] into the layout KW [4 (a), 4 (b), BT] of the plain loads."""
+        if ROPE:   # word 8 a1 + 2 b + a0
+            flat4: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[3, 2, 1, 0])
+            w = kb._reinterpret(gl.int32, [BT, 2, 4, 2], flat4).permute([1, 3, 2, 0]).load(_lut_split_layout(BT, True))
+            return gl.convert_layout(w.reshape([4, 4, BT]), KW)
+        else:      # word 4 b + a
+            flat3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
+            return kb._reinterpret(gl.int32, [BT, 4, 4], flat3).permute([2, 1, 0]).load(KW)
+
+    @gluon.jit
+    def _lut_smem_rope(rb, PK: gl.constexpr, BT: gl.constexpr):
+        """A ring slot's RoPE table rows [BT, 128] into the layout PK [4 (a), 4 (b), 8 (c), BT] (`_lut_chan`)."""
+        flat5: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[4, 3, 2, 1, 0])
+        x = rb._reinterpret(rb.dtype, [BT, 2, 4, 2, 8], flat5).permute([1, 3, 2, 4, 0]).load(
+            _lut_split_layout(BT, False))
+        return gl.convert_layout(x.reshape([4, 4, 8, BT]), PK)
+
     @gluon.jit
     def _lut_decode_kernel(
             Q, stride_qb, stride_qh, KC, KCEN, KHALF, KLEV, KOIDX, KOVAL, VC, VCEN, VHALF, VLEV, VOIDX, VOVAL, COS, SIN,
             POS, AMASK, stride_mb, OUT_M, OUT_L, OUT_ACC, scale, T, NSPLIT,
             H: gl.constexpr, REP: gl.constexpr, S: gl.constexpr, R: gl.constexpr, MASK_KIND: gl.constexpr,
             IS_BF16: gl.constexpr, BT: gl.constexpr, ROPE: gl.constexpr, KNOUT: gl.constexpr, VNOUT: gl.constexpr,
-            NWIN: gl.constexpr, PDL: gl.constexpr):
+            NWIN: gl.constexpr, PDL: gl.constexpr, TMA: gl.constexpr = False, NST: gl.constexpr = 2,
+            RTMA: gl.constexpr = False, RNST: gl.constexpr = 1):
         """Decode over kvquant's layout: 4-bit codebook Keys with one static range per channel (optionally stored
         before RoPE) and 4-bit codebook Values with one range per token, each with KNOUT / VNOUT dense-and-sparse
         outliers per token (exact values at stored channel indices; kvquant-4, kvquant-4-1%):
@@ -1496,7 +1538,12 @@ if HAVE_GLUON:
         tiles (`LUT_BT`),
         with the codebook looked up in registers (`_lut_key_asm` / `_lut_value_asm`: two `prmt` from 8 table
         registers per 4 codes) and RoPE applied to the dequantized pairs (c, c + 64) in registers, with the tile's
-        cos / sin rows of the model-level table [B, T, 128]."""
+        cos / sin rows of the model-level table [B, T, 128].
+        TMA: KC and VC are TMA descriptors of the codes as [rows, 16 words]: a ring of NST tiles in shared memory,
+        each tile's Key and Value rows copied NST tiles ahead (rows past the slice are read as they are: their
+        logits are masked, their Values' statistics load as 0). RTMA (with ROPE): COS and SIN are descriptors of the
+        table as [B * T, 128], a ring of RNST tiles, each refilled as soon as the tile's Key logits are out. The
+        statistics and outliers always take plain loads."""
         bh = gl.program_id(0)
         split = gl.program_id(1)
         b = bh // H
@@ -1530,9 +1577,10 @@ if HAVE_GLUON:
                           gl.expand_dims(gl.expand_dims(sc, 0), 0), ROPE)                           # [4, 4, 8]
         ksoff = bh64 * D + schan
         ktab = gl.expand_dims(gl.expand_dims(gl.expand_dims(_lut_regs(KLEV, sc, IS_BF16), 0), 0), 3)  # [1, 1, 8, 1]
-        kc_base = KC + bh64 * T * 16
+        if not TMA:
+            kc_base = KC + bh64 * T * 16
         kchan4 = gl.expand_dims(schan, 3)                                                            # [4, 4, 8, 1]
-        if ROPE:
+        if ROPE and not RTMA:
             rbase = b.to(gl.int64) * T * D
         # Value words: chunk (w, jh) of token t is word 2w + jh (channels 16w + 8jh + jl); one range per token
         vt = gl.arange(0, BT, layout=gl.SliceLayout(1, VW))
@@ -1543,7 +1591,8 @@ if HAVE_GLUON:
         vsoff = gl.expand_dims(vt, 1) + gl.expand_dims(vw * 0, 0)                                    # [BT, 8]
         jl = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, PV))))
         vtab = gl.expand_dims(gl.expand_dims(gl.expand_dims(_lut_regs(VLEV, jl, IS_BF16), 0), 0), 0)  # [1, 1, 1, 8]
-        vc_base = VC + bh64 * T * 16
+        if not TMA:
+            vc_base = VC + bh64 * T * 16
         vs_base = bh64 * T
         vchan4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(vw * 16, 0), 2), 3) + \
             gl.expand_dims(gl.expand_dims(gl.expand_dims(jh * 8, 0), 0), 3) + \
@@ -1557,12 +1606,37 @@ if HAVE_GLUON:
         qscale = scale * 1.4426950408889634   # log2(e): the softmax runs in base 2
         trow, tcol, m8, lacc, acc = _softmax_state(BT, mma)
 
+        if TMA:  # the codes' ring: Key and Value rows of NST tiles
+            kbuf = gl.allocate_shared_memory(gl.int32, [NST, BT, 16], KC.layout)
+            vbuf = gl.allocate_shared_memory(gl.int32, [NST, BT, 16], VC.layout)
+            bars = gl.allocate_shared_memory(gl.int64, [NST, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(NST):
+                mbarrier.init(bars.index(i), count=1)
+            for i in gl.static_range(NST):
+                _issue_pair(KC, VC, kbuf.index(i), vbuf.index(i), bars.index(i), bh * T + start + i * BT, i < n_iter,
+                            BT * 128)
+        if RTMA:  # the RoPE table's ring: cos and sin rows of RNST tiles
+            gl.static_assert(ROPE, "the RoPE table's ring needs RoPE")
+            cbuf = gl.allocate_shared_memory(dt, [RNST, BT, D], COS.layout)
+            sbuf = gl.allocate_shared_memory(dt, [RNST, BT, D], SIN.layout)
+            rbars = gl.allocate_shared_memory(gl.int64, [RNST, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(RNST):
+                mbarrier.init(rbars.index(i), count=1)
+            for i in gl.static_range(RNST):
+                _issue_pair(COS, SIN, cbuf.index(i), sbuf.index(i), rbars.index(i), b * T + start + i * BT,
+                            i < n_iter, BT * D * 4)
+
         for it in range(0, n_iter):
             t0 = start + it * BT
             # Keys (and RoPE rows) past the slice: the last row of the slice instead, unmasked (their logits are
             # masked); Value rows past it load zero statistics (a masked token's p is 0, its value must be finite)
             krow = gl.expand_dims(gl.expand_dims(gl.minimum(t0 + kt, stop - 1), 0), 0)               # [1, 1, BT]
-            kwords = gl.load(kc_base + krow * 16 + kword3)
+            if TMA:
+                st = it % NST
+                mbarrier.wait(bars.index(st), (it // NST) & 1)
+                kwords = _lut_smem_kwords(kbuf.index(st), KW, BT, ROPE)
+            else:
+                kwords = gl.load(kc_base + krow * 16 + kword3)
             # the static statistics are read per tile (L1 hits): held across the loop they cost 32 registers
             wb, ks4 = gl.broadcast(gl.expand_dims(kwords, 2), gl.expand_dims(gl.load(KHALF + ksoff), 3))
             wb, kz4 = gl.broadcast(wb, gl.expand_dims(gl.load(KCEN + ksoff), 3))
@@ -1572,18 +1646,30 @@ if HAVE_GLUON:
                 orow = gl.expand_dims(krow, 2) * KNOUT + j                                           # [1, 1, 1, BT]
                 oidx = gl.load(KOIDX + bh64 * T * KNOUT + orow).to(gl.int32)
                 kv = gl.where(kchan4 == oidx, gl.load(KOVAL + bh64 * T * KNOUT + orow), kv)
-            if ROPE:
+            if RTMA:
+                rst = it % RNST
+                mbarrier.wait(rbars.index(rst), (it // RNST) & 1)
+                kv = _rotate(kv, _lut_smem_rope(cbuf.index(rst), PK, BT), _lut_smem_rope(sbuf.index(rst), PK, BT),
+                             IS_BF16, BT)
+            elif ROPE:
                 rrow = gl.expand_dims(krow, 2) * D
                 cos = gl.load(COS + rbase + rrow + kchan4)
                 sin = gl.load(SIN + rbase + rrow + kchan4)
                 kv = _rotate(kv, cos, sin, IS_BF16, BT)
             kvT = gl.convert_layout(_kred_t(kv, 8, BT), a_l)                                      # [BT, 128]
             s = mma_v2(kvT, qT, gl.zeros([BT, 8], gl.float32, mma)) * qscale
+            if RTMA:  # the slot's rows are consumed (the logits depend on them): it takes the tile RNST ahead
+                _issue_pair(COS, SIN, cbuf.index(rst), sbuf.index(rst), rbars.index(rst), b * T + t0 + RNST * BT,
+                            it + RNST < n_iter, BT * D * 4)
             s, allowed = _mask_scores(s, trow, tcol, t0, stop, AMASK, b.to(gl.int64) * stride_mb, REP, MASK_KIND)
             p, alpha8, m8, lacc = _softmax_step(s, allowed, m8, lacc)
 
             vvalid = gl.expand_dims((t0 + vt) < stop, 1)
-            vwords = gl.load(vc_base + t0 * 16 + voff, mask=gl.expand_dims(vvalid, 2), other=0)      # [BT, 8, 2]
+            if TMA:   # rows past the slice as they are: their statistics load as 0 below
+                flat3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
+                vwords = vbuf.index(st)._reinterpret(gl.int32, [BT, 8, 2], flat3).load(VW3)
+            else:
+                vwords = gl.load(vc_base + t0 * 16 + voff, mask=gl.expand_dims(vvalid, 2), other=0)  # [BT, 8, 2]
             if VNOUT > 0:
                 vrow4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.minimum(t0 + vt, stop - 1), 1), 2), 3)
             vh = gl.load(VHALF + vs_base + t0 + vsoff, mask=vvalid, other=0.0)                       # [BT, 8]
@@ -1599,6 +1685,9 @@ if HAVE_GLUON:
             vv = vv.permute([0, 2, 3, 1]).reshape([BT, 128]).permute([1, 0])          # v^T [128 (n = 8j + w), BT]
             vv = gl.convert_layout(vv, a_l)
             acc = mma_v2(vv, _p_transposed(p.to(dt), b_l, BT, IS_BF16), acc * gl.expand_dims(alpha8, 0))
+            if TMA:  # the ring slot just read takes the tile NST ahead
+                _issue_pair(KC, VC, kbuf.index(st), vbuf.index(st), bars.index(st), bh * T + t0 + NST * BT,
+                            it + NST < n_iter, BT * 128)
 
         _store_partials(OUT_M, OUT_L, OUT_ACC, bh, split, NSPLIT, NWIN, m8, gl.sum(lacc, 0), acc, REP, mma)
 
@@ -1820,6 +1909,8 @@ POST_MAXNREG = {1: 80, 2: 128}  # register caps of calibquant's passes (by phase
                      # pairs timed on an H100 these were the fastest at 4 of 6 shapes, 0.5-2.4% behind {1: 80, 2: 96}
                      # at the other two, which spills and was 10% slower at batch 1 (bench/RESULTS.md, session 21)
 USE_TMA = None    # the TMA path: None = on compute capability 9.0+ while capturing a CUDA graph (check_gluon.py flips it)
+LUT_TMA_ROPE = True  # kvquant's TMA path also streams the RoPE table's rows through shared memory
+LUT_RNST = 1      # ring slots of kvquant's RoPE table rows (8 KB each at 16-token tiles)
 
 
 def descriptors(kp: dict, vp: dict, kbits: int, vbits: int) -> list:
@@ -1840,10 +1931,26 @@ def descriptors(kp: dict, vp: dict, kbits: int, vbits: int) -> list:
             desc(vp["cen"].view(-1), [KIVI_BT * 4], sbits), desc(vp["half"].view(-1), [KIVI_BT * 4], sbits)]
 
 
-def _use_tma(query, sink: int, T: int, use_tma: bool | None) -> bool:
-    """Whether the KIVI-layout launch streams its tiles through the TMA ring (see `launch`)."""
+def lut_descriptors(kp: dict, vp: dict, rope: tuple | None = None) -> list:
+    """Host TMA descriptors of kvquant's layout: the Key and Value codes as [rows, 16 words] (a block: one tile's
+    rows; rows of 64 bytes, so a tile may start at any row), or with rope = (cos, sin) the RoPE table as
+    [B * T, 128] (a block: one tile's rows)."""
+    def desc(t, bits):
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=2)
+        return TensorDescriptor.from_tensor(t, [LUT_BT, t.shape[1]], layout)
+
+    if rope is not None:
+        return [desc(t.view(-1, D), 16) for t in rope]
+    return [desc(p["codes"].view(-1, 16), 32) for p in (kp, vp)]
+
+
+def _use_tma(query, sink: int, T: int, use_tma: bool | None, kind: str = "kivi") -> bool:
+    """Whether the KIVI-layout launch (kind "kivi") or kvquant's ("lut") streams its tiles through the TMA ring (see
+    `launch`)."""
     import torch
 
+    if not query.is_cuda:
+        return False
     if use_tma is None:
         use_tma = USE_TMA
     if use_tma is None:  # only where the launch is recorded into a CUDA graph: building the six host descriptors
@@ -1852,8 +1959,9 @@ def _use_tma(query, sink: int, T: int, use_tma: bool | None) -> bool:
         use_tma = torch.cuda.is_current_stream_capturing()
     use_tma = use_tma and HAVE_TMA and torch.cuda.get_device_capability(query.device) >= (9, 0)
     # a TMA box starts 16-byte aligned in its innermost dimension: the Values' statistics (8 bytes a token) need an
-    # even first row, i.e. an even sink and cache length (an odd start faults with an illegal instruction)
-    return use_tma and sink % 2 == 0 and T % 2 == 0
+    # even first row, i.e. an even sink and cache length (an odd start faults with an illegal instruction); kvquant's
+    # ring holds whole rows of 64 bytes (codes) and 256 (the RoPE table) only
+    return use_tma and (kind == "lut" or (sink % 2 == 0 and T % 2 == 0))
 
 
 def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int, m_buf, l_buf, acc_buf,
@@ -1870,15 +1978,23 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
             amask, smb, m_buf, l_buf, acc_buf, float(scale), T, nsplit), dict(
             H=H, REP=rep, S=sink, R=recent, MASK_KIND=mask_kind, IS_BF16=bf16, BT=SYM8_BT, NWIN=nwin, PDL=pdl,
             num_warps=1)
-    if kind == "lut":  # kvquant: plain loads; rope = (cos, sin) tables [B, T, 128] or None
+    if kind == "lut":  # kvquant; rope = (cos, sin) tables [B, T, 128] or None
         cos, sin = rope if rope is not None else (query, query)
         if mask_kind == 0 and LUT_NO_MASK_AS_BOOL and tuple(nout) == (0, 0):
             mask_kind = 3
+        side = [p[n] for p in (kp, vp) for n in _LUT_BUFFERS]
+        tma_on = _use_tma(query, sink, T, use_tma, kind)
+        rtma = tma_on and rope is not None and LUT_TMA_ROPE
+        if tma_on:   # the codes (and the RoPE table) through the TMA ring
+            side[0], side[len(_LUT_BUFFERS)] = lut_descriptors(kp, vp)
+            if rtma:
+                cos, sin = lut_descriptors(kp, vp, rope)
         return _lut_decode_kernel, (
-            query, query.stride(0), query.stride(1), *(p[n] for p in (kp, vp) for n in _LUT_BUFFERS), cos, sin,
+            query, query.stride(0), query.stride(1), *side, cos, sin,
             positions, amask, smb, m_buf, l_buf, acc_buf, float(scale), T, nsplit), dict(
             H=H, REP=rep, S=sink, R=recent, MASK_KIND=mask_kind, IS_BF16=bf16, BT=LUT_BT, ROPE=rope is not None,
-            KNOUT=nout[0], VNOUT=nout[1], NWIN=nwin, PDL=pdl, num_warps=1, maxnreg=LUT_MAXNREG)
+            KNOUT=nout[0], VNOUT=nout[1], NWIN=nwin, PDL=pdl, TMA=tma_on, NST=NSTAGES, RTMA=rtma, RNST=LUT_RNST,
+            num_warps=1, maxnreg=LUT_MAXNREG)
     if kind == "post":  # calibquant: plain loads (a word per token and side; no per-tile statistics)
         if phase and logits is None:
             raise ValueError("calibquant's Gluon launch needs the logits buffer in calibrated-softmax phases 1 and 2")
@@ -2005,9 +2121,9 @@ def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mas
     import torch
 
     dev = query.device
-    tma = kind == "kivi" and _use_tma(query, sink, T, use_tma)
+    tma = kind in ("kivi", "lut") and _use_tma(query, sink, T, use_tma, kind)
     key = (kind, inner_flags(kp, vp) if kind == "inner" else None, dev.index, query.dtype, amask.dtype, mask_kind, kbits, vbits, H, rep, sink, recent, tpg_v, nwin,
-           tma, NSTAGES, phase, rope is not None, tuple(nout), LUT_BT, LUT_MAXNREG, LUT_NO_MASK_AS_BOOL, SYM8_BT, KIVI_BT, pdl,
+           tma, NSTAGES, phase, rope is not None, tuple(nout), LUT_BT, LUT_MAXNREG, LUT_NO_MASK_AS_BOOL, LUT_TMA_ROPE, LUT_RNST, SYM8_BT, KIVI_BT, pdl,
            KEY_POST, None if exact is None else tuple(exact[s]["ring"].shape[2] for s in ("k", "v")),
            tuple(sorted(POST_MAXNREG.items())), tuple(sorted(POST_WCOST.items())))
     if key not in _RESIDENT:
