@@ -1909,7 +1909,7 @@ POST_MAXNREG = {1: 80, 2: 128}  # register caps of calibquant's passes (by phase
                      # pairs timed on an H100 these were the fastest at 4 of 6 shapes, 0.5-2.4% behind {1: 80, 2: 96}
                      # at the other two, which spills and was 10% slower at batch 1 (bench/RESULTS.md, session 21)
 USE_TMA = None    # the TMA path: None = on compute capability 9.0+ while capturing a CUDA graph (check_gluon.py flips it)
-LUT_TMA_ROPE = True  # kvquant's TMA path also streams the RoPE table's rows through shared memory
+LUT_TMA_ROPE = False  # kvquant's TMA path also streams the RoPE table's rows through shared memory
 LUT_RNST = 1      # ring slots of kvquant's RoPE table rows (8 KB each at 16-token tiles)
 
 
