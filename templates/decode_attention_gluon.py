@@ -1481,18 +1481,14 @@ if HAVE_GLUON:
         return 32 * b + 8 * a + c
 
     @gluon.constexpr_function
-    def _lut_split_layout(bt, words):
-        """`_key_layout(bt, 8)` with its block a = 2 a1 + a0 as two dimensions: the RoPE table's rows as
-        [a1(2), a0(2), b(4), c(8), t(bt)] (channel 64 a1 + 16 b + 8 a0 + c, `_lut_chan` with RoPE), or with words
-        its Key words' slice [a1, a0, b, t] (word 8 a1 + 2 b + a0). These read the TMA ring's rows (a permuted view
-        of [t, 128 channels] or [t, 16 words]); reshaped, they are the kernel's own layouts."""
-        keep = [0, 1, 2, 4] if words else [0, 1, 2, 3, 4]
-        reg = [[0, 0, 0, 1 << i, 0] for i in range(3)] + [[0, 1, 0, 0, 0], [1, 0, 0, 0, 0]] \
-            + [[0, 0, 0, 0, 8 << i] for i in range(bt.bit_length() - 4)]
-        lane = [[0, 0, 1, 0, 0], [0, 0, 2, 0, 0], [0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 0, 0, 0, 4]]
-        reg = [[v[i] for i in keep] for v in reg if not (words and v[3])]
-        return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=[[v[i] for i in keep] for v in lane],
-                                          warp_bases=[], block_bases=[], shape=[[2, 2, 4, 8, bt][i] for i in keep])
+    def _lut_words_layout(bt):
+        """The Key words' layout of `_lut_decode_kernel` with RoPE (`_key_layout(bt, 8)` without its codes c) with
+        the block a = 2 a1 + a0 as two dimensions: [a1(2), a0(2), b(4), t(bt)], word 8 a1 + 2 b + a0 (`_lut_chan`).
+        It reads the TMA ring's [t, 16 words] rows through a permuted view; reshaped, it is the kernel's own."""
+        return gl.DistributedLinearLayout(
+            reg_bases=[[0, 1, 0, 0], [1, 0, 0, 0]] + [[0, 0, 0, 8 << i] for i in range(bt.bit_length() - 4)],
+            lane_bases=[[0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4]],
+            warp_bases=[], block_bases=[], shape=[2, 2, 4, bt])
 
     @gluon.jit
     def _issue_pair(A, B, abuf, bbuf, bar, row, pred, NBYTES: gl.constexpr):
@@ -1507,19 +1503,11 @@ if HAVE_GLUON:
         """A ring slot's Key words [BT, 16] into the layout KW [4 (a), 4 (b), BT] of the plain loads."""
         if ROPE:   # word 8 a1 + 2 b + a0
             flat4: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[3, 2, 1, 0])
-            w = kb._reinterpret(gl.int32, [BT, 2, 4, 2], flat4).permute([1, 3, 2, 0]).load(_lut_split_layout(BT, True))
+            w = kb._reinterpret(gl.int32, [BT, 2, 4, 2], flat4).permute([1, 3, 2, 0]).load(_lut_words_layout(BT))
             return gl.convert_layout(w.reshape([4, 4, BT]), KW)
         else:      # word 4 b + a
             flat3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
             return kb._reinterpret(gl.int32, [BT, 4, 4], flat3).permute([2, 1, 0]).load(KW)
-
-    @gluon.jit
-    def _lut_smem_rope(rb, PK: gl.constexpr, BT: gl.constexpr):
-        """A ring slot's RoPE table rows [BT, 128] into the layout PK [4 (a), 4 (b), 8 (c), BT] (`_lut_chan`)."""
-        flat5: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[4, 3, 2, 1, 0])
-        x = rb._reinterpret(rb.dtype, [BT, 2, 4, 2, 8], flat5).permute([1, 3, 2, 4, 0]).load(
-            _lut_split_layout(BT, False))
-        return gl.convert_layout(x.reshape([4, 4, 8, BT]), PK)
 
     @gluon.jit
     def _lut_decode_kernel(
@@ -1527,8 +1515,7 @@ if HAVE_GLUON:
             POS, AMASK, stride_mb, OUT_M, OUT_L, OUT_ACC, scale, T, NSPLIT,
             H: gl.constexpr, REP: gl.constexpr, S: gl.constexpr, R: gl.constexpr, MASK_KIND: gl.constexpr,
             IS_BF16: gl.constexpr, BT: gl.constexpr, ROPE: gl.constexpr, KNOUT: gl.constexpr, VNOUT: gl.constexpr,
-            NWIN: gl.constexpr, PDL: gl.constexpr, TMA: gl.constexpr = False, NST: gl.constexpr = 2,
-            RTMA: gl.constexpr = False, RNST: gl.constexpr = 1):
+            NWIN: gl.constexpr, PDL: gl.constexpr, TMA: gl.constexpr = False, NST: gl.constexpr = 2):
         """Decode over kvquant's layout: 4-bit codebook Keys with one static range per channel (optionally stored
         before RoPE) and 4-bit codebook Values with one range per token, each with KNOUT / VNOUT dense-and-sparse
         outliers per token (exact values at stored channel indices; kvquant-4, kvquant-4-1%):
@@ -1541,9 +1528,8 @@ if HAVE_GLUON:
         cos / sin rows of the model-level table [B, T, 128].
         TMA: KC and VC are TMA descriptors of the codes as [rows, 16 words]: a ring of NST tiles in shared memory,
         each tile's Key and Value rows copied NST tiles ahead (rows past the slice are read as they are: their
-        logits are masked, their Values' statistics load as 0). RTMA (with ROPE): COS and SIN are descriptors of the
-        table as [B * T, 128], a ring of RNST tiles, each refilled as soon as the tile's Key logits are out. The
-        statistics and outliers always take plain loads."""
+        logits are masked, their Values' statistics load as 0). The statistics, the outliers and the RoPE table's
+        rows take plain loads."""
         bh = gl.program_id(0)
         split = gl.program_id(1)
         b = bh // H
@@ -1580,7 +1566,7 @@ if HAVE_GLUON:
         if not TMA:
             kc_base = KC + bh64 * T * 16
         kchan4 = gl.expand_dims(schan, 3)                                                            # [4, 4, 8, 1]
-        if ROPE and not RTMA:
+        if ROPE:
             rbase = b.to(gl.int64) * T * D
         # Value words: chunk (w, jh) of token t is word 2w + jh (channels 16w + 8jh + jl); one range per token
         vt = gl.arange(0, BT, layout=gl.SliceLayout(1, VW))
@@ -1615,16 +1601,6 @@ if HAVE_GLUON:
             for i in gl.static_range(NST):
                 _issue_pair(KC, VC, kbuf.index(i), vbuf.index(i), bars.index(i), bh * T + start + i * BT, i < n_iter,
                             BT * 128)
-        if RTMA:  # the RoPE table's ring: cos and sin rows of RNST tiles
-            gl.static_assert(ROPE, "the RoPE table's ring needs RoPE")
-            cbuf = gl.allocate_shared_memory(dt, [RNST, BT, D], COS.layout)
-            sbuf = gl.allocate_shared_memory(dt, [RNST, BT, D], SIN.layout)
-            rbars = gl.allocate_shared_memory(gl.int64, [RNST, 1], mbarrier.MBarrierLayout())
-            for i in gl.static_range(RNST):
-                mbarrier.init(rbars.index(i), count=1)
-            for i in gl.static_range(RNST):
-                _issue_pair(COS, SIN, cbuf.index(i), sbuf.index(i), rbars.index(i), b * T + start + i * BT,
-                            i < n_iter, BT * D * 4)
 
         for it in range(0, n_iter):
             t0 = start + it * BT
@@ -1646,21 +1622,13 @@ if HAVE_GLUON:
                 orow = gl.expand_dims(krow, 2) * KNOUT + j                                           # [1, 1, 1, BT]
                 oidx = gl.load(KOIDX + bh64 * T * KNOUT + orow).to(gl.int32)
                 kv = gl.where(kchan4 == oidx, gl.load(KOVAL + bh64 * T * KNOUT + orow), kv)
-            if RTMA:
-                rst = it % RNST
-                mbarrier.wait(rbars.index(rst), (it // RNST) & 1)
-                kv = _rotate(kv, _lut_smem_rope(cbuf.index(rst), PK, BT), _lut_smem_rope(sbuf.index(rst), PK, BT),
-                             IS_BF16, BT)
-            elif ROPE:
+            if ROPE:
                 rrow = gl.expand_dims(krow, 2) * D
                 cos = gl.load(COS + rbase + rrow + kchan4)
                 sin = gl.load(SIN + rbase + rrow + kchan4)
                 kv = _rotate(kv, cos, sin, IS_BF16, BT)
             kvT = gl.convert_layout(_kred_t(kv, 8, BT), a_l)                                      # [BT, 128]
             s = mma_v2(kvT, qT, gl.zeros([BT, 8], gl.float32, mma)) * qscale
-            if RTMA:  # the slot's rows are consumed (the logits depend on them): it takes the tile RNST ahead
-                _issue_pair(COS, SIN, cbuf.index(rst), sbuf.index(rst), rbars.index(rst), b * T + t0 + RNST * BT,
-                            it + RNST < n_iter, BT * D * 4)
             s, allowed = _mask_scores(s, trow, tcol, t0, stop, AMASK, b.to(gl.int64) * stride_mb, REP, MASK_KIND)
             p, alpha8, m8, lacc = _softmax_step(s, allowed, m8, lacc)
 
@@ -1829,7 +1797,8 @@ LUT_NO_MASK_AS_BOOL = True   # without a mask and without outliers, run the bool
 LUT_MAXNREG = 168  # its register cap: 12 programs per SM instead of 8 (176 registers uncapped with RoPE), 8 bytes of
                    # stack (64 at 32-token tiles; sm_90 compile of session 17, `bench/sass_gluon.py`); 1.26-1.35x
                    # faster than uncapped at batch >= 8 on an H100, even at batch 1 (session 12, before the logits
-                   # were transposed)
+                   # were transposed). The codes' TMA ring (182 uncapped) fits it without spills; 128 (16 programs
+                   # per SM) spills 12 registers and was 13-20% slower there (session 23, bench/debug/lut_tma_sass.py)
 
 
 def layout_kind(kc: dict, vc: dict, head_dim: int = D) -> str | None:
@@ -1909,8 +1878,6 @@ POST_MAXNREG = {1: 80, 2: 128}  # register caps of calibquant's passes (by phase
                      # pairs timed on an H100 these were the fastest at 4 of 6 shapes, 0.5-2.4% behind {1: 80, 2: 96}
                      # at the other two, which spills and was 10% slower at batch 1 (bench/RESULTS.md, session 21)
 USE_TMA = None    # the TMA path: None = on compute capability 9.0+ while capturing a CUDA graph (check_gluon.py flips it)
-LUT_TMA_ROPE = False  # kvquant's TMA path also streams the RoPE table's rows through shared memory
-LUT_RNST = 1      # ring slots of kvquant's RoPE table rows (8 KB each at 16-token tiles)
 
 
 def descriptors(kp: dict, vp: dict, kbits: int, vbits: int) -> list:
@@ -1931,17 +1898,11 @@ def descriptors(kp: dict, vp: dict, kbits: int, vbits: int) -> list:
             desc(vp["cen"].view(-1), [KIVI_BT * 4], sbits), desc(vp["half"].view(-1), [KIVI_BT * 4], sbits)]
 
 
-def lut_descriptors(kp: dict, vp: dict, rope: tuple | None = None) -> list:
-    """Host TMA descriptors of kvquant's layout: the Key and Value codes as [rows, 16 words] (a block: one tile's
-    rows; rows of 64 bytes, so a tile may start at any row), or with rope = (cos, sin) the RoPE table as
-    [B * T, 128] (a block: one tile's rows)."""
-    def desc(t, bits):
-        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=2)
-        return TensorDescriptor.from_tensor(t, [LUT_BT, t.shape[1]], layout)
-
-    if rope is not None:
-        return [desc(t.view(-1, D), 16) for t in rope]
-    return [desc(p["codes"].view(-1, 16), 32) for p in (kp, vp)]
+def lut_descriptors(kp: dict, vp: dict) -> list:
+    """Host TMA descriptors of kvquant's layout (KC, VC): the Key and Value codes as [rows, 16 words], a block one
+    tile's rows (rows of 64 bytes: a tile may start at any row)."""
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return [TensorDescriptor.from_tensor(p["codes"].view(-1, 16), [LUT_BT, 16], layout) for p in (kp, vp)]
 
 
 def _use_tma(query, sink: int, T: int, use_tma: bool | None, kind: str = "kivi") -> bool:
@@ -1960,7 +1921,7 @@ def _use_tma(query, sink: int, T: int, use_tma: bool | None, kind: str = "kivi")
     use_tma = use_tma and HAVE_TMA and torch.cuda.get_device_capability(query.device) >= (9, 0)
     # a TMA box starts 16-byte aligned in its innermost dimension: the Values' statistics (8 bytes a token) need an
     # even first row, i.e. an even sink and cache length (an odd start faults with an illegal instruction); kvquant's
-    # ring holds whole rows of 64 bytes (codes) and 256 (the RoPE table) only
+    # ring holds whole rows of codes (64 bytes) only
     return use_tma and (kind == "lut" or (sink % 2 == 0 and T % 2 == 0))
 
 
@@ -1984,16 +1945,13 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
             mask_kind = 3
         side = [p[n] for p in (kp, vp) for n in _LUT_BUFFERS]
         tma_on = _use_tma(query, sink, T, use_tma, kind)
-        rtma = tma_on and rope is not None and LUT_TMA_ROPE
-        if tma_on:   # the codes (and the RoPE table) through the TMA ring
+        if tma_on:   # the codes through the TMA ring
             side[0], side[len(_LUT_BUFFERS)] = lut_descriptors(kp, vp)
-            if rtma:
-                cos, sin = lut_descriptors(kp, vp, rope)
         return _lut_decode_kernel, (
             query, query.stride(0), query.stride(1), *side, cos, sin,
             positions, amask, smb, m_buf, l_buf, acc_buf, float(scale), T, nsplit), dict(
             H=H, REP=rep, S=sink, R=recent, MASK_KIND=mask_kind, IS_BF16=bf16, BT=LUT_BT, ROPE=rope is not None,
-            KNOUT=nout[0], VNOUT=nout[1], NWIN=nwin, PDL=pdl, TMA=tma_on, NST=NSTAGES, RTMA=rtma, RNST=LUT_RNST,
+            KNOUT=nout[0], VNOUT=nout[1], NWIN=nwin, PDL=pdl, TMA=tma_on, NST=NSTAGES,
             num_warps=1, maxnreg=LUT_MAXNREG)
     if kind == "post":  # calibquant: plain loads (a word per token and side; no per-tile statistics)
         if phase and logits is None:
@@ -2073,9 +2031,10 @@ def launch(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int
            temp=None, rope=None, nout: tuple = (0, 0), pdl: bool = False, logits=None, exact=None, ranges=None):
     """Run the quantized-region launch into slots [0, nsplit) of the partial buffers (grid (B * H, nsplit); each
     row has nsplit + nwin slots, the last nwin the window launch's). kind: `layout_kind` of the store. ng_k: the
-    statistics rows per KV head of the token-grouped side (KIVI's Keys, InnerQ's Values). use_tma (KIVI's layout
-    only): stream the tiles through shared memory with the tensor-memory accelerator (None: `USE_TMA`, whose
-    None means on sm_90+ inside CUDA-graph capture; never for an odd sink or cache length). phase, temp: the
+    statistics rows per KV head of the token-grouped side (KIVI's Keys, InnerQ's Values). use_tma (KIVI's and
+    kvquant's layouts): stream the tiles (kvquant: their codes) through shared memory with the tensor-memory
+    accelerator (None: `USE_TMA`, whose None means on sm_90+ inside CUDA-graph capture; KIVI's never for an odd
+    sink or cache length). phase, temp: the
     calibrated softmax's phase (calibquant only), in phase 2 its per-row temperatures, and in both phases the logits
     that phase 1 writes and phase 2 reads (fp32 [B * H, T, rep]). rope (kvquant's layout only): the (cos, sin)
     tables [B, T, 128] of Keys stored before RoPE, else None; nout (the same): outliers per token of the Keys and the
@@ -2123,7 +2082,7 @@ def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mas
     dev = query.device
     tma = kind in ("kivi", "lut") and _use_tma(query, sink, T, use_tma, kind)
     key = (kind, inner_flags(kp, vp) if kind == "inner" else None, dev.index, query.dtype, amask.dtype, mask_kind, kbits, vbits, H, rep, sink, recent, tpg_v, nwin,
-           tma, NSTAGES, phase, rope is not None, tuple(nout), LUT_BT, LUT_MAXNREG, LUT_NO_MASK_AS_BOOL, LUT_TMA_ROPE, LUT_RNST, SYM8_BT, KIVI_BT, pdl,
+           tma, NSTAGES, phase, rope is not None, tuple(nout), LUT_BT, LUT_MAXNREG, LUT_NO_MASK_AS_BOOL, SYM8_BT, KIVI_BT, pdl,
            KEY_POST, None if exact is None else tuple(exact[s]["ring"].shape[2] for s in ("k", "v")),
            tuple(sorted(POST_MAXNREG.items())), tuple(sorted(POST_WCOST.items())))
     if key not in _RESIDENT:

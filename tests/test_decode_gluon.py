@@ -222,17 +222,22 @@ SCRIPT = textwrap.dedent('''
                          **({"maxnreg": cap} if cap else {}))   # strides divisible by 16 too, as the launch's are
         out.append(("post", phase, b.stack == b.local == 0, b.regs, b.sass.count("HFMA2"),
                     b.sass.count("HADD2"), b.shared, b.sass.count("STS") + b.sass.count("LDS"), loop(b, True)))
-    for bf16, mask, rope, nout in ((False, 1, True, 0), (True, 2, True, 1), (False, 0, False, 0), (True, 3, True, 0)):   # kvquant's
+    for bf16, mask, rope, nout, tma in ((False, 1, True, 0, False), (True, 2, True, 1, False), (False, 0, False, 0, False),
+                                        (True, 3, True, 0, False), (True, 1, True, 0, True), (False, 3, False, 1, True)):   # kvquant's
         ty = "*bf16" if bf16 else "*fp16"
-        sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KCEN=ty, KHALF=ty, KLEV="*fp32", KOIDX="*u8",
-                   KOVAL=ty, VC="*i32", VCEN=ty, VHALF=ty, VLEV="*fp32", VOIDX="*u8", VOVAL=ty, COS=ty, SIN=ty,
+        kc = vc = "*i32"
+        if tma:  # the host descriptors' types (the codes' ring)
+            codes = dict(codes=torch.zeros(2, 2, 64, 16, dtype=torch.int32))
+            kc, vc = map(mangle_type, dag.lut_descriptors(codes, codes))
+        sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC=kc, KCEN=ty, KHALF=ty, KLEV="*fp32", KOIDX="*u8",
+                   KOVAL=ty, VC=vc, VCEN=ty, VHALF=ty, VLEV="*fp32", VOIDX="*u8", VOVAL=ty, COS=ty, SIN=ty,
                    POS="*i64", AMASK="*i1" if mask == 1 else ty, stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32",
                    OUT_ACC="*fp32", scale="fp32", T="i32", NSPLIT="i32")
         cx = dict(H=8, REP=4, S=1, R=0, MASK_KIND=mask, IS_BF16=bf16, BT=dag.LUT_BT, ROPE=rope, KNOUT=nout,
-                  VNOUT=nout, NWIN=2, PDL=True)
-        b = compile_sm90(dag._lut_decode_kernel, sig, cx, [i for i in range(0, 17) if i not in (1, 2)],
-                         maxnreg=dag.LUT_MAXNREG)
-        out.append(("lut", rope, b.shared, b.stack, b.sass.count("HMMA"), b.sass.count("STS"), b.sass.count("LDS"),
+                  VNOUT=nout, NWIN=2, PDL=True, TMA=tma, NST=dag.NSTAGES)
+        b = compile_sm90(dag._lut_decode_kernel, sig, cx, [i for i in range(0, 17) if i not in (1, 2)
+                                                           and not (tma and i in (3, 9))], maxnreg=dag.LUT_MAXNREG)
+        out.append(("lut", tma, b.shared, b.stack, b.sass.count("UTMALDG"), b.sass.count("STS"), b.sass.count("LDS"),
                     b.sass.count("PRMT"), loop(b)))
     for bf16, mask, kb, vb, hyb, norm in ((False, 1, 2, 2, True, True), (True, 0, 4, 1, False, False)):   # InnerQ's
         ty = "*bf16" if bf16 else "*fp16"
@@ -271,23 +276,29 @@ def test_compiles_for_sm90_into_registers_only():
     r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = eval(r.stdout.strip().splitlines()[-1])  # noqa: S307  (our own repr of a list of tuples)
-    assert len(rows) == 19
+    assert len(rows) == 21
     # loop: the main loop's (HMMA, MOVM, HFMA2), exact: a padded q (16 query rows where a KV head has <= 8) would
     # double the logits' HMMA, a dequantized side brings its HFMA2 back
-    for _, bf16, shared, no_spill, hmma, sts, lds, loop in rows[17:]:
+    for _, bf16, shared, no_spill, hmma, sts, lds, loop in rows[19:]:
         # int8's kernel: per 16-token tile 8 HMMA (the transposed logits) + 8 (v^T @ p^T), p^T by 2 MOVM; no shared
         # memory, no spills; its codes are centred bytes (no HFMA2)
         assert shared == 0 and sts == 0 and lds == 0 and no_spill and loop == (16, 2, 0, 0), rows
-    for _, bf16, shared, no_spill, hmma, sts, lds, movm, loop in rows[15:17]:
+    for _, bf16, shared, no_spill, hmma, sts, lds, movm, loop in rows[17:19]:
         # InnerQ's layout in the KIVI kernel: plain loads straight into the mma operands, as KIVI's; per 32-token
         # tile 16 HMMA for the transposed logits, 16 for v^T @ p^T, p^T by 4 MOVM; both sides dequantized
         assert shared == 0 and sts == 0 and lds == 0 and no_spill and loop[:2] == (32, 4) and loop[2] >= 128, rows
-    for _, rope, shared, stack, hmma, sts, lds, prmt, loop in rows[11:15]:
-        # kvquant's kernel (its last row MASK_KIND 3: no mask through the bool build, `LUT_NO_MASK_AS_BOOL`): per
-        # 16-token tile 8 HMMA (k @ q^T) + 8 (v^T @ p^T), p^T by 2 MOVM; no shared memory; at its
-        # register cap (`LUT_MAXNREG`) at most 8 spilled registers (6 measured on the H100: faster than no cap, no
-        # spills at 178 registers); the codebook lookups are byte permutes (8 per 4 codes, 128 codes per lane and tile)
-        assert shared == 0 and sts == 0 and lds == 0 and stack <= 32 and loop[:2] == (16, 2) and prmt >= 256, rows
+    for _, tma, shared, stack, tma_loads, sts, lds, prmt, loop in rows[11:17]:
+        # kvquant's kernel (MASK_KIND 3: no mask through the bool build, `LUT_NO_MASK_AS_BOOL`): per 16-token tile 8
+        # HMMA (k @ q^T) + 8 (v^T @ p^T), p^T by 2 MOVM; at its register cap (`LUT_MAXNREG`) at most 8 spilled
+        # registers (6 measured on the H100: faster than no cap, no spills at 178 registers); the codebook lookups are
+        # byte permutes (8 per 4 codes, 128 codes per lane and tile). Plain loads: no shared memory. The TMA path:
+        # a ring of two tiles' codes (4 KB) filled by TMA copies (two per tile, in the prologue and the loop), read
+        # by LDS, nothing stored by the threads
+        assert stack <= 32 and loop[:2] == (16, 2) and prmt >= 256 and sts == 0, rows
+        if tma:
+            assert shared >= 4096 and lds > 0 and tma_loads >= 4, rows
+        else:
+            assert shared == 0 and lds == 0 and tma_loads == 0, rows
     for _, phase, no_local, regs, hfma2, hadd2, shared, sts_lds, loop in rows[8:11]:
         # calibquant's kernel: tensor cores for codes @ q'^T (16 per tile) in phases 0 and 1, codes^T @ p^T (16, p^T by
         # 4 MOVM) and M l^ (2) in phases 0 and 2 (phase 2 reads phase 1's logits: no Key mma); no packed-half
