@@ -55,7 +55,10 @@ Loads (TMA): on sm_90+ inside CUDA-graph capture (`launch`), each tile's codes a
 tensor-memory accelerator into a ring of NST shared-memory slots (one mbarrier each; the slot just read takes the
 tile NST ahead), then read into the same register layouts; 7-15% faster than plain loads at 2 and 4 bits on an
 H100, no faster with 1-bit Values (bench/RESULTS.md, session 10). Used at every width of KIVI's layout. Otherwise (and for an odd sink or cache length, where a Value-statistics
-box would start misaligned) every lane loads its words from global memory.
+box would start misaligned) every lane loads its words from global memory. kvquant's kernel takes the same ring for
+its codes alone (64-byte rows: any sink or length), its statistics, outliers and RoPE table rows by plain loads:
+10-14% faster at batch x context >= 64k on an H100 (bench/RESULTS.md, session 23), and no longer spilling at its
+register cap; the RoPE rows through the ring too were slower (`bench/debug/lut_rope_ring_tried.patch`).
 
 Math (one program = one KV head of one sequence and one slice of the quantized region, one warp):
     k[t, c] = s_k[g, c] * code + z_k[g, c]     s = half * 2 / (2^B - 1), z = center - half, g = (t - S) // 32
