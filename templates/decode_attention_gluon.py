@@ -859,7 +859,7 @@ if HAVE_GLUON:
             H: gl.constexpr, REP: gl.constexpr, S: gl.constexpr, R: gl.constexpr, MASK_KIND: gl.constexpr,
             IS_BF16: gl.constexpr, BT: gl.constexpr, TAU_PHASE: gl.constexpr, NWIN: gl.constexpr,
             PDL: gl.constexpr, WIN: gl.constexpr = False, WR_K: gl.constexpr = 0, WR_V: gl.constexpr = 0,
-            WCOST: gl.constexpr = 0):
+            WCOST: gl.constexpr = 0, TMA: gl.constexpr = False, NST: gl.constexpr = 2):
         """Post-scaled decode over 1-bit channel-wise Keys and Values with one static range per channel
         (calibquant-1): k[t, c] = s_k[c] code + z_k[c], v likewise, s = 2 half, z = center - half.
             logits^T = k @ q^T = codes @ (q * s_k)^T + q . z_k: the mma takes q' = q s_k / 2^i (rounded once to the
@@ -931,8 +931,26 @@ if HAVE_GLUON:
         jl = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, PV))))
         jdummy = gl.expand_dims(gl.expand_dims(gl.expand_dims(jl, 0), 0), 0)
         bh64 = bh.to(gl.int64)
-        kc_base = KC + bh64 * T * 4
-        vc_base = VC + bh64 * T * 4
+        KEYS: gl.constexpr = TAU_PHASE != 2     # the passes that read the Keys' codes
+        VALS: gl.constexpr = TAU_PHASE != 1     # and the Values'
+        if TMA:  # a ring of NST tiles' code rows ([BT, 4 words] per side read), copied NST tiles ahead
+            flat2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+            L4: gl.constexpr = _stats4_layout(BT)
+            bars = gl.allocate_shared_memory(gl.int64, [NST, 1], mbarrier.MBarrierLayout())
+            kbuf = bars   # stand-ins for the side a pass does not read
+            vbuf = bars
+            if KEYS:
+                kbuf = gl.allocate_shared_memory(gl.int32, [NST, BT, 4], KC.layout)
+            if VALS:
+                vbuf = gl.allocate_shared_memory(gl.int32, [NST, BT, 4], VC.layout)
+            for i in gl.static_range(NST):
+                mbarrier.init(bars.index(i), count=1)
+            for i in gl.static_range(NST):
+                _issue_post(KC, VC, kbuf, vbuf, bars.index(i), i, bh * T + start + i * BT, i < n_iter, KEYS, VALS,
+                            BT)
+        else:
+            kc_base = KC + bh64 * T * 4
+            vc_base = VC + bh64 * T * 4
 
         if TAU_PHASE != 2:
             # q'^T = (q s_k / 2^i)^T in the Key mma's reduction order (the B operand of the transposed logits), and
@@ -969,11 +987,18 @@ if HAVE_GLUON:
         for it in range(0, n_iter):
             t0 = start + it * BT
             lvalid = gl.expand_dims((t0 + trow) < stop, 1) & gl.expand_dims(tcol < REP, 0)
+            if TMA:   # rows past the slice as they are: their logits are masked, their p is 0
+                st = it % NST
+                mbarrier.wait(bars.index(st), (it // NST) & 1)
             if TAU_PHASE == 2:
                 s = gl.load(lg_base + t0 * REP + lg_off, mask=lvalid, other=0.0)
             else:
-                kvalid = gl.expand_dims((t0 + kt) < stop, 0)
-                kwords = gl.expand_dims(gl.load(kc_base + t0 * 4 + koff, mask=kvalid, other=0), 0) >> kshift
+                if TMA:
+                    kwords = gl.expand_dims(kbuf.index(st)._reinterpret(gl.int32, [BT, 4], flat2).permute(
+                        [1, 0]).load(gl.SliceLayout(0, KW)), 0) >> kshift
+                else:
+                    kvalid = gl.expand_dims((t0 + kt) < stop, 0)
+                    kwords = gl.expand_dims(gl.load(kc_base + t0 * 4 + koff, mask=kvalid, other=0), 0) >> kshift
                 kw4, _ = gl.broadcast(gl.expand_dims(kwords, 2), cdummy)                          # [2, 4, 16, BT]
                 kv = _unpack_post(kw4, "kpost", IS_BF16)
                 kvT = gl.convert_layout(_kred_t(kv, 16, BT), a_l)                                 # [BT, 128]
@@ -991,8 +1016,12 @@ if HAVE_GLUON:
                 ph = p.to(dt)
                 lracc = lracc * gl.expand_dims(alpha8, 0) + ph.to(gl.float32)
 
-                vvalid = gl.expand_dims((t0 + vt) < stop, 1)
-                vwords = gl.expand_dims(gl.load(vc_base + t0 * 4 + voff, mask=vvalid, other=0), 2) >> vshift
+                if TMA:   # word w // 2 of each token into column w
+                    vwords = gl.expand_dims(_widen(vbuf.index(st)._reinterpret(gl.int32, [BT, 4], flat2).load(L4),
+                                                   VW, BT), 2) >> vshift
+                else:
+                    vvalid = gl.expand_dims((t0 + vt) < stop, 1)
+                    vwords = gl.expand_dims(gl.load(vc_base + t0 * 4 + voff, mask=vvalid, other=0), 2) >> vshift
                 wv, _ = gl.broadcast(gl.expand_dims(vwords, 3), jdummy)                  # [BT, 8, 2, 8]
                 vv = _unpack_post(wv, "vpost", IS_BF16)
                 vv = vv.permute([0, 2, 3, 1]).reshape([BT, 128]).permute([1, 0])
@@ -1002,6 +1031,9 @@ if HAVE_GLUON:
                 # slice's l^ would otherwise swamp the 2^j code sums: up to 2% off over one 1000-token slice)
                 corr = _rows128(mma_v2(negm, pt, gl.zeros([16, 8], gl.float32, mma)), mma)
                 acc = mma_v2(vv, pt, acc * gl.expand_dims(alpha8, 0) + corr)
+            if TMA:  # the ring slot just read takes the tile NST ahead
+                _issue_post(KC, VC, kbuf, vbuf, bars.index(st), st, bh * T + t0 + NST * BT, it + NST < n_iter, KEYS,
+                            VALS, BT)
 
         r8 = tcol
         o8 = (bh * 16 + r8) * (NSPLIT + NWIN) + split
@@ -1022,6 +1054,17 @@ if HAVE_GLUON:
             out = gl.expand_dims(2.0 * vhalf * inv, 1) * acc + gl.expand_dims(vz, 1) * lr8
             gl.store(OUT_ACC + gl.expand_dims(o8, 0) * 128 + gl.expand_dims(chan, 1), out,
                      mask=gl.expand_dims(r8 < REP, 0))
+
+    @gluon.jit
+    def _issue_post(KC, VC, kbuf, vbuf, bar, slot, row, pred, KEYS: gl.constexpr, VALS: gl.constexpr,
+                    BT: gl.constexpr):
+        """Start the TMA copies of code rows [row, row + BT) of the Keys (KEYS) and the Values (VALS) into ring slot
+        `slot` of `_post_decode_kernel`; `bar` completes when they have landed."""
+        mbarrier.expect(bar, BT * 16 * (KEYS + VALS), pred=pred)
+        if KEYS:
+            tma.async_copy_global_to_shared(KC, [row, 0], bar, kbuf.index(slot), pred=pred)
+        if VALS:
+            tma.async_copy_global_to_shared(VC, [row, 0], bar, vbuf.index(slot), pred=pred)
 
     @gluon.jit
     def _slice(POS, split, NSPLIT, S: gl.constexpr, R: gl.constexpr, TPG_K: gl.constexpr, TPG_V: gl.constexpr,
@@ -1881,6 +1924,7 @@ POST_MAXNREG = {1: 80, 2: 128}  # register caps of calibquant's passes (by phase
                      # pairs timed on an H100 these were the fastest at 4 of 6 shapes, 0.5-2.4% behind {1: 80, 2: 96}
                      # at the other two, which spills and was 10% slower at batch 1 (bench/RESULTS.md, session 21)
 USE_TMA = None    # the TMA path: None = on compute capability 9.0+ while capturing a CUDA graph (check_gluon.py flips it)
+POST_TMA = True   # calibquant's launches take the TMA path too (where `USE_TMA` does)
 
 
 def descriptors(kp: dict, vp: dict, kbits: int, vbits: int) -> list:
@@ -1901,16 +1945,17 @@ def descriptors(kp: dict, vp: dict, kbits: int, vbits: int) -> list:
             desc(vp["cen"].view(-1), [KIVI_BT * 4], sbits), desc(vp["half"].view(-1), [KIVI_BT * 4], sbits)]
 
 
-def lut_descriptors(kp: dict, vp: dict) -> list:
-    """Host TMA descriptors of kvquant's layout (KC, VC): the Key and Value codes as [rows, 16 words], a block one
-    tile's rows (rows of 64 bytes: a tile may start at any row)."""
+def row_descriptors(kp: dict, vp: dict, words: int, bt: int) -> list:
+    """Host TMA descriptors (KC, VC) of a layout with one row of `words` int32 per token and side (kvquant's 16,
+    calibquant's 4): the Key and Value codes as [rows, words], a block one tile's bt rows (rows of 16 or 64 bytes:
+    a tile may start at any row)."""
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    return [TensorDescriptor.from_tensor(p["codes"].view(-1, 16), [LUT_BT, 16], layout) for p in (kp, vp)]
+    return [TensorDescriptor.from_tensor(p["codes"].view(-1, words), [bt, words], layout) for p in (kp, vp)]
 
 
 def _use_tma(query, sink: int, T: int, use_tma: bool | None, kind: str = "kivi") -> bool:
-    """Whether the KIVI-layout launch (kind "kivi") or kvquant's ("lut") streams its tiles through the TMA ring (see
-    `launch`)."""
+    """Whether the KIVI-layout launch (kind "kivi"), kvquant's ("lut") or calibquant's ("post") streams its tiles
+    through the TMA ring (see `launch`)."""
     import torch
 
     if not query.is_cuda:
@@ -1924,8 +1969,8 @@ def _use_tma(query, sink: int, T: int, use_tma: bool | None, kind: str = "kivi")
     use_tma = use_tma and HAVE_TMA and torch.cuda.get_device_capability(query.device) >= (9, 0)
     # a TMA box starts 16-byte aligned in its innermost dimension: the Values' statistics (8 bytes a token) need an
     # even first row, i.e. an even sink and cache length (an odd start faults with an illegal instruction); kvquant's
-    # ring holds whole rows of codes (64 bytes) only
-    return use_tma and (kind == "lut" or (sink % 2 == 0 and T % 2 == 0))
+    # and calibquant's rings hold whole rows of codes (64 and 16 bytes) only
+    return use_tma and (kind != "kivi" or (sink % 2 == 0 and T % 2 == 0))
 
 
 def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int, m_buf, l_buf, acc_buf,
@@ -1949,26 +1994,28 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
         side = [p[n] for p in (kp, vp) for n in _LUT_BUFFERS]
         tma_on = _use_tma(query, sink, T, use_tma, kind)
         if tma_on:   # the codes through the TMA ring
-            side[0], side[len(_LUT_BUFFERS)] = lut_descriptors(kp, vp)
+            side[0], side[len(_LUT_BUFFERS)] = row_descriptors(kp, vp, 16, LUT_BT)
         return _lut_decode_kernel, (
             query, query.stride(0), query.stride(1), *side, cos, sin,
             positions, amask, smb, m_buf, l_buf, acc_buf, float(scale), T, nsplit), dict(
             H=H, REP=rep, S=sink, R=recent, MASK_KIND=mask_kind, IS_BF16=bf16, BT=LUT_BT, ROPE=rope is not None,
             KNOUT=nout[0], VNOUT=nout[1], NWIN=nwin, PDL=pdl, TMA=tma_on, NST=NSTAGES,
             num_warps=1, maxnreg=LUT_MAXNREG)
-    if kind == "post":  # calibquant: plain loads (a word per token and side; no per-tile statistics)
+    if kind == "post":  # calibquant: 4 words per token and side, no per-tile statistics
         if phase and logits is None:
             raise ValueError("calibquant's Gluon launch needs the logits buffer in calibrated-softmax phases 1 and 2")
         win = exact is not None
+        tma_on = POST_TMA and _use_tma(query, sink, T, use_tma, kind)
+        kc, vc = row_descriptors(kp, vp, 4, BT) if tma_on else (kp["codes"], vp["codes"])
         return _post_decode_kernel, (
-            query, query.stride(0), query.stride(1), kp["codes"], kp["cen"], kp["half"], vp["codes"], vp["cen"],
+            query, query.stride(0), query.stride(1), kc, kp["cen"], kp["half"], vc, vp["cen"],
             vp["half"], positions, amask, smb, query if temp is None else temp, query if logits is None else logits,
             m_buf, l_buf, acc_buf, float(scale), T, nsplit, *_exact_args(query, exact),
             *(ranges if ranges is not None else (query, query, 2, 0.0))), dict(
             H=H, REP=rep, S=sink, R=recent, MASK_KIND=mask_kind, IS_BF16=bf16, BT=BT, TAU_PHASE=phase, NWIN=nwin,
             PDL=pdl, WIN=win, WCOST=POST_WCOST.get(phase, 0) if win else 0,
             WR_K=exact["k"]["ring"].shape[2] if win else 0,
-            WR_V=exact["v"]["ring"].shape[2] if win else 0, num_warps=1,
+            WR_V=exact["v"]["ring"].shape[2] if win else 0, TMA=tma_on, NST=NSTAGES, num_warps=1,
             **({"maxnreg": POST_MAXNREG[phase]} if win and POST_MAXNREG.get(phase) else {}))
     if kind not in ("kivi", "inner") or phase:
         raise ValueError(f"no Gluon launch for layout {kind!r} with calibrated-softmax phase {phase}")
@@ -2083,11 +2130,11 @@ def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mas
     import torch
 
     dev = query.device
-    tma = kind in ("kivi", "lut") and _use_tma(query, sink, T, use_tma, kind)
+    tma = kind in ("kivi", "lut", "post") and _use_tma(query, sink, T, use_tma, kind)
     key = (kind, inner_flags(kp, vp) if kind == "inner" else None, dev.index, query.dtype, amask.dtype, mask_kind, kbits, vbits, H, rep, sink, recent, tpg_v, nwin,
            tma, NSTAGES, phase, rope is not None, tuple(nout), LUT_BT, LUT_MAXNREG, LUT_NO_MASK_AS_BOOL, SYM8_BT, KIVI_BT, pdl,
            KEY_POST, None if exact is None else tuple(exact[s]["ring"].shape[2] for s in ("k", "v")),
-           tuple(sorted(POST_MAXNREG.items())), tuple(sorted(POST_WCOST.items())))
+           tuple(sorted(POST_MAXNREG.items())), tuple(sorted(POST_WCOST.items())), POST_TMA)
     if key not in _RESIDENT:
         one = torch.empty(1, dtype=torch.float32, device=dev)   # stand-ins: partial buffers, temperatures, logits
         props = torch.cuda.get_device_properties(dev)

@@ -228,7 +228,7 @@ SCRIPT = textwrap.dedent('''
         kc = vc = "*i32"
         if tma:  # the host descriptors' types (the codes' ring)
             codes = dict(codes=torch.zeros(2, 2, 64, 16, dtype=torch.int32))
-            kc, vc = map(mangle_type, dag.lut_descriptors(codes, codes))
+            kc, vc = map(mangle_type, dag.row_descriptors(codes, codes, 16, dag.LUT_BT))
         sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC=kc, KCEN=ty, KHALF=ty, KLEV="*fp32", KOIDX="*u8",
                    KOVAL=ty, VC=vc, VCEN=ty, VHALF=ty, VLEV="*fp32", VOIDX="*u8", VOVAL=ty, COS=ty, SIN=ty,
                    POS="*i64", AMASK="*i1" if mask == 1 else ty, stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32",

@@ -15,7 +15,7 @@ for bf16, mask in ((True, 1), (False, 1), (True, 3)):
             kc = vc = "*i32"
             if tma:
                 codes = dict(codes=torch.zeros(2, 2, 64, 16, dtype=torch.int32))
-                kc, vc = map(mangle_type, dag.lut_descriptors(codes, codes))
+                kc, vc = map(mangle_type, dag.row_descriptors(codes, codes, 16, dag.LUT_BT))
             sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC=kc, KCEN=ty, KHALF=ty, KLEV="*fp32", KOIDX="*u8",
                        KOVAL=ty, VC=vc, VCEN=ty, VHALF=ty, VLEV="*fp32", VOIDX="*u8", VOVAL=ty, COS=ty, SIN=ty,
                        POS="*i64", AMASK="*i1" if mask in (1, 3) else ty, stride_mb="i32", OUT_M="*fp32",
