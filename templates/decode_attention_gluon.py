@@ -59,6 +59,9 @@ box would start misaligned) every lane loads its words from global memory. kvqua
 its codes alone (64-byte rows: any sink or length), its statistics, outliers and RoPE table rows by plain loads:
 10-14% faster at batch x context >= 64k on an H100 (bench/RESULTS.md, session 23), and no longer spilling at its
 register cap; the RoPE rows through the ring too were slower (`bench/debug/lut_rope_ring_tried.patch`).
+calibquant's passes take it for the codes they read (`POST_TMA`): at batch x context >= 64k the kernel is 0.4-3.5%
+faster at four shapes and 1.1% / 4.8% slower at (8, 65536) / (1, 65536); a decode step takes 1% less GPU time end
+to end at (32, 4096) (session 23).
 
 Math (one program = one KV head of one sequence and one slice of the quantized region, one warp):
     k[t, c] = s_k[g, c] * code + z_k[g, c]     s = half * 2 / (2^B - 1), z = center - half, g = (t - S) // 32
@@ -876,7 +879,10 @@ if HAVE_GLUON:
         window launch follows; phase 2 then also computes its temperatures from the range pass's NS1 partial
         (max, min) slots M1, L1 and tau_sum = tau1 + tau2 (`_temperatures`; no temperature launch), after waiting
         for the range pass (PDL: `griddepcontrol.wait`; the launch may start early). WCOST: the programs with window
-        tiles take shorter slices (`_slice`). The channel of Key reduction index k (same register layout as
+        tiles take shorter slices (`_slice`). TMA: KC and VC are TMA descriptors of the codes as [rows, 4 words], and
+        the side the pass reads (phase 1 the Keys, 2 the Values, 0 both) streams through a ring of NST tiles in
+        shared memory, copied NST tiles ahead (rows past the slice as they are: their logits are masked, their p is
+        0, and any code is finite). The channel of Key reduction index k (same register layout as
         `_kivi_decode_kernel` at 1 bit, with the asm block a covering bits 8a..8a+7 and 16+8a..16+8a+7):
             x = 16a + c, c = 2i + h  <->  channel 32b + 16h + 8a + i, factor 2^-i."""
         bh = gl.program_id(0)
@@ -1924,7 +1930,10 @@ POST_MAXNREG = {1: 80, 2: 128}  # register caps of calibquant's passes (by phase
                      # pairs timed on an H100 these were the fastest at 4 of 6 shapes, 0.5-2.4% behind {1: 80, 2: 96}
                      # at the other two, which spills and was 10% slower at batch 1 (bench/RESULTS.md, session 21)
 USE_TMA = None    # the TMA path: None = on compute capability 9.0+ while capturing a CUDA graph (check_gluon.py flips it)
-POST_TMA = True   # calibquant's launches take the TMA path too (where `USE_TMA` does)
+POST_TMA = True   # calibquant's launches take the TMA path too (where `USE_TMA` does): 2.73 against 2.75-2.76 ms per
+                  # decode step at (32, 4096) end to end; the kernel 0.4-3.5% faster at four of the six shapes of
+                  # batch x context >= 64k, 1.1% / 4.8% slower at (8, 65536) / (1, 65536) (means of two runs; H100,
+                  # bench/RESULTS.md session 23)
 
 
 def descriptors(kp: dict, vp: dict, kbits: int, vbits: int) -> list:
@@ -2081,9 +2090,9 @@ def launch(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int
            temp=None, rope=None, nout: tuple = (0, 0), pdl: bool = False, logits=None, exact=None, ranges=None):
     """Run the quantized-region launch into slots [0, nsplit) of the partial buffers (grid (B * H, nsplit); each
     row has nsplit + nwin slots, the last nwin the window launch's). kind: `layout_kind` of the store. ng_k: the
-    statistics rows per KV head of the token-grouped side (KIVI's Keys, InnerQ's Values). use_tma (KIVI's and
-    kvquant's layouts): stream the tiles (kvquant: their codes) through shared memory with the tensor-memory
-    accelerator (None: `USE_TMA`, whose None means on sm_90+ inside CUDA-graph capture; KIVI's never for an odd
+    statistics rows per KV head of the token-grouped side (KIVI's Keys, InnerQ's Values). use_tma (KIVI's, kvquant's
+    and calibquant's layouts): stream the tiles (kvquant, calibquant: their codes) through shared memory with the
+    tensor-memory accelerator (None: `USE_TMA`, whose None means on sm_90+ inside CUDA-graph capture; KIVI's never for an odd
     sink or cache length). phase, temp: the
     calibrated softmax's phase (calibquant only), in phase 2 its per-row temperatures, and in both phases the logits
     that phase 1 writes and phase 2 reads (fp32 [B * H, T, rep]). rope (kvquant's layout only): the (cos, sin)

@@ -261,6 +261,21 @@ SCRIPT = textwrap.dedent('''
         b = compile_sm90(dag._sym8_decode_kernel, sig, cx, (0, 3, 4, 5, 6, 10, 11, 12))
         out.append(("sym8", bf16, b.shared, b.stack == b.local == 0, b.sass.count("HMMA"), b.sass.count("STS"),
                     b.sass.count("LDS"), loop(b)))
+    for bf16, phase in ((True, 1), (False, 2)):   # calibquant's passes through the codes' TMA ring
+        ty = "*bf16" if bf16 else "*fp16"
+        codes = dict(codes=torch.zeros(2, 2, 64, 4, dtype=torch.int32))
+        kc, vc = map(mangle_type, dag.row_descriptors(codes, codes, 4, 32))
+        sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC=kc, KCEN=ty, KHALF=ty, VC=vc, VCEN=ty,
+                   VHALF=ty, POS="*i64", AMASK="*i1", stride_mb="i32", TEMP="*fp32",
+                   LOGITS="*fp32", OUT_M="*fp32", OUT_L="*fp32", OUT_ACC="*fp32", scale="fp32", T="i32", NSPLIT="i32",
+                   KSINK=ty, KRING=ty, KCHUNK=ty, stride_kcb="i32", stride_kch="i32", VSINK=ty, VRING=ty, VCHUNK=ty,
+                   stride_vcb="i32", stride_vch="i32", M1="*fp32", L1="*fp32", NS1="i32", tau_sum="fp32")
+        cx = dict(H=8, REP=4, S=0, R=128, MASK_KIND=1, IS_BF16=bf16, BT=32, TAU_PHASE=phase, NWIN=4, PDL=True,
+                  WIN=True, WR_K=128, WR_V=128, WCOST=dag.POST_WCOST[phase], TMA=True, NST=dag.NSTAGES)
+        b = compile_sm90(dag._post_decode_kernel, sig, cx, [0, 4, 5, 7, 8] + list(range(20, 32)),
+                         maxnreg=dag.POST_MAXNREG[phase])
+        out.append(("post-tma", phase, b.stack == b.local == 0, b.regs, b.shared, b.sass.count("UTMALDG"),
+                    b.sass.count("LDS"), b.sass.count("STS"), loop(b, True)))
     print(out)
 ''')
 
@@ -276,10 +291,17 @@ def test_compiles_for_sm90_into_registers_only():
     r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = eval(r.stdout.strip().splitlines()[-1])  # noqa: S307  (our own repr of a list of tuples)
-    assert len(rows) == 21
+    assert len(rows) == 23
+    for _, phase, no_local, regs, shared, tma_loads, lds, sts, loop in rows[21:]:
+        # calibquant's passes with their codes through the TMA ring (`POST_TMA`; inside CUDA graphs on sm_90+): the
+        # side each pass reads (range pass: Keys, attention pass: Values), two 32-token tiles of 512 bytes, copied by
+        # TMA (three copies: two in the prologue, one in the loop) and read by LDS; under the same register caps
+        assert no_local and regs <= dag.POST_MAXNREG[phase] and shared >= 1024 and tma_loads == 3 and lds > 0, rows
+        # threads store to shared memory only for the attention pass's windows (their Values' layout change)
+        assert (sts == 0) == (phase == 1) and loop[0] == (16 if phase == 1 else 18), rows
     # loop: the main loop's (HMMA, MOVM, HFMA2), exact: a padded q (16 query rows where a KV head has <= 8) would
     # double the logits' HMMA, a dequantized side brings its HFMA2 back
-    for _, bf16, shared, no_spill, hmma, sts, lds, loop in rows[19:]:
+    for _, bf16, shared, no_spill, hmma, sts, lds, loop in rows[19:21]:
         # int8's kernel: per 16-token tile 8 HMMA (the transposed logits) + 8 (v^T @ p^T), p^T by 2 MOVM; no shared
         # memory, no spills; its codes are centred bytes (no HFMA2)
         assert shared == 0 and sts == 0 and lds == 0 and no_spill and loop == (16, 2, 0, 0), rows
