@@ -57,8 +57,9 @@ tile NST ahead), then read into the same register layouts; 7-15% faster than pla
 H100, no faster with 1-bit Values (bench/RESULTS.md, session 10). Used at every width of KIVI's layout. Otherwise (and for an odd sink or cache length, where a Value-statistics
 box would start misaligned) every lane loads its words from global memory. kvquant's kernel takes the same ring for
 its codes alone (64-byte rows: any sink or length), its statistics, outliers and RoPE table rows by plain loads:
-10-14% faster at batch x context >= 64k on an H100 (bench/RESULTS.md, session 23), and no longer spilling at its
-register cap; the RoPE rows through the ring too were slower (`bench/debug/lut_rope_ring_tried.patch`).
+10.8-14.7% faster at batch x context >= 64k with a bool mask, 9.6-13.0% without, on an H100 (bench/RESULTS.md,
+session 23), and no longer spilling at its register cap; the RoPE rows through the ring too were slower
+(`bench/debug/lut_rope_ring_tried.patch`).
 calibquant's passes take it for the codes they read (`POST_TMA`): at batch x context >= 64k the kernel is 0.4-3.5%
 faster at four shapes and 1.1% / 4.8% slower at (8, 65536) / (1, 65536); a decode step takes 1% less GPU time end
 to end at (32, 4096) (session 23).
@@ -1849,8 +1850,9 @@ LUT_NO_MASK_AS_BOOL = True   # without a mask and without outliers, run the bool
 LUT_MAXNREG = 168  # its register cap: 12 programs per SM instead of 8 (176 registers uncapped with RoPE), 8 bytes of
                    # stack (64 at 32-token tiles; sm_90 compile of session 17, `bench/sass_gluon.py`); 1.26-1.35x
                    # faster than uncapped at batch >= 8 on an H100, even at batch 1 (session 12, before the logits
-                   # were transposed). The codes' TMA ring (182 uncapped) fits it without spills; 128 (16 programs
-                   # per SM) spills 12 registers and was 13-20% slower there (session 23, bench/debug/lut_tma_sass.py)
+                   # were transposed). The codes' TMA ring (182 uncapped, bench/debug/lut_tma_sass.py) fits it
+                   # without spills; under 128 (16 programs per SM) it spilled 12 registers and was 13-20% slower
+                   # (H100, bench/RESULTS.md session 23)
 
 
 def layout_kind(kc: dict, vc: dict, head_dim: int = D) -> str | None:
@@ -1963,15 +1965,15 @@ def row_descriptors(kp: dict, vp: dict, words: int, bt: int) -> list:
 
 
 def _use_tma(query, sink: int, T: int, use_tma: bool | None, kind: str = "kivi") -> bool:
-    """Whether the KIVI-layout launch (kind "kivi"), kvquant's ("lut") or calibquant's ("post") streams its tiles
-    through the TMA ring (see `launch`)."""
+    """Whether the KIVI-layout launch (kind "kivi"), kvquant's ("lut") or calibquant's ("post") may stream its tiles
+    through the TMA ring (see `launch`; calibquant's also needs `POST_TMA`)."""
     import torch
 
     if not query.is_cuda:
         return False
     if use_tma is None:
         use_tma = USE_TMA
-    if use_tma is None:  # only where the launch is recorded into a CUDA graph: building the six host descriptors
+    if use_tma is None:  # only where the launch is recorded into a CUDA graph: building KIVI's six host descriptors
         # takes ~50 us of Python per call (measured on the 2-core CI machine), plus their encoding at every launch;
         # a graph replay pays neither, a host-bound decode step would pay it per layer
         use_tma = torch.cuda.is_current_stream_capturing()
@@ -2092,8 +2094,8 @@ def launch(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int
     row has nsplit + nwin slots, the last nwin the window launch's). kind: `layout_kind` of the store. ng_k: the
     statistics rows per KV head of the token-grouped side (KIVI's Keys, InnerQ's Values). use_tma (KIVI's, kvquant's
     and calibquant's layouts): stream the tiles (kvquant, calibquant: their codes) through shared memory with the
-    tensor-memory accelerator (None: `USE_TMA`, whose None means on sm_90+ inside CUDA-graph capture; KIVI's never for an odd
-    sink or cache length). phase, temp: the
+    tensor-memory accelerator (None: `USE_TMA`, whose None means on sm_90+ inside CUDA-graph capture; KIVI's never
+    for an odd sink or cache length; calibquant's only with `POST_TMA`). phase, temp: the
     calibrated softmax's phase (calibquant only), in phase 2 its per-row temperatures, and in both phases the logits
     that phase 1 writes and phase 2 reads (fp32 [B * H, T, rep]). rope (kvquant's layout only): the (cos, sin)
     tables [B, T, 128] of Keys stored before RoPE, else None; nout (the same): outliers per token of the Keys and the
