@@ -953,8 +953,8 @@ if HAVE_GLUON:
             for i in gl.static_range(NST):
                 mbarrier.init(bars.index(i), count=1)
             for i in gl.static_range(NST):
-                _issue_post(KC, VC, kbuf, vbuf, bars.index(i), i, bh * T + start + i * BT, i < n_iter, KEYS, VALS,
-                            BT)
+                _issue_codes(KC, VC, kbuf, vbuf, bars.index(i), i, bh * T + start + i * BT, i < n_iter,
+                             BT * 16 * (KEYS + VALS), KEYS, VALS)
         else:
             kc_base = KC + bh64 * T * 4
             vc_base = VC + bh64 * T * 4
@@ -1039,8 +1039,8 @@ if HAVE_GLUON:
                 corr = _rows128(mma_v2(negm, pt, gl.zeros([16, 8], gl.float32, mma)), mma)
                 acc = mma_v2(vv, pt, acc * gl.expand_dims(alpha8, 0) + corr)
             if TMA:  # the ring slot just read takes the tile NST ahead
-                _issue_post(KC, VC, kbuf, vbuf, bars.index(st), st, bh * T + t0 + NST * BT, it + NST < n_iter, KEYS,
-                            VALS, BT)
+                _issue_codes(KC, VC, kbuf, vbuf, bars.index(st), st, bh * T + t0 + NST * BT, it + NST < n_iter,
+                             BT * 16 * (KEYS + VALS), KEYS, VALS)
 
         r8 = tcol
         o8 = (bh * 16 + r8) * (NSPLIT + NWIN) + split
@@ -1063,11 +1063,11 @@ if HAVE_GLUON:
                      mask=gl.expand_dims(r8 < REP, 0))
 
     @gluon.jit
-    def _issue_post(KC, VC, kbuf, vbuf, bar, slot, row, pred, KEYS: gl.constexpr, VALS: gl.constexpr,
-                    BT: gl.constexpr):
-        """Start the TMA copies of code rows [row, row + BT) of the Keys (KEYS) and the Values (VALS) into ring slot
-        `slot` of `_post_decode_kernel`; `bar` completes when they have landed."""
-        mbarrier.expect(bar, BT * 16 * (KEYS + VALS), pred=pred)
+    def _issue_codes(KC, VC, kbuf, vbuf, bar, slot, row, pred, NBYTES: gl.constexpr, KEYS: gl.constexpr = True,
+                     VALS: gl.constexpr = True):
+        """Start the TMA copies of one tile's code rows from `row` on, of the Keys (KEYS) and the Values (VALS), into
+        ring slot `slot` (kvquant's and calibquant's rings); `bar` completes when all NBYTES have landed."""
+        mbarrier.expect(bar, NBYTES, pred=pred)
         if KEYS:
             tma.async_copy_global_to_shared(KC, [row, 0], bar, kbuf.index(slot), pred=pred)
         if VALS:
@@ -1544,14 +1544,6 @@ if HAVE_GLUON:
             warp_bases=[], block_bases=[], shape=[2, 2, 4, bt])
 
     @gluon.jit
-    def _issue_pair(A, B, abuf, bbuf, bar, row, pred, NBYTES: gl.constexpr):
-        """Start the TMA copies of rows [row, row + box) of A and B into abuf and bbuf; `bar` completes when all
-        NBYTES have landed."""
-        mbarrier.expect(bar, NBYTES, pred=pred)
-        tma.async_copy_global_to_shared(A, [row, 0], bar, abuf, pred=pred)
-        tma.async_copy_global_to_shared(B, [row, 0], bar, bbuf, pred=pred)
-
-    @gluon.jit
     def _lut_smem_kwords(kb, KW: gl.constexpr, BT: gl.constexpr, ROPE: gl.constexpr):
         """A ring slot's Key words [BT, 16] into the layout KW [4 (a), 4 (b), BT] of the plain loads."""
         if ROPE:   # word 8 a1 + 2 b + a0
@@ -1652,8 +1644,7 @@ if HAVE_GLUON:
             for i in gl.static_range(NST):
                 mbarrier.init(bars.index(i), count=1)
             for i in gl.static_range(NST):
-                _issue_pair(KC, VC, kbuf.index(i), vbuf.index(i), bars.index(i), bh * T + start + i * BT, i < n_iter,
-                            BT * 128)
+                _issue_codes(KC, VC, kbuf, vbuf, bars.index(i), i, bh * T + start + i * BT, i < n_iter, BT * 128)
 
         for it in range(0, n_iter):
             t0 = start + it * BT
@@ -1707,8 +1698,8 @@ if HAVE_GLUON:
             vv = gl.convert_layout(vv, a_l)
             acc = mma_v2(vv, _p_transposed(p.to(dt), b_l, BT, IS_BF16), acc * gl.expand_dims(alpha8, 0))
             if TMA:  # the ring slot just read takes the tile NST ahead
-                _issue_pair(KC, VC, kbuf.index(st), vbuf.index(st), bars.index(st), bh * T + t0 + NST * BT,
-                            it + NST < n_iter, BT * 128)
+                _issue_codes(KC, VC, kbuf, vbuf, bars.index(st), st, bh * T + t0 + NST * BT, it + NST < n_iter,
+                             BT * 128)
 
         _store_partials(OUT_M, OUT_L, OUT_ACC, bh, split, NSPLIT, NWIN, m8, gl.sum(lacc, 0), acc, REP, mma)
 
