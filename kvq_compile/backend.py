@@ -53,7 +53,8 @@ def release_storage(t: torch.Tensor) -> None:
 
 
 class KVQBackend:
-    """The backend object. `reports` keeps one `RewriteReport` per compiled graph (see `explain`)."""
+    """The backend object. `reports` keeps one `RewriteReport` per compiled graph (see `explain`); `stores()` the
+    packed stores its graphs write, in compile order."""
 
     def __init__(self, cfg: KVQConfig, release_fp16_cache: bool = True, compile_with_inductor: bool = True):
         if not isinstance(cfg, KVQConfig):
@@ -63,6 +64,19 @@ class KVQBackend:
         self.release_fp16_cache = release_fp16_cache
         self.compile_with_inductor = compile_with_inductor
         self.reports: list[RewriteReport] = []
+        self._stores: list[weakref.ref] = []   # weak: a store lives as long as the graphs (and cache) that use it
+
+    def stores(self) -> list[st.ModelStore]:
+        """The stores of the graphs compiled so far that are still alive, oldest first, each once (a recompile of
+        the same cache finds its store again). Use this rather than the cache tensors: generate's StaticCache may
+        be freed as soon as generate returns (torch 2.11) or only when gc runs (2.13)."""
+        seen, out = set(), []
+        for r in self._stores:
+            s = r()
+            if s is not None and id(s) not in seen:
+                seen.add(id(s))
+                out.append(s)
+        return out
 
     def __deepcopy__(self, memo):  # generate() copies its CompileConfig; keep one backend and its reports
         return self
@@ -102,6 +116,7 @@ class KVQBackend:
             return None
         geo = st.Geometry(B, H, T, D, st.dtype_name(k0.dtype))
         store = _store_for(k0, self.cfg, len(matches), geo)
+        self._stores.append(weakref.ref(store))
         pos_slice, pos_args = slice_graph(gm, [matches[0].positions])
         if pos_slice is None:
             for m in matches:

@@ -16,7 +16,6 @@ def main(presets=("fp16", "int8", "kivi-4", "kivi-2", "kvquant-4-1%", "innerq-2"
     from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM
 
     from kvq_compile import KVQConfig, kvq_backend
-    from kvq_compile import backend as bk
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
@@ -38,7 +37,7 @@ def main(presets=("fp16", "int8", "kivi-4", "kivi-2", "kvquant-4-1%", "innerq-2"
         t0 = time.perf_counter()
         out = model.generate(ids, compile_config=cc, **gen)
         dt = time.perf_counter() - t0
-        store = list(bk._STORES.values())[-1][1]
+        store = backend.stores()[-1]
         agree = (out.sequences[:, ids.shape[1]:] == ref.sequences[:, ids.shape[1]:]).float().mean().item()
         a, b = torch.stack(ref.logits[1:]), torch.stack(out.logits[1:])
         snr = 20 * torch.log10(a.norm() / (a - b).norm().clamp_min(1e-12)).item()
