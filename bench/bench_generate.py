@@ -188,6 +188,9 @@ def per_shape(args, shapes: list) -> None:
             out = os.path.join(tmp, "rows.json")
             argv = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--shapes", shape, "--one-process",
                     "--out", out] + ([] if i == len(shapes) - 1 else ["--profile", ""])
+            if os.environ.get("KVQ_WITH_FLAGS"):   # started by bench/debug/with_flags.py: the same flags here
+                argv[1:1] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "debug", "with_flags.py"),
+                             os.environ["KVQ_WITH_FLAGS"]]
             rc = subprocess.run(argv).returncode
             if rc != 0 or not os.path.exists(out):   # report and go on, as one process does with a failed run
                 print(f"shape {shape}: its process failed (exit code {rc}); no rows", flush=True)

@@ -44,8 +44,7 @@ layout (innerq-2, `layout_kind` "inner"): the same packed words with the statist
 token in groups of 32 channels (statistics [T, 4], one per lane group b of the Key layout below) and Values per
 channel in groups of 32 tokens (rows [NG, D], one 32-token tile per row), asymmetric or hybrid (a group's mask picks
 symmetric levels, spacing 2 / (2^B - 2), or asymmetric ones at twice that), its per-channel Key norm folded into q;
-plain loads (through the TMA ring it was 0-3% slower on an H100, slower still with its masks loaded a tile ahead:
-bench/RESULTS.md, session 15). Layouts that
+its codes through a TMA ring of their own (`INNER_TMA`, below), its statistics and masks by plain loads. Layouts that
 none of the kernels covers run the Triton template, as do the exact windows (sink, ring, chunk) of every layout: the
 kernels write the same (max, sum, acc) partial results into slots [0, NSPLIT) that `_decode_kernel` would, its
 window launch slots [NSPLIT, NSPLIT + NWIN), and `_combine_kernel` merges them. With PDL (sm_90+) each program
@@ -62,7 +61,9 @@ session 23), and no longer spilling at its register cap; the RoPE rows through t
 (`bench/debug/lut_rope_ring_tried.patch`).
 calibquant's passes take it for the codes they read (`POST_TMA`): at batch x context >= 64k the kernel is 0.4-3.5%
 faster at four shapes and 1.1% / 4.8% slower at (8, 65536) / (1, 65536); a decode step takes 1% less GPU time end
-to end at (32, 4096) (session 23).
+to end at (32, 4096) (session 23). InnerQ's layout too (`INNER_TMA`, codes only, any sink or length): 6.8-10.2%
+faster at batch x context >= 64k with a bool mask, 128 registers instead of 167 (session 24); session 15's ring that also
+copied the statistics was 0-3% slower than plain loads.
 
 Math (one program = one KV head of one sequence and one slice of the quantized region, one warp):
     k[t, c] = s_k[g, c] * code + z_k[g, c]     s = half * 2 / (2^B - 1), z = center - half, g = (t - S) // 32
@@ -1121,7 +1122,8 @@ if HAVE_GLUON:
             PDL: gl.constexpr, INNER: gl.constexpr = False, KHYB: gl.constexpr = False,
             VHYB: gl.constexpr = False, NORM: gl.constexpr = False, KPOST: gl.constexpr = False):
         """KIVI's layout, or with INNER InnerQ's (Keys per token in groups of 32 channels, Values per channel in
-        groups of 32 tokens: the same packed words, the statistics the other way round; plain loads). NG_K: the
+        groups of 32 tokens: the same packed words, the statistics the other way round, the codes alone through the
+        ring where TMA). NG_K: the
         statistics rows per KV head of the token-grouped side (KIVI's Keys, InnerQ's Values). InnerQ's extras:
         KHYB / VHYB hybrid groups (KMASK / VMASK: True = symmetric levels, spacing KA / VA; else twice that),
         NORM its per-channel Key normalization KNORM [B * H, 128] folded into q (q * norm, rounded once).
@@ -1168,7 +1170,6 @@ if HAVE_GLUON:
         kc16 = gl.arange(0, KP, layout=gl.SliceLayout(0, gl.SliceLayout(0, KS)))
         kdummy = gl.expand_dims(gl.expand_dims(gl.expand_dims(kc16, 0), 0), 3)         # [1, 1, KP, 1], broadcast only
         if INNER:  # InnerQ's Key statistics: one per token t and lane group b (its 32 channels), [4, BT]
-            gl.static_assert(not TMA, "InnerQ's layout takes plain loads")
             KT: gl.constexpr = gl.SliceLayout(0, KW)
             tb = gl.arange(0, 4, layout=gl.SliceLayout(1, KT))
             ksoff = gl.expand_dims(kt, 0) * 4 + gl.expand_dims(tb, 1)                  # [4, BT] (t, group b)
@@ -1219,7 +1220,21 @@ if HAVE_GLUON:
             vhi = gl.full([BT, 8], VA_HI, dt, VW)
             vlo = gl.full([BT, 8], VA_LO, dt, VW)
 
-        if TMA:  # a ring of NST tiles in shared memory, filled by the tensor-memory accelerator
+        if TMA and INNER:  # InnerQ: a ring of the tiles' code rows only (`INNER_TMA`); statistics by plain loads
+            kbuf = gl.allocate_shared_memory(gl.int32, [NST, BT, KW_], KC.layout)
+            vbuf = gl.allocate_shared_memory(gl.int32, [NST, BT, VW_], VC.layout)
+            bars = gl.allocate_shared_memory(gl.int64, [NST, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(NST):
+                mbarrier.init(bars.index(i), count=1)
+            row0 = bh * T
+            for i in gl.static_range(NST):
+                _issue_codes(KC, VC, kbuf, vbuf, bars.index(i), i, row0 + start + i * BT, i < n_iter,
+                             BT * (KW_ + VW_) * 4)
+            L4: gl.constexpr = _stats4_layout(BT)
+            bh64 = bh.to(gl.int64)
+            ks_base = bh64 * T * 4
+            vs_base = bh64 * NG_K * D
+        elif TMA:  # a ring of NST tiles in shared memory, filled by the tensor-memory accelerator
             kbuf = gl.allocate_shared_memory(gl.int32, [NST, BT, KW_], KC.layout)
             vbuf = gl.allocate_shared_memory(gl.int32, [NST, BT, VW_], VC.layout)
             khbuf = gl.allocate_shared_memory(dt, [NST, 1, D], KHALF.layout)
@@ -1288,7 +1303,14 @@ if HAVE_GLUON:
 
         for it in range(0, n_iter):
             t0 = start + it * BT
-            if TMA:
+            if TMA and INNER:  # the statistics' loads first: in flight while the codes' slot fills
+                kh, kcen, khyb, vh, vcen, vhyb = _load_inner_stats(KHALF, KCEN, KMASK, VHALF, VCEN, VMASK, ks_base,
+                                                                   vs_base, t0, stop, S, ksoff, kt, vchan, D, KHYB,
+                                                                   VHYB)
+                st = it % NST
+                mbarrier.wait(bars.index(st), (it // NST) & 1)
+                kwords, vwords = _smem_codes(kbuf.index(st), vbuf.index(st), KW, VW, VW3, L4, BT, KBITS, VBITS, KP)
+            elif TMA:
                 st = it % NST
                 mbarrier.wait(bars.index(st), (it // NST) & 1)
                 kwords, kh, kcen, vwords, vh, vcen = _smem_tile(kbuf.index(st), vbuf.index(st), khbuf.index(st),
@@ -1371,7 +1393,10 @@ if HAVE_GLUON:
             vv = vv.permute([0, 2, 3, 1]).reshape([BT, 128]).permute([1, 0])          # v^T [128 (n = 8j + w), BT]
             vv = gl.convert_layout(vv, a_l)
             acc = mma_v2(vv, _p_transposed(p.to(dt), b_l, BT, IS_BF16), acc * gl.expand_dims(alpha8, 0))
-            if TMA:  # the ring slot just read takes the tile NST ahead (its registers are consumed by now)
+            if TMA and INNER:  # the ring slot just read takes the tile NST ahead
+                _issue_codes(KC, VC, kbuf, vbuf, bars.index(st), st, row0 + t0 + NST * BT, it + NST < n_iter,
+                             BT * (KW_ + VW_) * 4)
+            elif TMA:  # the ring slot just read takes the tile NST ahead (its registers are consumed by now)
                 _issue(KC, VC, KHALF, KCEN, VHALF, VCEN, kbuf.index(st), vbuf.index(st), khbuf.index(st),
                        kzbuf.index(st), vhbuf.index(st), vzbuf.index(st), bars.index(st), row0, grow0,
                        t0 + NST * BT, S, it + NST < n_iter, NBYTES)
@@ -1404,22 +1429,31 @@ if HAVE_GLUON:
         """One ring slot into registers, in the layouts `_load_tile` returns (Key words at 1 bit unshifted)."""
         flat3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
         flat2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+        kwords, vwords = _smem_codes(kb, vb, KW, VW, VW3, L4, BT, KBITS, VBITS, KP)
+        kh = khb._reinterpret(khb.dtype, [4, 32 // KP, KP], flat3).permute([1, 0, 2]).load(KS)
+        kcen = kzb._reinterpret(kzb.dtype, [4, 32 // KP, KP], flat3).permute([1, 0, 2]).load(KS)
+        vh = _widen(vhb._reinterpret(vhb.dtype, [BT, 4], flat2).load(L4), VW, BT)
+        vcen = _widen(vzb._reinterpret(vzb.dtype, [BT, 4], flat2).load(L4), VW, BT)
+        return kwords, kh, kcen, vwords, vh, vcen
+
+    @gluon.jit
+    def _smem_codes(kb, vb, KW: gl.constexpr, VW: gl.constexpr, VW3: gl.constexpr, L4: gl.constexpr,
+                    BT: gl.constexpr, KBITS: gl.constexpr, VBITS: gl.constexpr, KP: gl.constexpr):
+        """One ring slot's code rows into registers (`_smem_tile`'s words; InnerQ's codes-only ring)."""
+        flat3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
+        flat2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
         if KBITS == 1:   # word b of each token; the block a is its half (shifted by the caller)
             kwords = gl.expand_dims(kb._reinterpret(gl.int32, [BT, 4], flat2).permute([1, 0]).load(
                 gl.SliceLayout(0, KW)), 0)
         else:            # word a + (KBITS / KBW) b, i.e. [BT, 4 (b), NA (a)]
             kwords = kb._reinterpret(gl.int32, [BT, 4, 32 // KP], flat3).permute([2, 1, 0]).load(KW)
-        kh = khb._reinterpret(khb.dtype, [4, 32 // KP, KP], flat3).permute([1, 0, 2]).load(KS)
-        kcen = kzb._reinterpret(kzb.dtype, [4, 32 // KP, KP], flat3).permute([1, 0, 2]).load(KS)
         if VBITS == 4:
             vwords = vb._reinterpret(gl.int32, [BT, 8, 2], flat3).load(VW3)
         elif VBITS == 2:
             vwords = gl.expand_dims(vb._reinterpret(gl.int32, [BT, 8], flat2).load(VW), 2)
         else:
             vwords = gl.expand_dims(_widen(vb._reinterpret(gl.int32, [BT, 4], flat2).load(L4), VW, BT), 2)
-        vh = _widen(vhb._reinterpret(vhb.dtype, [BT, 4], flat2).load(L4), VW, BT)
-        vcen = _widen(vzb._reinterpret(vzb.dtype, [BT, 4], flat2).load(L4), VW, BT)
-        return kwords, kh, kcen, vwords, vh, vcen
+        return kwords, vwords
 
     @gluon.jit
     def _load_tile(kc_base, KHALF, KCEN, vc_base, VHALF, VCEN, ks_base, vs_base, t0, stop, S: gl.constexpr, koff,
@@ -1452,6 +1486,21 @@ if HAVE_GLUON:
         each side's level-spacing factor (hybrid: 1 for a symmetric group, 2 for an asymmetric one; else 1)."""
         kvalid = (t0 + kt) < stop
         kwords = gl.load(kc_base + t0 * KW_ + koff, mask=gl.expand_dims(gl.expand_dims(kvalid, 0), 0), other=0)
+        vvalid = gl.expand_dims((t0 + vt) < stop, 1)
+        if VBITS == 4:
+            vwords = gl.load(vc_base + t0 * VW_ + voff, mask=gl.expand_dims(vvalid, 2), other=0)
+        else:
+            vwords = gl.expand_dims(gl.load(vc_base + t0 * VW_ + voff, mask=vvalid, other=0), 2)
+        kh, kcen, khyb, vh, vcen, vhyb = _load_inner_stats(KHALF, KCEN, KMASK, VHALF, VCEN, VMASK, ks_base, vs_base,
+                                                           t0, stop, S, ksoff, kt, vchan, D, KHYB, VHYB)
+        return kwords, vwords, kh, kcen, khyb, vh, vcen, vhyb
+
+    @gluon.jit
+    def _load_inner_stats(KHALF, KCEN, KMASK, VHALF, VCEN, VMASK, ks_base, vs_base, t0, stop, S: gl.constexpr,
+                          ksoff, kt, vchan, D: gl.constexpr, KHYB: gl.constexpr, VHYB: gl.constexpr):
+        """InnerQ's raw statistics and level-spacing factors of the tile at t0 (`_load_inner_tile`'s; the codes-only
+        ring loads these alone)."""
+        kvalid = (t0 + kt) < stop
         kvalid2 = gl.expand_dims(kvalid, 0) & (ksoff >= 0)   # [4, BT]
         ksrow = ks_base + t0 * 4 + ksoff
         kh = gl.load(KHALF + ksrow, mask=kvalid2, other=0.0)
@@ -1460,11 +1509,6 @@ if HAVE_GLUON:
             khyb = gl.where(gl.load(KMASK + ksrow, mask=kvalid2, other=0) != 0, 1.0, 2.0)
         else:
             khyb = gl.full(ksrow.shape, 1.0, gl.float32, ksrow.type.layout)
-        vvalid = gl.expand_dims((t0 + vt) < stop, 1)
-        if VBITS == 4:
-            vwords = gl.load(vc_base + t0 * VW_ + voff, mask=gl.expand_dims(vvalid, 2), other=0)
-        else:
-            vwords = gl.expand_dims(gl.load(vc_base + t0 * VW_ + voff, mask=vvalid, other=0), 2)
         vsrow = vs_base + (t0 - S) // 32 * D + vchan   # t0 < stop: the tile's group row is written
         vh = gl.load(VHALF + vsrow)
         vcen = gl.load(VCEN + vsrow)
@@ -1472,7 +1516,7 @@ if HAVE_GLUON:
             vhyb = gl.where(gl.load(VMASK + vsrow) != 0, 1.0, 2.0)
         else:
             vhyb = gl.full(vchan.shape, 1.0, gl.float32, vchan.type.layout)
-        return kwords, vwords, kh, kcen, khyb, vh, vcen, vhyb
+        return kh, kcen, khyb, vh, vcen, vhyb
 
     @gluon.jit
     def _lut_regs(LEV, e, IS_BF16: gl.constexpr):
@@ -1923,6 +1967,10 @@ POST_MAXNREG = {1: 80, 2: 128}  # register caps of calibquant's passes (by phase
                      # pairs timed on an H100 these were the fastest at 4 of 6 shapes, 0.5-2.4% behind {1: 80, 2: 96}
                      # at the other two, which spills and was 10% slower at batch 1 (bench/RESULTS.md, session 21)
 USE_TMA = None    # the TMA path: None = on compute capability 9.0+ while capturing a CUDA graph (check_gluon.py flips it)
+INNER_TMA = True  # InnerQ's launch reads its codes through the TMA ring (where `USE_TMA` does), its statistics by
+                  # plain loads: innerq-2 6.8-10.2% faster at batch x context >= 64k (bool mask), 1.1-1.8% less GPU time
+                  # per decode step end to end (H100, bench/RESULTS.md session 24); session 15's ring with the
+                  # statistics too was 0-3% slower than plain loads
 POST_TMA = True   # calibquant's launches take the TMA path too (where `USE_TMA` does): 2.73 against 2.75-2.76 ms per
                   # decode step at (32, 4096) end to end; the kernel 0.4-3.5% faster at four of the six shapes of
                   # batch x context >= 64k, 1.1% / 4.8% slower at (8, 65536) / (1, 65536) (means of two runs; H100,
@@ -1947,17 +1995,19 @@ def descriptors(kp: dict, vp: dict, kbits: int, vbits: int) -> list:
             desc(vp["cen"].view(-1), [KIVI_BT * 4], sbits), desc(vp["half"].view(-1), [KIVI_BT * 4], sbits)]
 
 
-def row_descriptors(kp: dict, vp: dict, words: int, bt: int) -> list:
+def row_descriptors(kp: dict, vp: dict, words: int, bt: int, vwords: int | None = None) -> list:
     """Host TMA descriptors (KC, VC) of a layout with one row of `words` int32 per token and side (kvquant's 16,
-    calibquant's 4): the Key and Value codes as [rows, words], a block one tile's bt rows (rows of 16 or 64 bytes:
-    a tile may start at any row)."""
+    calibquant's 4; InnerQ's 4 * bits, the Values' `vwords` where they differ): the Key and Value codes as [rows,
+    words], a block one tile's bt rows (rows of 16, 32 or 64 bytes: a tile may start at any row)."""
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    return [TensorDescriptor.from_tensor(p["codes"].view(-1, words), [bt, words], layout) for p in (kp, vp)]
+    return [TensorDescriptor.from_tensor(p["codes"].view(-1, w), [bt, w], layout)
+            for p, w in ((kp, words), (vp, words if vwords is None else vwords))]
 
 
 def _use_tma(query, sink: int, T: int, use_tma: bool | None, kind: str = "kivi") -> bool:
-    """Whether the KIVI-layout launch (kind "kivi"), kvquant's ("lut") or calibquant's ("post") may stream its tiles
-    through the TMA ring (see `launch`; calibquant's also needs `POST_TMA`)."""
+    """Whether the KIVI-layout launch (kind "kivi"), kvquant's ("lut"), calibquant's ("post") or InnerQ's ("inner")
+    may stream its tiles through the TMA ring (see `launch`; calibquant's also needs `POST_TMA`, InnerQ's
+    `INNER_TMA`)."""
     import torch
 
     if not query.is_cuda:
@@ -1970,8 +2020,8 @@ def _use_tma(query, sink: int, T: int, use_tma: bool | None, kind: str = "kivi")
         use_tma = torch.cuda.is_current_stream_capturing()
     use_tma = use_tma and HAVE_TMA and torch.cuda.get_device_capability(query.device) >= (9, 0)
     # a TMA box starts 16-byte aligned in its innermost dimension: the Values' statistics (8 bytes a token) need an
-    # even first row, i.e. an even sink and cache length (an odd start faults with an illegal instruction); kvquant's
-    # and calibquant's rings hold whole rows of codes (64 and 16 bytes) only
+    # even first row, i.e. an even sink and cache length (an odd start faults with an illegal instruction); kvquant's,
+    # calibquant's and InnerQ's rings hold whole rows of codes (16 to 64 bytes) only
     return use_tma and (kind != "kivi" or (sink % 2 == 0 and T % 2 == 0))
 
 
@@ -2023,8 +2073,11 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
         raise ValueError(f"no Gluon launch for layout {kind!r} with calibrated-softmax phase {phase}")
     stores = [kp["codes"], kp["cen"], kp["half"], vp["codes"], vp["cen"], vp["half"]]
     extra = [query, query, query]   # KMASK, VMASK, KNORM: InnerQ's only
-    if kind == "inner":  # plain loads; ng_k: the Values' group rows; hybrid: the spacing of symmetric levels
+    if kind == "inner":  # ng_k: the Values' group rows; hybrid: the spacing of symmetric levels
         khyb, vhyb, norm = inner_flags(kp, vp)
+        tma_on = INNER_TMA and _use_tma(query, sink, T, use_tma, kind)
+        if tma_on:   # the codes through the TMA ring, the statistics by plain loads
+            stores[0], stores[3] = row_descriptors(kp, vp, 4 * kbits, KIVI_BT, 4 * vbits)
         ka_hi, ka_lo = split_scale(2.0 / (2 ** kbits - (2 if khyb else 1)), bf16)
         va_hi, va_lo = split_scale(2.0 / (2 ** vbits - (2 if vhyb else 1)), bf16)
         extra = [kp["hmask"].view(torch.uint8) if khyb else query, vp["hmask"].view(torch.uint8) if vhyb else query,
@@ -2033,7 +2086,7 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
             query, query.stride(0), query.stride(1), *stores, positions, amask, smb, m_buf, l_buf, acc_buf,
             float(scale), T, ng_k, nsplit, *extra), dict(
             H=H, REP=rep, S=sink, R=recent, TPG_K=1, TPG_V=32, MASK_KIND=mask_kind, IS_BF16=bf16, BT=KIVI_BT,
-            KBITS=kbits, VBITS=vbits, KA_HI=ka_hi, KA_LO=ka_lo, VA_HI=va_hi, VA_LO=va_lo, NWIN=nwin, TMA=False,
+            KBITS=kbits, VBITS=vbits, KA_HI=ka_hi, KA_LO=ka_lo, VA_HI=va_hi, VA_LO=va_lo, NWIN=nwin, TMA=tma_on,
             NST=NSTAGES, PDL=pdl, INNER=True, KHYB=khyb, VHYB=vhyb, NORM=norm, num_warps=1)
     ka_hi, ka_lo = split_scale(2.0 / (2 ** kbits - 1), bf16)
     va_hi, va_lo = split_scale(2.0 / (2 ** vbits - 1), bf16)
@@ -2083,10 +2136,10 @@ def launch(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int
            temp=None, rope=None, nout: tuple = (0, 0), pdl: bool = False, logits=None, exact=None, ranges=None):
     """Run the quantized-region launch into slots [0, nsplit) of the partial buffers (grid (B * H, nsplit); each
     row has nsplit + nwin slots, the last nwin the window launch's). kind: `layout_kind` of the store. ng_k: the
-    statistics rows per KV head of the token-grouped side (KIVI's Keys, InnerQ's Values). use_tma (KIVI's, kvquant's
-    and calibquant's layouts): stream the tiles (kvquant, calibquant: their codes) through shared memory with the
-    tensor-memory accelerator (None: `USE_TMA`, whose None means on sm_90+ inside CUDA-graph capture; KIVI's never
-    for an odd sink or cache length; calibquant's only with `POST_TMA`). phase, temp: the
+    statistics rows per KV head of the token-grouped side (KIVI's Keys, InnerQ's Values). use_tma (KIVI's, InnerQ's,
+    kvquant's and calibquant's layouts): stream the tiles (InnerQ, kvquant, calibquant: their codes) through shared
+    memory with the tensor-memory accelerator (None: `USE_TMA`, whose None means on sm_90+ inside CUDA-graph capture;
+    KIVI's never for an odd sink or cache length; calibquant's only with `POST_TMA`, InnerQ's with `INNER_TMA`). phase, temp: the
     calibrated softmax's phase (calibquant only), in phase 2 its per-row temperatures, and in both phases the logits
     that phase 1 writes and phase 2 reads (fp32 [B * H, T, rep]). rope (kvquant's layout only): the (cos, sin)
     tables [B, T, 128] of Keys stored before RoPE, else None; nout (the same): outliers per token of the Keys and the

@@ -276,6 +276,22 @@ SCRIPT = textwrap.dedent('''
                          maxnreg=dag.POST_MAXNREG[phase])
         out.append(("post-tma", phase, b.stack == b.local == 0, b.regs, b.shared, b.sass.count("UTMALDG"),
                     b.sass.count("LDS"), b.sass.count("STS"), loop(b, True)))
+    for bf16, mask, kb, vb, hyb, norm in ((False, 1, 2, 2, True, True), (True, 0, 4, 1, False, False)):   # InnerQ's ring
+        ty = "*bf16" if bf16 else "*fp16"
+        kc, vc = map(mangle_type, dag.row_descriptors(dict(codes=torch.zeros(2, 2, 64, 4 * kb, dtype=torch.int32)),
+                                                      dict(codes=torch.zeros(2, 2, 64, 4 * vb, dtype=torch.int32)),
+                                                      4 * kb, dag.KIVI_BT, 4 * vb))
+        sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC=kc, KCEN=ty, KHALF=ty, VC=vc, VCEN=ty, VHALF=ty,
+                   POS="*i64", AMASK="*i1" if mask == 1 else ty, stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32",
+                   OUT_ACC="*fp32", scale="fp32", T="i32", NG_K="i32", NSPLIT="i32", KMASK="*u8" if hyb else ty,
+                   VMASK="*u8" if hyb else ty, KNORM="*fp32" if norm else ty)
+        ka, va = (dag.split_scale(2 / (2 ** n - (2 if hyb else 1)), bf16) for n in (kb, vb))
+        cx = dict(H=8, REP=4, S=32, R=96, TPG_K=1, TPG_V=32, MASK_KIND=mask, IS_BF16=bf16, BT=32, KBITS=kb, VBITS=vb,
+                  KA_HI=ka[0], KA_LO=ka[1], VA_HI=va[0], VA_LO=va[1], NWIN=3, TMA=True, NST=dag.NSTAGES, PDL=True,
+                  INNER=True, KHYB=hyb, VHYB=hyb, NORM=norm)
+        b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 4, 5, 7, 8, 12, 13, 14))
+        out.append(("inner-tma", bf16, kb, vb, b.shared, b.stack == b.local == 0, b.sass.count("UTMALDG"),
+                    b.sass.count("STS"), b.sass.count("LDS"), b.regs, loop(b)))
     print(out)
 ''')
 
@@ -291,8 +307,14 @@ def test_compiles_for_sm90_into_registers_only():
     r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = eval(r.stdout.strip().splitlines()[-1])  # noqa: S307  (our own repr of a list of tuples)
-    assert len(rows) == 23
-    for _, phase, no_local, regs, shared, tma_loads, lds, sts, loop in rows[21:]:
+    assert len(rows) == 25
+    for _, bf16, kb, vb, shared, no_local, tma_loads, sts, lds, regs, loop in rows[23:]:
+        # InnerQ's codes through the TMA ring (`INNER_TMA`): NSTAGES 32-token tiles of both sides' code rows, copied
+        # by TMA (two per tile: NSTAGES pairs in the prologue, one in the loop), read by LDS; its statistics by plain
+        # loads; no spills. (`loop` finds the mbarrier wait's retry branch: only its HMMA and MOVM are the loop's.)
+        assert shared >= dag.NSTAGES * 32 * 16 * (kb + vb) and sts == 0 and lds > 0 and no_local, rows
+        assert tma_loads == 2 * (dag.NSTAGES + 1) and loop[:2] == (32, 4), rows
+    for _, phase, no_local, regs, shared, tma_loads, lds, sts, loop in rows[21:23]:
         # calibquant's passes with their codes through the TMA ring (`POST_TMA`; inside CUDA graphs on sm_90+): the
         # side each pass reads (range pass: Keys, attention pass: Values), NSTAGES 32-token tiles of 512 bytes, copied
         # by TMA (NSTAGES copies in the prologue, one in the loop) and read by LDS; under the same register caps

@@ -5,7 +5,10 @@ processes), e.g.
     python bench/debug/with_flags.py "dag.WINDOW_INSIDE = False" bench/bench_generate.py --shapes 32x4096 ...
 
 `da` is `kvq_compile.templates.decode_attention`, `dag` its Gluon module. Every assignment must name a flag the
-module has (a misspelled or removed one would otherwise make an A/B of two identical builds).
+module has (a misspelled or removed one would otherwise make an A/B of two identical builds). bench_generate.py runs
+each of several shapes in a process of its own: those start through this script with the same flags
+(KVQ_WITH_FLAGS; before session 24 they ran with the defaults, so a multi-shape end-to-end A/B compared the defaults
+with themselves).
 """
 import ast
 import os
@@ -26,6 +29,7 @@ for node in ast.walk(ast.parse(sys.argv[1])):
                 sys.exit(f"with_flags: {ast.unparse(target)} is not a flag of decode_attention (da) or its Gluon "
                          "module (dag)")
 exec(sys.argv[1])  # noqa: S102  (the caller's own flag assignments, checked above)
+os.environ["KVQ_WITH_FLAGS"] = sys.argv[1]   # bench_generate.py's per-shape processes set them too
 print("flags:", sys.argv[1], flush=True)
 sys.argv = sys.argv[2:]
 runpy.run_path(sys.argv[0], run_name="__main__")
