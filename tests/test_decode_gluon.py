@@ -154,6 +154,19 @@ def test_layout_kinds():
         assert dag.layout_kind(kc, vc, 128) == kind, preset
 
 
+@pytest.mark.skipif(not dag.HAVE_TMA, reason="triton without Gluon's TMA")
+def test_row_descriptors_take_each_sides_width():
+    """InnerQ's codes ring (`INNER_TMA`): one TMA box of a tile's rows per side, the Values' width where it differs
+    from the Keys' (innerq-k4v1: 16 and 4 words a token)."""
+    kp = dict(codes=torch.zeros(2, 3, 96, 16, dtype=torch.int32))
+    vp = dict(codes=torch.zeros(2, 3, 96, 4, dtype=torch.int32))
+    kd, vd = dag.row_descriptors(kp, vp, 16, dag.KIVI_BT, 4)
+    assert list(kd.shape) == [576, 16] and list(kd.block_shape) == [dag.KIVI_BT, 16]
+    assert list(vd.shape) == [576, 4] and list(vd.block_shape) == [dag.KIVI_BT, 4]
+    kd, vd = dag.row_descriptors(kp, dict(codes=torch.zeros(2, 3, 96, 16, dtype=torch.int32)), 16, 16)
+    assert list(vd.shape) == [576, 16] and list(vd.block_shape) == [16, 16]   # one width for both sides
+
+
 def test_programs_per_sm_follows_the_occupancy_rules():
     """The Gluon launch's slice count rests on this: one-warp programs per SM from registers, shared memory and the
     blocks-per-SM limit, as Nsight Compute reported them on an H100 (bench/RESULTS.md, session 11: 157 and 168
