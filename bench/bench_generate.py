@@ -189,6 +189,7 @@ def per_shape(args, shapes: list) -> None:
             argv = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--shapes", shape, "--one-process",
                     "--out", out] + ([] if i == len(shapes) - 1 else ["--profile", ""])
             if os.environ.get("KVQ_WITH_FLAGS"):   # started by bench/debug/with_flags.py: the same flags here
+                print(f"shape {shape}: its process runs with the flags {os.environ['KVQ_WITH_FLAGS']!r}", flush=True)
                 argv[1:1] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "debug", "with_flags.py"),
                              os.environ["KVQ_WITH_FLAGS"]]
             rc = subprocess.run(argv).returncode

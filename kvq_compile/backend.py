@@ -116,7 +116,6 @@ class KVQBackend:
             return None
         geo = st.Geometry(B, H, T, D, st.dtype_name(k0.dtype))
         store = _store_for(k0, self.cfg, len(matches), geo)
-        self._stores.append(weakref.ref(store))
         pos_slice, pos_args = slice_graph(gm, [matches[0].positions])
         if pos_slice is None:
             for m in matches:
@@ -134,6 +133,7 @@ class KVQBackend:
                             "(expected one [batch, q_len] position-id input)")
                 return None
             rotary.append((gmod, args, ints[0]))
+        self._stores.append(weakref.ref(store))   # only a graph that is rewritten below writes its store
         runner = _StepRunner(store, [(index[m.k_cache], index[m.v_cache]) for m in matches],
                              (pos_slice, pos_args), rotary, self.release_fp16_cache)
         emitted = rewrite(gm, matches, store, compat.register_store_buffer)

@@ -61,9 +61,10 @@ session 23), and no longer spilling at its register cap; the RoPE rows through t
 (`bench/debug/lut_rope_ring_tried.patch`).
 calibquant's passes take it for the codes they read (`POST_TMA`): at batch x context >= 64k the kernel is 0.4-3.5%
 faster at four shapes and 1.1% / 4.8% slower at (8, 65536) / (1, 65536); a decode step takes 1% less GPU time end
-to end at (32, 4096) (session 23). InnerQ's layout too (`INNER_TMA`, codes only, any sink or length): 6.8-10.2%
-faster at batch x context >= 64k with a bool mask, 128 registers instead of 167 (session 24); session 15's ring that also
-copied the statistics was 0-3% slower than plain loads.
+to end at (32, 4096) (session 23). InnerQ's layout too (`INNER_TMA`, codes only, any sink or length): 128 registers
+instead of 167, 6.8-10.2% faster at batch x context >= 64k with a bool mask, and 3.6-7.9% more at four of those
+shapes once its slices were sized for that build (session 24); session 15's ring that also copied the statistics
+was 0-3% slower than plain loads.
 
 Math (one program = one KV head of one sequence and one slice of the quantized region, one warp):
     k[t, c] = s_k[g, c] * code + z_k[g, c]     s = half * 2 / (2^B - 1), z = center - half, g = (t - S) // 32
@@ -1067,7 +1068,8 @@ if HAVE_GLUON:
     def _issue_codes(KC, VC, kbuf, vbuf, bar, slot, row, pred, NBYTES: gl.constexpr, KEYS: gl.constexpr = True,
                      VALS: gl.constexpr = True):
         """Start the TMA copies of one tile's code rows from `row` on, of the Keys (KEYS) and the Values (VALS), into
-        ring slot `slot` (kvquant's and calibquant's rings); `bar` completes when all NBYTES have landed."""
+        ring slot `slot` (InnerQ's, kvquant's and calibquant's rings); `bar` completes when all NBYTES have
+        landed."""
         mbarrier.expect(bar, NBYTES, pred=pred)
         if KEYS:
             tma.async_copy_global_to_shared(KC, [row, 0], bar, kbuf.index(slot), pred=pred)
@@ -1968,9 +1970,9 @@ POST_MAXNREG = {1: 80, 2: 128}  # register caps of calibquant's passes (by phase
                      # at the other two, which spills and was 10% slower at batch 1 (bench/RESULTS.md, session 21)
 USE_TMA = None    # the TMA path: None = on compute capability 9.0+ while capturing a CUDA graph (check_gluon.py flips it)
 INNER_TMA = True  # InnerQ's launch reads its codes through the TMA ring (where `USE_TMA` does), its statistics by
-                  # plain loads: innerq-2 6.8-10.2% faster at batch x context >= 64k (bool mask), 1.1-1.8% less GPU time
-                  # per decode step end to end (H100, bench/RESULTS.md session 24); session 15's ring with the
-                  # statistics too was 0-3% slower than plain loads
+                  # plain loads: innerq-2 6.8-10.2% faster at batch x context >= 64k (bool mask; slices sized for the
+                  # plain build), 1.1-1.8% less GPU time per decode step end to end (H100, bench/RESULTS.md session
+                  # 24); session 15's ring with the statistics too was 0-3% slower than plain loads
 POST_TMA = True   # calibquant's launches take the TMA path too (where `USE_TMA` does): 2.73 against 2.75-2.76 ms per
                   # decode step at (32, 4096) end to end; the kernel 0.4-3.5% faster at four of the six shapes of
                   # batch x context >= 64k, 1.1% / 4.8% slower at (8, 65536) / (1, 65536) (means of two runs; H100,
@@ -2185,11 +2187,11 @@ def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mas
     import torch
 
     dev = query.device
-    tma = kind in ("kivi", "lut", "post") and _use_tma(query, sink, T, use_tma, kind)
+    tma = kind in ("kivi", "lut", "post", "inner") and _use_tma(query, sink, T, use_tma, kind)
     key = (kind, inner_flags(kp, vp) if kind == "inner" else None, dev.index, query.dtype, amask.dtype, mask_kind, kbits, vbits, H, rep, sink, recent, tpg_v, nwin,
            tma, NSTAGES, phase, rope is not None, tuple(nout), LUT_BT, LUT_MAXNREG, LUT_NO_MASK_AS_BOOL, SYM8_BT, KIVI_BT, pdl,
            KEY_POST, None if exact is None else tuple(exact[s]["ring"].shape[2] for s in ("k", "v")),
-           tuple(sorted(POST_MAXNREG.items())), tuple(sorted(POST_WCOST.items())), POST_TMA)
+           tuple(sorted(POST_MAXNREG.items())), tuple(sorted(POST_WCOST.items())), POST_TMA, INNER_TMA)
     if key not in _RESIDENT:
         one = torch.empty(1, dtype=torch.float32, device=dev)   # stand-ins: partial buffers, temperatures, logits
         props = torch.cuda.get_device_properties(dev)

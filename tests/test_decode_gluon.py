@@ -326,6 +326,7 @@ def test_compiles_for_sm90_into_registers_only():
         # by TMA (two per tile: NSTAGES pairs in the prologue, one in the loop), read by LDS; its statistics by plain
         # loads; no spills. (`loop` finds the mbarrier wait's retry branch: only its HMMA and MOVM are the loop's.)
         assert shared >= dag.NSTAGES * 32 * 16 * (kb + vb) and sts == 0 and lds > 0 and no_local, rows
+        assert regs <= 144, rows   # 138 / 128 (plain loads: 167 at the launch); more would cost programs per SM
         assert tma_loads == 2 * (dag.NSTAGES + 1) and loop[:2] == (32, 4), rows
     for _, phase, no_local, regs, shared, tma_loads, lds, sts, loop in rows[21:23]:
         # calibquant's passes with their codes through the TMA ring (`POST_TMA`; inside CUDA graphs on sm_90+): the
@@ -439,9 +440,10 @@ CASES = [  # B, H, rep, T, n0, sink, magnitude of K / V
     (2, 2, 8, 1100, 1031, None, 1.0), (1, 1, 5, 300, 160, None, 1.0),
     (2, 2, 4, 700, 100, None, 1.0),    # L <= R: nothing quantized yet, every Gluon program empty
     (2, 2, 4, 700, 650, 33, 1.0),      # a sink: the quantized region starts at 33 (groups counted from there);
-                                       # an odd start: plain loads (a TMA box of Value statistics would be misaligned)
+                                       # an odd start: KIVI's plain loads (a TMA box of Value statistics would be
+                                       # misaligned; InnerQ's, kvquant's and calibquant's rings take it)
     (1, 2, 4, 700, 600, 34, 1.0),      # an even sink (the TMA path: groups and rows counted from 34)
-    (1, 1, 4, 701, 500, None, 1.0),    # an odd cache length (plain loads)
+    (1, 1, 4, 701, 500, None, 1.0),    # an odd cache length (KIVI's plain loads)
     (2, 1, 4, 900, 800, None, 1e-3),   # small statistics (fp16 scales near the subnormal range)
 ]
 
@@ -982,6 +984,37 @@ def test_calibquant_attention_pass_launch_with_the_windows_inside(monkeypatch):
 
 
 @pytest.mark.skipif(CUDA, reason="the Triton launches run on CPU tensors: the interpreter, without a GPU")
+@pytest.mark.skipif(CUDA or not dag.HAVE_TMA, reason="CPU stubs of the GPU launch; Gluon's TMA descriptors")
+@pytest.mark.parametrize("preset,kb,vb", [("innerq-2", 2, 2), ("innerq-k4v1", 4, 1)])
+def test_inner_launch_takes_the_codes_ring(preset, kb, vb, monkeypatch):
+    """InnerQ's launch (stubbed on the CPU) plans the codes' TMA ring where `_use_tma` allows it: TMA descriptors of
+    [KIVI_BT, 4 * bits] rows per side in place of the codes, the statistics as they were; with `INNER_TMA` off, or
+    where `_use_tma` says no, plain loads. `resident_programs` sizes the same build (its key has INNER_TMA)."""
+    import inspect
+
+    recorded = _stub_gluon(monkeypatch)
+    cfg, ms, lay, k, v, p = _store(preset, 2, 2, 224, 200, torch.float16, "cpu")
+    names, tensors = lay.attend_tensors()
+    q = torch.randn(2, 8, 1, 128).half()
+    da.decode_attention(q, dict(zip(names, tensors)), k, v, p, None, 0.1, False, cfg, lay.spec, ms.geo, gluon=True)
+    call = [a for name, a in recorded if name == "launch"][0]
+    assert call["kind"] == "inner"
+    kw = {n: call[n] for n in inspect.signature(dag._plan).parameters if n in call and n != "use_tma"}
+    seen = []
+    monkeypatch.setattr(dag, "_use_tma", lambda query, sink, T, use_tma, kind="kivi": seen.append(kind) or True)
+    fn, args, consts = dag._plan(**kw, use_tma=True)
+    assert seen == ["inner"] and consts["TMA"] and consts["INNER"]
+    kd, vd = args[3], args[6]
+    assert list(kd.block_shape) == [dag.KIVI_BT, 4 * kb] and list(vd.block_shape) == [dag.KIVI_BT, 4 * vb]
+    assert args[4] is call["kp"]["cen"] and args[8] is call["vp"]["half"]   # statistics: plain loads
+    monkeypatch.setattr(dag, "INNER_TMA", False)
+    fn, args, consts = dag._plan(**kw, use_tma=True)
+    assert not consts["TMA"] and args[3] is call["kp"]["codes"] and args[6] is call["vp"]["codes"]
+    monkeypatch.setattr(dag, "INNER_TMA", True)
+    monkeypatch.setattr(dag, "_use_tma", lambda *a, **k: False)
+    assert not dag._plan(**kw, use_tma=True)[2]["TMA"]
+
+
 def test_calibquant_range_pass_hands_its_logits_to_the_attention_pass(monkeypatch):
     """calibquant's Gluon launches (GPU only) on the CPU, stubbed: the range pass (phase 1) and the attention pass
     (phase 2) get one fp32 logits buffer of [B * H, T, rep] (phase 1 writes it, phase 2 reads it instead of the

@@ -22,7 +22,10 @@ def main(path: str, flag: str) -> None:
     for preset, B, ctx in sorted({k[:3] for k in runs}):
         cells, base = [f"{preset} ({B}, {ctx})"], None
         for s in settings:
-            got = runs[(preset, B, ctx, s)]
+            got = runs.get((preset, B, ctx, s))
+            if not got:
+                cells.append(f"{s}: -")
+                continue
             mean = sum(t for t, _ in got) / len(got)
             base = base or mean
             cells.append(f"{s}: {' / '.join(f'{t:.1f}' for t, _ in got)} us ({100 * (mean / base - 1):+.1f}%), "
