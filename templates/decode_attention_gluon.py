@@ -2007,9 +2007,22 @@ def row_descriptors(kp: dict, vp: dict, words: int, bt: int, vwords: int | None 
 
 
 def _use_tma(query, sink: int, T: int, use_tma: bool | None, kind: str = "kivi") -> bool:
-    """Whether the KIVI-layout launch (kind "kivi"), kvquant's ("lut"), calibquant's ("post") or InnerQ's ("inner")
-    may stream its tiles through the TMA ring (see `launch`; calibquant's also needs `POST_TMA`, InnerQ's
-    `INNER_TMA`)."""
+    """Whether the launch of layout `kind` streams its tiles through the TMA ring (see `launch`): the one decision
+    that `_plan` builds and `resident_programs` sizes. KIVI's ("kivi") and kvquant's ("lut") take it where the
+    device does (`_ring_device`), calibquant's ("post") with `POST_TMA`, InnerQ's ("inner") with `INNER_TMA`; int8's
+    ("sym8") never."""
+    if kind not in ("kivi", "lut", "post", "inner") or (kind == "post" and not POST_TMA) or \
+            (kind == "inner" and not INNER_TMA) or not _ring_device(query, use_tma):
+        return False
+    # a TMA box starts 16-byte aligned in its innermost dimension: the Values' statistics (8 bytes a token) need an
+    # even first row, i.e. an even sink and cache length (an odd start faults with an illegal instruction); kvquant's,
+    # calibquant's and InnerQ's rings hold whole rows of codes (16 to 64 bytes) only
+    return kind != "kivi" or (sink % 2 == 0 and T % 2 == 0)
+
+
+def _ring_device(query, use_tma: bool | None) -> bool:
+    """Whether the device and the moment allow the TMA ring: sm_90+ with Gluon's TMA, and use_tma (None: `USE_TMA`,
+    whose None means while a CUDA graph is being captured)."""
     import torch
 
     if not query.is_cuda:
@@ -2020,11 +2033,7 @@ def _use_tma(query, sink: int, T: int, use_tma: bool | None, kind: str = "kivi")
         # takes ~50 us of Python per call (measured on the 2-core CI machine), plus their encoding at every launch;
         # a graph replay pays neither, a host-bound decode step would pay it per layer
         use_tma = torch.cuda.is_current_stream_capturing()
-    use_tma = use_tma and HAVE_TMA and torch.cuda.get_device_capability(query.device) >= (9, 0)
-    # a TMA box starts 16-byte aligned in its innermost dimension: the Values' statistics (8 bytes a token) need an
-    # even first row, i.e. an even sink and cache length (an odd start faults with an illegal instruction); kvquant's,
-    # calibquant's and InnerQ's rings hold whole rows of codes (16 to 64 bytes) only
-    return use_tma and (kind != "kivi" or (sink % 2 == 0 and T % 2 == 0))
+    return bool(use_tma and HAVE_TMA and torch.cuda.get_device_capability(query.device) >= (9, 0))
 
 
 def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int, m_buf, l_buf, acc_buf,
@@ -2059,7 +2068,7 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
         if phase and logits is None:
             raise ValueError("calibquant's Gluon launch needs the logits buffer in calibrated-softmax phases 1 and 2")
         win = exact is not None
-        tma_on = POST_TMA and _use_tma(query, sink, T, use_tma, kind)
+        tma_on = _use_tma(query, sink, T, use_tma, kind)
         kc, vc = row_descriptors(kp, vp, 4, BT) if tma_on else (kp["codes"], vp["codes"])
         return _post_decode_kernel, (
             query, query.stride(0), query.stride(1), kc, kp["cen"], kp["half"], vc, vp["cen"],
@@ -2077,7 +2086,7 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
     extra = [query, query, query]   # KMASK, VMASK, KNORM: InnerQ's only
     if kind == "inner":  # ng_k: the Values' group rows; hybrid: the spacing of symmetric levels
         khyb, vhyb, norm = inner_flags(kp, vp)
-        tma_on = INNER_TMA and _use_tma(query, sink, T, use_tma, kind)
+        tma_on = _use_tma(query, sink, T, use_tma, kind)
         if tma_on:   # the codes through the TMA ring, the statistics by plain loads
             stores[0], stores[3] = row_descriptors(kp, vp, 4 * kbits, KIVI_BT, 4 * vbits)
         ka_hi, ka_lo = split_scale(2.0 / (2 ** kbits - (2 if khyb else 1)), bf16)
@@ -2187,11 +2196,11 @@ def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mas
     import torch
 
     dev = query.device
-    tma = kind in ("kivi", "lut", "post", "inner") and _use_tma(query, sink, T, use_tma, kind)
+    tma = _use_tma(query, sink, T, use_tma, kind)
     key = (kind, inner_flags(kp, vp) if kind == "inner" else None, dev.index, query.dtype, amask.dtype, mask_kind, kbits, vbits, H, rep, sink, recent, tpg_v, nwin,
            tma, NSTAGES, phase, rope is not None, tuple(nout), LUT_BT, LUT_MAXNREG, LUT_NO_MASK_AS_BOOL, SYM8_BT, KIVI_BT, pdl,
            KEY_POST, None if exact is None else tuple(exact[s]["ring"].shape[2] for s in ("k", "v")),
-           tuple(sorted(POST_MAXNREG.items())), tuple(sorted(POST_WCOST.items())), POST_TMA, INNER_TMA)
+           tuple(sorted(POST_MAXNREG.items())), tuple(sorted(POST_WCOST.items())))
     if key not in _RESIDENT:
         one = torch.empty(1, dtype=torch.float32, device=dev)   # stand-ins: partial buffers, temperatures, logits
         props = torch.cuda.get_device_properties(dev)

@@ -984,12 +984,32 @@ def test_calibquant_attention_pass_launch_with_the_windows_inside(monkeypatch):
 
 
 @pytest.mark.skipif(CUDA, reason="the Triton launches run on CPU tensors: the interpreter, without a GPU")
+def test_use_tma_decides_per_layout(monkeypatch):
+    """The ring decision that both `_plan` and `resident_programs` take (`_use_tma`), with the device allowing it:
+    KIVI's needs an even sink and cache length (its Value-statistics box), the rows-only rings do not; calibquant's
+    and InnerQ's follow their flags; int8's never; and nothing where the device says no."""
+    q = torch.zeros(1)
+    assert not dag._ring_device(q, True) and not dag._use_tma(q, 0, 224, True, "lut")   # a CPU tensor: never
+    monkeypatch.setattr(dag, "_ring_device", lambda query, use_tma: True)
+    assert dag._use_tma(q, 0, 224, None, "kivi") and not dag._use_tma(q, 33, 224, None, "kivi")
+    assert not dag._use_tma(q, 0, 701, None, "kivi")
+    assert all(dag._use_tma(q, 33, 701, None, k) for k in ("lut", "post", "inner"))
+    assert not dag._use_tma(q, 0, 224, None, "sym8")
+    monkeypatch.setattr(dag, "POST_TMA", False)
+    monkeypatch.setattr(dag, "INNER_TMA", False)
+    assert not dag._use_tma(q, 0, 224, None, "post") and not dag._use_tma(q, 0, 224, None, "inner")
+    assert dag._use_tma(q, 0, 224, None, "lut")
+    monkeypatch.setattr(dag, "_ring_device", lambda query, use_tma: False)
+    assert not any(dag._use_tma(q, 0, 224, None, k) for k in ("kivi", "lut", "post", "inner"))
+
+
 @pytest.mark.skipif(CUDA or not dag.HAVE_TMA, reason="CPU stubs of the GPU launch; Gluon's TMA descriptors")
 @pytest.mark.parametrize("preset,kb,vb", [("innerq-2", 2, 2), ("innerq-k4v1", 4, 1)])
 def test_inner_launch_takes_the_codes_ring(preset, kb, vb, monkeypatch):
     """InnerQ's launch (stubbed on the CPU) plans the codes' TMA ring where `_use_tma` allows it: TMA descriptors of
     [KIVI_BT, 4 * bits] rows per side in place of the codes, the statistics as they were; with `INNER_TMA` off, or
-    where `_use_tma` says no, plain loads. `resident_programs` sizes the same build (its key has INNER_TMA)."""
+    where the device does not allow the ring, plain loads. `resident_programs` sizes the same build: it asks
+    `_use_tma`, as `_plan` does."""
     import inspect
 
     recorded = _stub_gluon(monkeypatch)
@@ -1000,8 +1020,10 @@ def test_inner_launch_takes_the_codes_ring(preset, kb, vb, monkeypatch):
     call = [a for name, a in recorded if name == "launch"][0]
     assert call["kind"] == "inner"
     kw = {n: call[n] for n in inspect.signature(dag._plan).parameters if n in call and n != "use_tma"}
-    seen = []
-    monkeypatch.setattr(dag, "_use_tma", lambda query, sink, T, use_tma, kind="kivi": seen.append(kind) or True)
+    seen, real = [], dag._use_tma
+    monkeypatch.setattr(dag, "_use_tma", lambda query, sink, T, use_tma, kind="kivi": seen.append(kind) or real(
+        query, sink, T, use_tma, kind))
+    monkeypatch.setattr(dag, "_ring_device", lambda query, use_tma: True)   # as an sm_90 GPU inside graph capture
     fn, args, consts = dag._plan(**kw, use_tma=True)
     assert seen == ["inner"] and consts["TMA"] and consts["INNER"]
     kd, vd = args[3], args[6]
@@ -1011,8 +1033,9 @@ def test_inner_launch_takes_the_codes_ring(preset, kb, vb, monkeypatch):
     fn, args, consts = dag._plan(**kw, use_tma=True)
     assert not consts["TMA"] and args[3] is call["kp"]["codes"] and args[6] is call["vp"]["codes"]
     monkeypatch.setattr(dag, "INNER_TMA", True)
-    monkeypatch.setattr(dag, "_use_tma", lambda *a, **k: False)
+    monkeypatch.setattr(dag, "_ring_device", lambda query, use_tma: False)
     assert not dag._plan(**kw, use_tma=True)[2]["TMA"]
+    assert seen == ["inner"] * 3
 
 
 def test_calibquant_range_pass_hands_its_logits_to_the_attention_pass(monkeypatch):

@@ -13,10 +13,11 @@ GEN = dict(do_sample=False, output_logits=True, return_dict_in_generate=True)
 
 @pytest.fixture
 def stores(monkeypatch):
-    """(fp16 cache tensor, store) of every compile of this test, in order. `bk._STORES` holds the caches weakly, and
-    an entry goes with its cache tensor: torch 2.11 frees generate's StaticCache as soon as generate returns, torch
-    2.13 keeps it in a reference cycle until gc runs (both seen on the CPU, session 24), so `_STORES` may be empty
-    after generate."""
+    """(fp16 cache tensor, store) of every compile of this test, in order, for the tests that check the cache
+    tensors themselves (the store alone: `backend.stores()`). `bk._STORES` holds the caches weakly, and an entry
+    goes with its cache tensor: torch 2.11 frees generate's StaticCache as soon as generate returns, torch 2.13 keeps
+    it in a reference cycle until gc runs (both seen on the CPU, session 24), so `_STORES` may be empty after
+    generate."""
     made = []
     real = bk._store_for
 
@@ -51,13 +52,13 @@ def test_every_layer_rewritten_and_fp16_exact(arch, kv_heads, gqa, head_dim):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-def test_fp16_preset_batch3_left_padding(dtype, tol, stores):
+def test_fp16_preset_batch3_left_padding(dtype, tol):
     model = hf_model("llama", kv_heads=1, gqa=3, head_dim=64, layers=2, dtype=dtype)
     ids, mask = prompts(3, 9, pad=(0, 3, 5))
     ref = _generate(model, ids, mask, new=10)
     be = kvq_backend("fp16")
     out = _generate(model, ids, mask, be, new=10)
-    layer = stores[-1][1].layers[0]
+    layer = be.stores()[-1].layers[0]
     assert layer.buffers["k.data"].dtype == dtype  # fp16 preset keeps the cache dtype
     steps = len(ref.logits)
     if dtype == torch.float32:
@@ -71,7 +72,7 @@ def test_fp16_preset_batch3_left_padding(dtype, tol, stores):
 
 
 @pytest.mark.parametrize("name,min_snr", [("int8", 35.0), ("kivi-4", 18.0)])
-def test_int8_and_kivi4_snr_and_bytes(name, min_snr, stores):
+def test_int8_and_kivi4_snr_and_bytes(name, min_snr):
     # SNR of the per-step logits against fp16. int8 noise is ~2^-8 of each range: > 35 dB leaves margin for
     # the softmax; 4-bit (2^-4, plus KIVI's per-channel key groups) is about 24 dB lower.
     model = hf_model("llama", kv_heads=2, gqa=2, head_dim=64, layers=2)
@@ -83,7 +84,7 @@ def test_int8_and_kivi4_snr_and_bytes(name, min_snr, stores):
     out = _generate(model, ids, mask, be, new=12)
     for step, (a, b) in enumerate(zip(ref.logits, out.logits)):
         assert snr_db(a, b) > min_snr, f"{name} step {step}: {snr_db(a, b):.1f} dB"
-    store = stores[-1][1]
+    store = be.stores()[-1]
     B, H, T, D = 2, 2, store.geo.max_len, 64
     bits = cfg.equivalent_bits(2, H, D, T, batch=B, dtype_bytes=4)
     assert store.nbytes() == pytest.approx(bits * 2 * 2 * B * H * T * D / 8)
@@ -107,7 +108,7 @@ def test_preset_matches_eager_simulation(name):
 
 
 @pytest.mark.parametrize("name", ["kivi-2", "innerq-2", "xquant-1.38", "kvquant-3-1%", "calibquant-1"])
-def test_compiled_store_equals_simulation_of_its_inputs(name, monkeypatch, stores):
+def test_compiled_store_equals_simulation_of_its_inputs(name, monkeypatch):
     """Every K/V the compiled steps appended, replayed through the direct simulation: exactly the store."""
     model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=4)
     cfg = small_windows(name)
@@ -128,8 +129,9 @@ def test_compiled_store_equals_simulation_of_its_inputs(name, monkeypatch, store
     monkeypatch.setattr(st, "append", spy)
     monkeypatch.setattr(st, "append_decode", spy_decode)
     ids, mask = prompts(2, 9, pad=(2, 0))
-    _generate(model, ids, mask, kvq_backend(cfg), new=14)
-    store = stores[-1][1]
+    be = kvq_backend(cfg)
+    _generate(model, ids, mask, be, new=14)
+    store = be.stores()[-1]
     for i, layer in enumerate(store.layers):
         names, tensors = layer.attend_tensors()
         bufs = dict(zip(names, tensors))
