@@ -75,7 +75,9 @@ Math (one program = one KV head of one sequence and one slice of the quantized r
     in base 2 per column, acc^T = acc^T * alpha + v^T @ p^T (m16n8k16 with the 8 query heads as its columns).
     KPOST (KIVI's Keys, the default): q . k = U (e @ q'^T) + q . z, e the codes straight from `_kpost_asm`,
     q' = (q a 2^(E - b)) * half per tile, the per-head q . z (bf16: and -128 sum q') by a small mma into the
-    logits' initial accumulator (see `_kivi_decode_kernel`).
+    logits' initial accumulator (see `_kivi_decode_kernel`). On the TMA path q . z comes from one mma per QZ_N = 8
+    Key groups (their zero points as the mma's rows, `_qz_rows`), kept in shared memory (QZROWS, `QZ_ROWS`): 8
+    instead of 16 HMMA per tile at bf16 (0 instead of 8 at fp16), bit-equal logits.
     Scale and offset are rounded to the cache dtype before the multiply-add (one rounding of the value after
     it): values can differ from the reference's fp32 dequantization by about one unit in the last place; at 2
     bits fp16 scales below 2^-12 lose bits in the division by 4 (at most 3 * 2^-23 absolute). Post-scaled Keys
@@ -1114,15 +1116,53 @@ if HAVE_GLUON:
         return start, stop, gl.cdiv(gl.maximum(stop - start, 0), BT)
 
     @gluon.jit
+    def _key_channel(k, KP: gl.constexpr, KPOST: gl.constexpr):
+        """The channel of reduction index k of the KIVI kernel's Key mma (module doc, Layouts): block element
+        x = P a + c of lane group b; post-scaled (KPOST), element c = 2r + h holds code r + KP / 2 h (`_kpost_asm`)."""
+        x = (k & 1) + ((k >> 3) & 1) * 2 + ((k >> 4) & 1) * 4 + ((k >> 5) & 1) * 8 + ((k >> 6) & 1) * 16
+        if KPOST:
+            cc = x % KP
+            chan = 32 * ((k >> 1) & 3) + x - cc + (cc >> 1) + (cc & 1) * (KP // 2)
+        else:
+            chan = 32 * ((k >> 1) & 3) + x
+        return chan
+
+    @gluon.jit
+    def _qz_rows(KHROWS, KCROWS, zbase, g0, NG_K, qT, KP: gl.constexpr, IS_BF16: gl.constexpr, a_l: gl.constexpr,
+                 mma: gl.constexpr, NZ: gl.constexpr):
+        """q . z [16, 8] of Key groups g0 .. g0 + 15 (rows; past NG_K: 0) and the query heads (columns): one mma
+        with the groups' zero points z = center - half (cache dtype, as `_offset` rounds them per tile) as its A
+        rows, k in the Key mma's reduction order (`_key_channel`); row r is the mma the tile path runs on 16 copies
+        of group g0 + r's row, so the same value. Lane l loads the 32 channels of rows l / 4 and l / 4 + 8 that
+        its A fragment holds, 64 contiguous bytes each, in channel order; the reshapes put them in k order."""
+        D: gl.constexpr = D_
+        NA: gl.constexpr = 32 // KP
+        rows: gl.constexpr = gl.BlockedLayout([1, 32], [8, 4], [1, 1], [1, 0])
+        zr = gl.arange(0, 16, layout=gl.SliceLayout(1, rows))
+        zc = gl.arange(0, 128, layout=gl.SliceLayout(0, rows))
+        off = zbase + gl.expand_dims((g0 + zr).to(gl.int64) * D, 1) + gl.expand_dims(zc, 0)    # [16, 128]
+        ok = gl.expand_dims(((g0 + zr) < NG_K) & (zr < NZ), 1)
+        z = _offset(gl.load(KHROWS + off, mask=ok, other=0.0), gl.load(KCROWS + off, mask=ok, other=0.0), IS_BF16)
+        # channel 32 b + KP a + c -> [16, NA (a), 4 (b), KP (c)] (`_sigma`'s input order), then `_sigma`, `_kred`
+        z = z.reshape([16, 4, NA, KP]).permute([0, 2, 1, 3])
+        z = z.reshape([16, NA, 4, 2, KP // 2]).permute([0, 1, 2, 4, 3]).reshape([16, NA, 4, KP])
+        if KP == 16:
+            z = z.reshape([16, 2, 2, 2, 2, 2, 2, 2]).permute([0, 1, 4, 5, 6, 2, 3, 7]).reshape([16, 128])
+        else:
+            z = z.reshape([16, 2, 2, 2, 2, 2, 2, 2]).permute([0, 1, 2, 5, 6, 3, 4, 7]).reshape([16, 128])
+        return mma_v2(gl.convert_layout(z, a_l), qT, gl.zeros([16, 8], gl.float32, mma))
+
+    @gluon.jit
     def _kivi_decode_kernel(
             Q, stride_qb, stride_qh, KC, KCEN, KHALF, VC, VCEN, VHALF, POS, AMASK, stride_mb,
-            OUT_M, OUT_L, OUT_ACC, scale, T, NG_K, NSPLIT, KMASK, VMASK, KNORM,
+            OUT_M, OUT_L, OUT_ACC, scale, T, NG_K, NSPLIT, KMASK, VMASK, KNORM, KHROWS, KCROWS,
             H: gl.constexpr, REP: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
             TPG_K: gl.constexpr, TPG_V: gl.constexpr, MASK_KIND: gl.constexpr, IS_BF16: gl.constexpr,
             BT: gl.constexpr, KBITS: gl.constexpr, VBITS: gl.constexpr, KA_HI: gl.constexpr, KA_LO: gl.constexpr,
             VA_HI: gl.constexpr, VA_LO: gl.constexpr, NWIN: gl.constexpr, TMA: gl.constexpr, NST: gl.constexpr,
             PDL: gl.constexpr, INNER: gl.constexpr = False, KHYB: gl.constexpr = False,
-            VHYB: gl.constexpr = False, NORM: gl.constexpr = False, KPOST: gl.constexpr = False):
+            VHYB: gl.constexpr = False, NORM: gl.constexpr = False, KPOST: gl.constexpr = False,
+            QZROWS: gl.constexpr = False, QZ_N: gl.constexpr = 8):
         """KIVI's layout, or with INNER InnerQ's (Keys per token in groups of 32 channels, Values per channel in
         groups of 32 tokens: the same packed words, the statistics the other way round, the codes alone through the
         ring where TMA). NG_K: the
@@ -1136,7 +1176,12 @@ if HAVE_GLUON:
         tile; fp16 E = POST_E, U = 2^(24 - E), q a 2^E scaled by 2^-e to at most 2^8 and U by 2^e, a tile with a
         half-range of 256 or more q a by 2^-g (hmax 2^-g < 256) and U by 2^g: q' <= 65504; bf16 E = 0, U = 1); the
         per-head constant q . z (and bf16's -128 sum(q')) by one or two more small mma into the logits' initial
-        accumulator."""
+        accumulator.
+        QZROWS (with KPOST; `QZ_ROWS`): q . z of QZ_N Key groups in one mma, their zero points z as its A rows
+        (`_qz_rows`; KHROWS / KCROWS: the Keys' statistics rows [B * H, NG_K, 128] as pointers, also where TMA copies
+        the tiles, whose ring then skips the centers), kept in shared memory and read back per tile: 8 mma per QZ_N
+        groups instead of 8 per tile (a q . z is the same mma row either way: bit-equal logits). Each refill runs
+        first in its tile's iteration, while few registers are live (after the tile's unpacking it took 168)."""
         bh = gl.program_id(0)
         split = gl.program_id(1)
         b = bh // H
@@ -1246,13 +1291,13 @@ if HAVE_GLUON:
             bars = gl.allocate_shared_memory(gl.int64, [NST, 1], mbarrier.MBarrierLayout())
             for i in gl.static_range(NST):
                 mbarrier.init(bars.index(i), count=1)
-            NBYTES: gl.constexpr = BT * (KW_ + VW_) * 4 + 4 * D + 16 * BT
+            NBYTES: gl.constexpr = BT * (KW_ + VW_) * 4 + (2 if QZROWS else 4) * D + 16 * BT   # QZROWS: no centers
             row0 = bh * T
             grow0 = bh * NG_K
             for i in gl.static_range(NST):
                 _issue(KC, VC, KHALF, KCEN, VHALF, VCEN, kbuf.index(i), vbuf.index(i), khbuf.index(i),
                        kzbuf.index(i), vhbuf.index(i), vzbuf.index(i), bars.index(i), row0, grow0, start + i * BT, S,
-                       i < n_iter, NBYTES)
+                       i < n_iter, NBYTES, not QZROWS)
             L4: gl.constexpr = _stats4_layout(BT)
         else:
             bh64 = bh.to(gl.int64)
@@ -1268,12 +1313,7 @@ if HAVE_GLUON:
         # q^T [128, 8]: the B operand of the transposed logits mma, row k the Key layout's reduction index (below),
         # column n query head n (zero past REP)
         tk = gl.arange(0, 128, layout=gl.SliceLayout(1, b_l))
-        tx = (tk & 1) + ((tk >> 3) & 1) * 2 + ((tk >> 4) & 1) * 4 + ((tk >> 5) & 1) * 8 + ((tk >> 6) & 1) * 16
-        if KPOST:  # the block's element c = 2r + h holds its code r + KP / 2 h (`_kpost_asm`)
-            tcc = tx % KP
-            tchan = 32 * ((tk >> 1) & 3) + tx - tcc + (tcc >> 1) + (tcc & 1) * (KP // 2)
-        else:
-            tchan = 32 * ((tk >> 1) & 3) + tx
+        tchan = _key_channel(tk, KP, KPOST)
         qT = _load_qT(Q, b, h, stride_qb, stride_qh, tchan, REP, b_l)
         if NORM:  # InnerQ's Key normalization: k = k~ * norm, so q . k = (q * norm) . k~
             nrm = gl.load(KNORM + bh.to(gl.int64) * D + tchan)
@@ -1283,6 +1323,7 @@ if HAVE_GLUON:
             PE: gl.constexpr = 0 if IS_BF16 else POST_E_
             PER: gl.constexpr = (7 if IS_BF16 else 8) // KBITS
             KAF: gl.constexpr = 2.0 / ((1 << KBITS) - 1)
+            tcc = ((tk & 1) + ((tk >> 3) & 1) * 2 + ((tk >> 4) & 1) * 4 + ((tk >> 5) & 1) * 8) % KP  # element c
             qe = (PE - (tcc >> 1) % PER * KBITS).to(gl.float32)
             UP: gl.constexpr = 1.0 if IS_BF16 else float(2 ** (24 - POST_E_))
             qf = qT.to(gl.float32)
@@ -1296,6 +1337,12 @@ if HAVE_GLUON:
                 qaT = (qf * gl.expand_dims(gl.exp2(qe) * (KAF * qfac), 1)).to(dt)
                 up = UP / qfac
             negm = gl.full([16, 128], -128.0, dt, a_l)
+            if QZROWS:  # q . z of QZ_N Key groups per mma (`_qz_rows`), read back per tile from shared memory
+                acc16 = gl.zeros([16, 8], gl.float32, mma)
+                zsm = gl.allocate_shared_memory(gl.float32, [16, 8], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+                zrows = zsm._reinterpret(gl.float32, [16, 8], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))  # by row
+                zbase = bh.to(gl.int64) * NG_K * D
+                gbase = (start - S) // 32 - QZ_N   # the first tile fills it
 
         qscale = scale * 1.4426950408889634   # log2(e): the softmax runs in base 2
         if KPOST:
@@ -1305,6 +1352,15 @@ if HAVE_GLUON:
 
         for it in range(0, n_iter):
             t0 = start + it * BT
+            if QZROWS:  # first, while few registers are live: the next QZ_N Key groups' q . z where this tile needs them
+                grel = (t0 - S) // 32 - gbase
+                if grel >= QZ_N:
+                    gbase = gbase + grel
+                    grel = grel * 0
+                    czr = _qz_rows(KHROWS, KCROWS, zbase, gbase, NG_K, qT, KP, IS_BF16, a_l, mma, QZ_N)
+                    gl.thread_barrier()   # every lane has read the rows it replaces
+                    zsm.store(czr)
+                    gl.thread_barrier()
             if TMA and INNER:  # the statistics' loads first: in flight while the codes' slot fills
                 kh, kcen, khyb, vh, vcen, vhyb = _load_inner_stats(KHALF, KCEN, KMASK, VHALF, VCEN, VMASK, ks_base,
                                                                    vs_base, t0, stop, S, ksoff, kt, vchan, D, KHYB,
@@ -1338,7 +1394,8 @@ if HAVE_GLUON:
                 wb, kz4 = gl.broadcast(wb, gl.expand_dims(gl.expand_dims(kz, 0), 2))
                 kv = _unpack(wb, ks4, kz4, "kt", KBITS, KP, IS_BF16)
             elif KPOST:
-                kz = _offset(kh, kcen, IS_BF16)
+                if not QZROWS:
+                    kz = _offset(kh, kcen, IS_BF16)
                 wb, _ = gl.broadcast(gl.expand_dims(kwords, 2), kdummy)                  # [NA, 4, KP, BT]
                 kv = _unpack_kq(wb, KBITS, KP, IS_BF16)
             else:
@@ -1360,9 +1417,12 @@ if HAVE_GLUON:
                 else:
                     qa2, hk2 = gl.broadcast(qaT, gl.expand_dims(hk, 1))
                 qp = _mul(qa2, hk2, IS_BF16)
-                zk = gl.convert_layout(_kred(_sigma(kz, KP), KP), gl.SliceLayout(0, a_l))
-                za, _ = gl.broadcast(gl.expand_dims(zk, 0), negm)
-                c = mma_v2(za, qT, gl.zeros([16, 8], gl.float32, mma))
+                if QZROWS:
+                    c, _ = gl.broadcast(gl.expand_dims(zrows.index(grel).load(gl.SliceLayout(0, mma)), 0), acc16)
+                else:
+                    zk = gl.convert_layout(_kred(_sigma(kz, KP), KP), gl.SliceLayout(0, a_l))
+                    za, _ = gl.broadcast(gl.expand_dims(zk, 0), negm)
+                    c = mma_v2(za, qT, gl.zeros([16, 8], gl.float32, mma))
                 if IS_BF16:
                     c = mma_v2(negm, qp, c)
                     s = mma_v2(kvT, qp, _rows(c, BT, mma)) * sscale
@@ -1401,21 +1461,23 @@ if HAVE_GLUON:
             elif TMA:  # the ring slot just read takes the tile NST ahead (its registers are consumed by now)
                 _issue(KC, VC, KHALF, KCEN, VHALF, VCEN, kbuf.index(st), vbuf.index(st), khbuf.index(st),
                        kzbuf.index(st), vhbuf.index(st), vzbuf.index(st), bars.index(st), row0, grow0,
-                       t0 + NST * BT, S, it + NST < n_iter, NBYTES)
+                       t0 + NST * BT, S, it + NST < n_iter, NBYTES, not QZROWS)
 
         _store_partials(OUT_M, OUT_L, OUT_ACC, bh, split, NSPLIT, NWIN, m8, gl.sum(lacc, 0), acc, REP, mma)
 
     @gluon.jit
     def _issue(KC, VC, KHALF, KCEN, VHALF, VCEN, kb, vb, khb, kzb, vhb, vzb, bar, row0, grow0, t0, S: gl.constexpr,
-               pred, NBYTES: gl.constexpr):
+               pred, NBYTES: gl.constexpr, KZ: gl.constexpr = True):
         """Start the copies of the tile at t0 into one ring slot (codes [BT, W] rows, the Key group's statistics
-        row, the Values' [BT * 4] statistics); `bar` completes when all NBYTES have landed."""
+        row, its centers too with KZ, the Values' [BT * 4] statistics); `bar` completes when all NBYTES have
+        landed."""
         mbarrier.expect(bar, NBYTES, pred=pred)
         tma.async_copy_global_to_shared(KC, [row0 + t0, 0], bar, kb, pred=pred)
         tma.async_copy_global_to_shared(VC, [row0 + t0, 0], bar, vb, pred=pred)
         g = grow0 + (t0 - S) // 32
         tma.async_copy_global_to_shared(KHALF, [g, 0], bar, khb, pred=pred)
-        tma.async_copy_global_to_shared(KCEN, [g, 0], bar, kzb, pred=pred)
+        if KZ:
+            tma.async_copy_global_to_shared(KCEN, [g, 0], bar, kzb, pred=pred)
         tma.async_copy_global_to_shared(VHALF, [(row0 + t0) * 4], bar, vhb, pred=pred)
         tma.async_copy_global_to_shared(VCEN, [(row0 + t0) * 4], bar, vzb, pred=pred)
 
@@ -1958,6 +2020,12 @@ def enabled() -> bool:
 NSTAGES = 2       # ring slots of the TMA path: 2 was best of 2 / 3 / 4 (bench/RESULTS.md, session 10)
 # KIVI's layout: post-scaled Keys (`_kivi_decode_kernel` KPOST); KVQ_KEY_POST=0 turns them off (read at import)
 KEY_POST = os.environ.get("KVQ_KEY_POST", "1") != "0"
+QZ_ROWS = True  # KIVI's layout with post-scaled Keys through the TMA ring: q . z of QZ_N Key groups per mma
+                # (`_kivi_decode_kernel` QZROWS), not one per tile: 3.8-6.6% faster (kivi-2), 1.7-5.0% (kivi-4), 2.3-6.4%
+                # (xquant-1.38) at batch x context >= 64k with a bool mask (H200, bench/RESULTS.md session 25). Not on
+                # the plain-load path: there it takes 181 / 184 registers against 168 (bf16, 2 / 4 bits; 8 programs
+                # per SM instead of 12, sm_90 compile), not measured
+QZ_N = 8        # Key groups per refill: 149 / 158 registers (bf16, 2 / 4 bits, TMA); 16 took 168 (sm_90 compile)
 WINDOW_INSIDE = True  # calibquant's Gluon launches attend the exact windows themselves (`window_inside`)
 POST_WCOST = {1: 2, 2: 2}  # calibquant with its windows inside: an exact-window tile counts as this many slice tiles
                           # of its pass (`_slice` WCOST), so the programs that take window tiles take shorter slices
@@ -2083,7 +2151,7 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
     if kind not in ("kivi", "inner") or phase:
         raise ValueError(f"no Gluon launch for layout {kind!r} with calibrated-softmax phase {phase}")
     stores = [kp["codes"], kp["cen"], kp["half"], vp["codes"], vp["cen"], vp["half"]]
-    extra = [query, query, query]   # KMASK, VMASK, KNORM: InnerQ's only
+    extra = [query, query, query, kp["half"], kp["cen"]]   # KMASK, VMASK, KNORM: InnerQ's only; KHROWS, KCROWS
     if kind == "inner":  # ng_k: the Values' group rows; hybrid: the spacing of symmetric levels
         khyb, vhyb, norm = inner_flags(kp, vp)
         tma_on = _use_tma(query, sink, T, use_tma, kind)
@@ -2092,7 +2160,7 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
         ka_hi, ka_lo = split_scale(2.0 / (2 ** kbits - (2 if khyb else 1)), bf16)
         va_hi, va_lo = split_scale(2.0 / (2 ** vbits - (2 if vhyb else 1)), bf16)
         extra = [kp["hmask"].view(torch.uint8) if khyb else query, vp["hmask"].view(torch.uint8) if vhyb else query,
-                 kp["norm"] if norm else query]
+                 kp["norm"] if norm else query, query, query]
         return _kivi_decode_kernel, (
             query, query.stride(0), query.stride(1), *stores, positions, amask, smb, m_buf, l_buf, acc_buf,
             float(scale), T, ng_k, nsplit, *extra), dict(
@@ -2109,7 +2177,8 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
         float(scale), T, ng_k, nsplit, *extra), dict(
         H=H, REP=rep, S=sink, R=recent, TPG_K=32, TPG_V=tpg_v, MASK_KIND=mask_kind,
         IS_BF16=bf16, BT=KIVI_BT, KBITS=kbits, VBITS=vbits, KA_HI=ka_hi, KA_LO=ka_lo, VA_HI=va_hi, VA_LO=va_lo,
-        NWIN=nwin, TMA=use_tma, NST=NSTAGES, PDL=pdl, KPOST=KEY_POST, num_warps=1)
+        NWIN=nwin, TMA=use_tma, NST=NSTAGES, PDL=pdl, KPOST=KEY_POST, QZROWS=KEY_POST and QZ_ROWS and use_tma, QZ_N=QZ_N,
+        num_warps=1)
 
 
 def window_inside(kind: str | None, kc: dict, vc: dict, tau) -> bool:
@@ -2199,7 +2268,7 @@ def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mas
     tma = _use_tma(query, sink, T, use_tma, kind)
     key = (kind, inner_flags(kp, vp) if kind == "inner" else None, dev.index, query.dtype, amask.dtype, mask_kind, kbits, vbits, H, rep, sink, recent, tpg_v, nwin,
            tma, NSTAGES, phase, rope is not None, tuple(nout), LUT_BT, LUT_MAXNREG, LUT_NO_MASK_AS_BOOL, SYM8_BT, KIVI_BT, pdl,
-           KEY_POST, None if exact is None else tuple(exact[s]["ring"].shape[2] for s in ("k", "v")),
+           KEY_POST, QZ_ROWS, QZ_N, None if exact is None else tuple(exact[s]["ring"].shape[2] for s in ("k", "v")),
            tuple(sorted(POST_MAXNREG.items())), tuple(sorted(POST_WCOST.items())))
     if key not in _RESIDENT:
         one = torch.empty(1, dtype=torch.float32, device=dev)   # stand-ins: partial buffers, temperatures, logits

@@ -209,12 +209,13 @@ SCRIPT = textwrap.dedent('''
             stores = dict(zip(stores, map(mangle_type, dag.descriptors(kp, vp, kb, vb))))
         sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", **stores, POS="*i64", AMASK="*i1" if mask == 1 else ty,
                    stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32", OUT_ACC="*fp32", scale="fp32", T="i32",
-                   NG_K="i32", NSPLIT="i32", KMASK=ty, VMASK=ty, KNORM=ty)   # InnerQ's buffers: the query, unread
+                   NG_K="i32", NSPLIT="i32", KMASK=ty, VMASK=ty, KNORM=ty,   # InnerQ's buffers: the query, unread
+                   KHROWS=ty, KCROWS=ty)
         ka, va = (dag.split_scale(2 / (2 ** n - 1), bf16) for n in (kb, vb))
         cx = dict(H=8, REP=4, S=0, R=128, TPG_K=32, TPG_V=1, MASK_KIND=mask, IS_BF16=bf16, BT=32, KBITS=kb,
                   VBITS=vb, KA_HI=ka[0], KA_LO=ka[1], VA_HI=va[0], VA_LO=va[1], NWIN=3, TMA=tma, NST=2,
-                  PDL=tma, KPOST=post)
-        b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 12, 13, 14) + (() if tma else (3, 4, 5, 6, 7, 8)))
+                  PDL=tma, KPOST=post, QZROWS=post and tma and dag.QZ_ROWS, QZ_N=dag.QZ_N)   # as `_plan` builds it
+        b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 12, 13, 14, 22, 23) + (() if tma else (3, 4, 5, 6, 7, 8)))
         out.append((bf16, mask, kb, vb, tma, post, b.shared, b.stack == b.local == 0, b.sass.count("HMMA"),
                     b.sass.count("STS"), b.sass.count("LDS"), b.sass.count("UTMALDG"), b.sass.count("MOVM"),
                     b.sass.count("HFMA2"), loop(b)))
@@ -257,7 +258,7 @@ SCRIPT = textwrap.dedent('''
         sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KCEN=ty, KHALF=ty, VC="*i32", VCEN=ty, VHALF=ty,
                    POS="*i64", AMASK="*i1" if mask == 1 else ty, stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32",
                    OUT_ACC="*fp32", scale="fp32", T="i32", NG_K="i32", NSPLIT="i32", KMASK="*u8" if hyb else ty,
-                   VMASK="*u8" if hyb else ty, KNORM="*fp32" if norm else ty)
+                   VMASK="*u8" if hyb else ty, KNORM="*fp32" if norm else ty, KHROWS=ty, KCROWS=ty)
         ka, va = (dag.split_scale(2 / (2 ** n - (2 if hyb else 1)), bf16) for n in (kb, vb))
         cx = dict(H=8, REP=4, S=32, R=96, TPG_K=1, TPG_V=32, MASK_KIND=mask, IS_BF16=bf16, BT=32, KBITS=kb, VBITS=vb,
                   KA_HI=ka[0], KA_LO=ka[1], VA_HI=va[0], VA_LO=va[1], NWIN=3, TMA=False, NST=2, PDL=True, INNER=True,
@@ -297,7 +298,7 @@ SCRIPT = textwrap.dedent('''
         sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC=kc, KCEN=ty, KHALF=ty, VC=vc, VCEN=ty, VHALF=ty,
                    POS="*i64", AMASK="*i1" if mask == 1 else ty, stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32",
                    OUT_ACC="*fp32", scale="fp32", T="i32", NG_K="i32", NSPLIT="i32", KMASK="*u8" if hyb else ty,
-                   VMASK="*u8" if hyb else ty, KNORM="*fp32" if norm else ty)
+                   VMASK="*u8" if hyb else ty, KNORM="*fp32" if norm else ty, KHROWS=ty, KCROWS=ty)
         ka, va = (dag.split_scale(2 / (2 ** n - (2 if hyb else 1)), bf16) for n in (kb, vb))
         cx = dict(H=8, REP=4, S=32, R=96, TPG_K=1, TPG_V=32, MASK_KIND=mask, IS_BF16=bf16, BT=32, KBITS=kb, VBITS=vb,
                   KA_HI=ka[0], KA_LO=ka[1], VA_HI=va[0], VA_LO=va[1], NWIN=3, TMA=True, NST=dag.NSTAGES, PDL=True,
@@ -370,15 +371,21 @@ def test_compiles_for_sm90_into_registers_only():
         assert (shared, sts_lds) == ((0, 0) if phase != 2 else (512, 32)), rows
         assert loop[:3] == {0: (34, 4, 0), 1: (16, 0, 0), 2: (18, 4, 0)}[phase], rows
     for bf16, mask, kb, vb, tma, post, shared, no_local, hmma, sts, lds, tma_loads, movm, hfma2, loop in rows[:8]:
-        if tma:  # the ring: filled by TMA copies (six per tile, in the prologue and the loop), read by LDS
-            assert shared > 0 and sts == 0 and lds > 0 and tma_loads >= 12, rows
+        qz = tma and post and dag.QZ_ROWS   # q . z of QZ_N Key groups per mma (`_kivi_decode_kernel` QZROWS)
+        if tma:  # the ring: filled by TMA copies (six per tile, five with QZROWS: no Key centers; in the prologue and
+            # the loop), read by LDS; QZROWS stores its q . z rows (2 STS per refill)
+            assert shared > 0 and sts == (2 if qz else 0) and lds > 0 and tma_loads == (5 if qz else 6) * 3, rows
         else:
             assert shared == 0 and sts == 0 and lds == 0 and tma_loads == 0, rows
         assert no_local, rows
         # per 32-token tile: 16 HMMA (logits^T = k @ q^T, m16n8k16) + 16 (v^T @ p^T, p^T by 4 MOVM); post-scaled
         # Keys 8 more for q . z (and bf16 8 for its magic); their dequantization drops out: only the Values' 64
-        # HFMA2 (and their scales') remain, 88 against 168
-        assert loop[:3] == ((40 + 8 * bf16, 4, 88) if post else (32, 4, 168)), rows
+        # HFMA2 (and their scales') remain, 88 against 168. With QZROWS q . z takes 8 HMMA per QZ_N groups, out of
+        # the tile's path (`loop` spans the mbarrier wait's retry branch there: its HMMA and MOVM counts only)
+        if qz:
+            assert loop[:2] == (32 + 8 * bf16, 4) and hmma == 40 + 8 * bf16, rows
+        else:
+            assert loop[:3] == ((40 + 8 * bf16, 4, 88) if post else (32, 4, 168)), rows
 
 
 PDL_SCRIPT = textwrap.dedent('''
@@ -886,6 +893,35 @@ def test_post_scaled_keys_large_fp16_operands_on_gpu(layout, q_size, k_size):
             assert half > 512   # only the tile scaling holds q' (without it these fail: bench/RESULTS.md, session 17)
 
     _large_operands(layout, torch.float16, q_size, k_size, 6, "_kivi_decode_kernel", 3e-3, premise)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["kivi-2", "k2v1", "kivi-4", "k1v1"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[7], CASES[9]])
+@pytest.mark.parametrize("num_splits", [None, 1])
+def test_post_scaled_keys_qz_rows_bit_equal_on_gpu(dtype, layout, case, num_splits, monkeypatch):
+    """`QZ_ROWS`: q . z of QZ_N Key groups per mma, kept in shared memory, gives the very logits of the per-tile mma
+    (each is the same mma row), so the output is bit-equal with it off; one slice over the whole region (num_splits
+    1) crosses several QZ_N-group refills, an even sink counts groups from 34 (the TMA path), small statistics
+    take fp16 scales near the subnormal range."""
+    B, H, rep, T, n0, sink, magnitude = case
+    cfg, ms, lay, k, v, p = _store(layout, B, H, T, n0, dtype, "cuda", seed=B * 7 + n0, sink=sink,
+                                   magnitude=magnitude)
+    names, tensors = lay.attend_tensors()
+    bufs = dict(zip(names, tensors))
+    q = torch.randn(B, H * rep, 1, 128, device="cuda").to(dtype) / magnitude ** 0.5
+    am = random_mask("bool", B, T, n0, dtype, "cuda")
+    outs = []
+    for tma in (False, True):
+        monkeypatch.setattr(dag, "USE_TMA", tma)
+        for rows in (False, True):
+            monkeypatch.setattr(dag, "QZ_ROWS", rows)
+            outs.append(da.decode_attention(q, bufs, k, v, p, am, 128 ** -0.5, False, cfg, lay.spec, ms.geo,
+                                            gluon=True, num_splits=num_splits))
+            assert "_kivi_decode_kernel" in str(getattr(da.LAST_KERNELS["main"], "name", da.LAST_KERNELS["main"]))
+    assert torch.isfinite(outs[0]).all()
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[2], outs[3])
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
