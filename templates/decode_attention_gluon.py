@@ -50,7 +50,8 @@ kernels write the same (max, sum, acc) partial results into slots [0, NSPLIT) th
 window launch slots [NSPLIT, NSPLIT + NWIN), and `_combine_kernel` merges them. With PDL (sm_90+) each program
 first lets the window launch start (`griddepcontrol.launch_dependents`): see `decode_attention`.
 
-Loads (TMA): on sm_90+ inside CUDA-graph capture (`launch`), each tile's codes and statistics are copied by the
+Loads (TMA): on sm_90+ inside CUDA-graph capture (`launch`), each tile's codes and statistics (with QZROWS the Key
+half-ranges but not their centers, which `_qz_rows` loads itself) are copied by the
 tensor-memory accelerator into a ring of NST shared-memory slots (one mbarrier each; the slot just read takes the
 tile NST ahead), then read into the same register layouts; 7-15% faster than plain loads at 2 and 4 bits on an
 H100, no faster with 1-bit Values (bench/RESULTS.md, session 10). Used at every width of KIVI's layout. Otherwise (and for an odd sink or cache length, where a Value-statistics
@@ -77,7 +78,7 @@ Math (one program = one KV head of one sequence and one slice of the quantized r
     q' = (q a 2^(E - b)) * half per tile, the per-head q . z (bf16: and -128 sum q') by a small mma into the
     logits' initial accumulator (see `_kivi_decode_kernel`). On the TMA path q . z comes from one mma per QZ_N = 8
     Key groups (their zero points as the mma's rows, `_qz_rows`), kept in shared memory (QZROWS, `QZ_ROWS`): 8
-    instead of 16 HMMA per tile at bf16 (0 instead of 8 at fp16), bit-equal logits.
+    instead of 16 HMMA per tile at bf16 (0 instead of 8 at fp16), plus 8 per refill, bit-equal logits.
     Scale and offset are rounded to the cache dtype before the multiply-add (one rounding of the value after
     it): values can differ from the reference's fp32 dequantization by about one unit in the last place; at 2
     bits fp16 scales below 2^-12 lose bits in the division by 4 (at most 3 * 2^-23 absolute). Post-scaled Keys
@@ -1130,7 +1131,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _qz_rows(KHROWS, KCROWS, zbase, g0, NG_K, qT, KP: gl.constexpr, IS_BF16: gl.constexpr, a_l: gl.constexpr,
                  mma: gl.constexpr, NZ: gl.constexpr):
-        """q . z [16, 8] of Key groups g0 .. g0 + 15 (rows; past NG_K: 0) and the query heads (columns): one mma
+        """q . z [16, 8] of Key groups g0 .. g0 + NZ - 1 (rows; rows from NZ on and groups past NG_K: 0) and the
+        query heads (columns): one mma
         with the groups' zero points z = center - half (cache dtype, as `_offset` rounds them per tile) as its A
         rows, k in the Key mma's reduction order (`_key_channel`); row r is the mma the tile path runs on 16 copies
         of group g0 + r's row, so the same value. Lane l loads the 32 channels of rows l / 4 and l / 4 + 8 that
@@ -1181,7 +1183,9 @@ if HAVE_GLUON:
         (`_qz_rows`; KHROWS / KCROWS: the Keys' statistics rows [B * H, NG_K, 128] as pointers, also where TMA copies
         the tiles, whose ring then skips the centers), kept in shared memory and read back per tile: 8 mma per QZ_N
         groups instead of 8 per tile (a q . z is the same mma row either way: bit-equal logits). Each refill runs
-        first in its tile's iteration, while few registers are live (after the tile's unpacking it took 168)."""
+        first in its tile's iteration, while few registers are live (placed after the tile's unpacking, the build
+        took 254 registers)."""
+        gl.static_assert(KPOST or not QZROWS, "QZROWS computes the post-scaled Keys' q . z")
         bh = gl.program_id(0)
         split = gl.program_id(1)
         b = bh // H
@@ -1338,6 +1342,7 @@ if HAVE_GLUON:
                 up = UP / qfac
             negm = gl.full([16, 128], -128.0, dt, a_l)
             if QZROWS:  # q . z of QZ_N Key groups per mma (`_qz_rows`), read back per tile from shared memory
+                gl.static_assert(QZ_N <= 16, "a refill's groups are the rows of one m16 mma")
                 acc16 = gl.zeros([16, 8], gl.float32, mma)
                 zsm = gl.allocate_shared_memory(gl.float32, [16, 8], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
                 zrows = zsm._reinterpret(gl.float32, [16, 8], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))  # by row
@@ -1490,7 +1495,8 @@ if HAVE_GLUON:
     def _smem_tile(kb, vb, khb, kzb, vhb, vzb, KW: gl.constexpr, KS: gl.constexpr, VW: gl.constexpr,
                    VW3: gl.constexpr, L4: gl.constexpr, BT: gl.constexpr, D: gl.constexpr, KBITS: gl.constexpr,
                    VBITS: gl.constexpr, KP: gl.constexpr):
-        """One ring slot into registers, in the layouts `_load_tile` returns (Key words at 1 bit unshifted)."""
+        """One ring slot into registers, in the layouts `_load_tile` returns (Key words at 1 bit unshifted); with
+        QZROWS the slot holds no Key centers (`_issue` KZ): their registers are then unused."""
         flat3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
         flat2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
         kwords, vwords = _smem_codes(kb, vb, KW, VW, VW3, L4, BT, KBITS, VBITS, KP)
