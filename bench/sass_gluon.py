@@ -2,7 +2,8 @@
 SASS instructions (the longest backward branch), by opcode. kvquant's kernel at 16- and 32-token tiles, with its
 168-register cap and without, and with one outlier per token (kvquant-4-1%); int8's kernel at 16- and 32-token
 tiles, fp16 and bf16; the KIVI-layout kernel at 2 and 4 bits (fp16, bool mask, plain loads) with its Keys
-post-scaled (the default) and dequantized; InnerQ's layout in the same kernel; calibquant's kernel (both phases).
+post-scaled (the default) and dequantized, and its TMA build (bf16) with q . z per tile or per QZ_N Key groups
+(`QZ_ROWS`); InnerQ's layout in the same kernel; calibquant's kernel (both phases).
 
     python bench/sass_gluon.py        (without TRITON_INTERPRET; ptxas and cuobjdump from the triton wheel)
 """
@@ -58,6 +59,30 @@ def main():
             print(f"KIVI layout {bits}-bit, Keys {'post-scaled' if post else 'dequantized'}: {b.regs} registers, "
                   f"stack {b.stack} B, loop {sum(ops.values())} instructions per 32 tokens: "
                   f"{dict(ops.most_common(12))}", flush=True)
+    # the TMA build inside CUDA graphs on sm_90 (bf16, post-scaled Keys): q . z per tile against per QZ_N groups
+    import torch
+    from triton.runtime.jit import mangle_type
+
+    for bits in (2, 4):
+        z = dict(codes=torch.zeros(2, 2, 64, 4 * bits, dtype=torch.int32))
+        kp = dict(z, cen=torch.zeros(2, 2, 2, 128, dtype=torch.bfloat16), half=torch.zeros(2, 2, 2, 128,
+                                                                                             dtype=torch.bfloat16))
+        vp = dict(z, cen=torch.zeros(2, 2, 64, 4, dtype=torch.bfloat16), half=torch.zeros(2, 2, 64, 4,
+                                                                                           dtype=torch.bfloat16))
+        stores = dict(zip(("KC", "KCEN", "KHALF", "VC", "VCEN", "VHALF"),
+                          map(mangle_type, dag.descriptors(kp, vp, bits, bits))))
+        sig = {n: (t.replace("fp16", "bf16") if isinstance(t, str) else t) for n, t in kivi.items()}
+        sig.update(stores)
+        a = dag.split_scale(2 / (2 ** bits - 1), True)
+        for qz in (False, True):
+            cx = dict(H=8, REP=4, S=0, R=128, TPG_K=32, TPG_V=1, MASK_KIND=1, IS_BF16=True, BT=32, KBITS=bits,
+                      VBITS=bits, KA_HI=a[0], KA_LO=a[1], VA_HI=a[0], VA_LO=a[1], NWIN=3, TMA=True, NST=dag.NSTAGES,
+                      PDL=True, KPOST=True, QZROWS=qz, QZ_N=dag.QZ_N)
+            b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 12, 13, 14, 22, 23))
+            # main_loop spans the mbarrier wait's retry branch here: its HMMA are the tile's, the refill's not
+            print(f"KIVI layout {bits}-bit, bf16, TMA, q . z {'per QZ_N groups' if qz else 'per tile'}: {b.regs} "
+                  f"registers, stack {b.stack} B, HMMA per tile {main_loop(b.sass)['HMMA']} (in the code "
+                  f"{b.sass.count('HMMA')}), TMA copies {b.sass.count('UTMALDG')}", flush=True)
     # InnerQ's layout (innerq-2: 2-bit hybrid groups on both sides, the Key norm) in the same kernel
     inner = dict(kivi, KMASK="*u8", VMASK="*u8", KNORM="*fp32")
     cx = dict(H=8, REP=4, S=32, R=96, TPG_K=1, TPG_V=32, MASK_KIND=1, IS_BF16=False, BT=32, KBITS=2, VBITS=2,
