@@ -1117,10 +1117,16 @@ if HAVE_GLUON:
         return start, stop, gl.cdiv(gl.maximum(stop - start, 0), BT)
 
     @gluon.jit
+    def _key_element(k):
+        """x = P a + c, the element of its lane group's 32 channels that reduction index k of the KIVI kernel's Key
+        mma holds (module doc, Layouts)."""
+        return (k & 1) + ((k >> 3) & 1) * 2 + ((k >> 4) & 1) * 4 + ((k >> 5) & 1) * 8 + ((k >> 6) & 1) * 16
+
+    @gluon.jit
     def _key_channel(k, KP: gl.constexpr, KPOST: gl.constexpr):
-        """The channel of reduction index k of the KIVI kernel's Key mma (module doc, Layouts): block element
-        x = P a + c of lane group b; post-scaled (KPOST), element c = 2r + h holds code r + KP / 2 h (`_kpost_asm`)."""
-        x = (k & 1) + ((k >> 3) & 1) * 2 + ((k >> 4) & 1) * 4 + ((k >> 5) & 1) * 8 + ((k >> 6) & 1) * 16
+        """The channel of reduction index k of the KIVI kernel's Key mma: element x (`_key_element`) of lane group b;
+        post-scaled (KPOST), element c = 2r + h holds code r + KP / 2 h (`_kpost_asm`)."""
+        x = _key_element(k)
         if KPOST:
             cc = x % KP
             chan = 32 * ((k >> 1) & 3) + x - cc + (cc >> 1) + (cc & 1) * (KP // 2)
@@ -1327,7 +1333,7 @@ if HAVE_GLUON:
             PE: gl.constexpr = 0 if IS_BF16 else POST_E_
             PER: gl.constexpr = (7 if IS_BF16 else 8) // KBITS
             KAF: gl.constexpr = 2.0 / ((1 << KBITS) - 1)
-            tcc = ((tk & 1) + ((tk >> 3) & 1) * 2 + ((tk >> 4) & 1) * 4 + ((tk >> 5) & 1) * 8) % KP  # element c
+            tcc = _key_element(tk) % KP   # the block's element c
             qe = (PE - (tcc >> 1) % PER * KBITS).to(gl.float32)
             UP: gl.constexpr = 1.0 if IS_BF16 else float(2 ** (24 - POST_E_))
             qf = qT.to(gl.float32)
