@@ -440,12 +440,23 @@ def _post_pv(p, VC, VCEN, VHALF, VLEV, bh, t, t0, tvalid, d, T, NG, D: tl.conste
 
 
 @triton.jit
-def _decode_kernel(
-        Q, stride_qb, stride_qh,
+def _load_query(Q, stride_qb, stride_qh, bh, H: tl.constexpr, REP: tl.constexpr, REP_PAD: tl.constexpr,
+                D: tl.constexpr):
+    """The REP query rows of KV head row bh = b * H + h ([REP_PAD, D], rows REP.. zero)."""
+    r = tl.arange(0, REP_PAD)
+    d = tl.arange(0, D)
+    qh = (bh % H) * REP + r
+    return tl.load(Q + (bh // H).to(tl.int64) * stride_qb + qh[:, None] * stride_qh + d[None, :],
+                   mask=(r < REP)[:, None], other=0.0)
+
+
+@triton.jit
+def _decode_program(
+        q,
         KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK, stride_kb, stride_kh,
         VC, VCEN, VHALF, VMASK, VOVAL, VOIDX, VLEV, VDATA, VSINK, VRING, VCHUNK, stride_vb, stride_vh,
         COS, SIN, POS, AMASK, stride_mb, stride_mh, TEMP,
-        OUT_M, OUT_L, OUT_ACC, scale, T, NG_K, NG_V, NSPLIT,
+        OUT_M, OUT_L, OUT_ACC, scale, T, NG_K, NG_V, NSPLIT, bh, slot,
         H: tl.constexpr, REP: tl.constexpr, REP_PAD: tl.constexpr, D: tl.constexpr,
         S: tl.constexpr, R: tl.constexpr,
         BITS_K: tl.constexpr, AXIS_K: tl.constexpr, GS_K: tl.constexpr,
@@ -456,13 +467,12 @@ def _decode_kernel(
         ROPE: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHARED: tl.constexpr, IS_CAUSAL: tl.constexpr,
         TAU_PHASE: tl.constexpr,
         KPOST: tl.constexpr, VPOST: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr,
-        WINDOW: tl.constexpr, NWIN: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr = False):
-    if PDL and (TRIGGER or not WINDOW):
-        # the next launch may start now: the window launch reads nothing the quantized region's launch writes; the
-        # final reduction (after a window launch with TRIGGER) waits for this launch's end before it reads
-        gdc_launch_dependents()
-    bh = tl.program_id(0)
-    split = NSPLIT + tl.program_id(1) if WINDOW else tl.program_id(1)
+        WINDOW: tl.constexpr, NWIN: tl.constexpr, PDL: tl.constexpr):
+    """One program of the quantized-region launch (WINDOW False: slice `slot` of KV head row bh = b * H + h) or
+    of the window launch (WINDOW: window tile `slot`), given the query rows q [REP_PAD, D] of its GQA group
+    (`_load_query`): its (max, sum, acc) into slot `slot` (WINDOW: NSPLIT + `slot`) of each real row. The
+    launches (`_decode_kernel`, `_fused_decode`) only say which program runs where."""
+    split = NSPLIT + slot if WINDOW else slot
     b = bh // H
     h = bh % H
     p0 = tl.load(POS).to(tl.int32)
@@ -477,9 +487,7 @@ def _decode_kernel(
     d = tl.arange(0, D)
     rvalid = r < REP
     qh = h * REP + r
-    q = tl.load(Q + b.to(tl.int64) * stride_qb + qh[:, None] * stride_qh + d[None, :], mask=rvalid[:, None],
-                other=0.0)
-    dt: tl.constexpr = Q.dtype.element_ty
+    dt: tl.constexpr = q.dtype
     if TAU_PHASE == 2:
         temp = tl.load(TEMP + b * H * REP + qh, mask=rvalid, other=1.0)
     KP: tl.constexpr = 0 if WINDOW else KPOST
@@ -497,7 +505,7 @@ def _decode_kernel(
     if WINDOW:  # the exact windows, [0, min(S_EFF, p0)) then [min(max(S_EFF, qend), p0), p0]: tile j of them
         win_lo = tl.minimum(tl.maximum(S_EFF, qend), p0)   # p0 < S: the appended token follows the sink's tiles
         n_sink = tl.cdiv(tl.minimum(S_EFF, p0), BLOCK_T)
-        it_lo = tl.program_id(1)
+        it_lo = slot
         n_iter = tl.minimum(n_sink + tl.cdiv(p0 + 1 - win_lo, BLOCK_T), it_lo + 1)
     else:  # this program's slice of the region where both sides are quantized
         per = tl.cdiv(tl.cdiv(qlen, NSPLIT), BLOCK_T) * BLOCK_T
@@ -561,6 +569,158 @@ def _decode_kernel(
     else:
         tl.store(OUT_L + o, l_i, mask=rvalid)
         tl.store(OUT_ACC + o[:, None] * D + d[None, :], acc, mask=rvalid[:, None])
+
+
+
+
+@triton.jit
+def _decode_kernel(
+        Q, stride_qb, stride_qh,
+        KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK, stride_kb, stride_kh,
+        VC, VCEN, VHALF, VMASK, VOVAL, VOIDX, VLEV, VDATA, VSINK, VRING, VCHUNK, stride_vb, stride_vh,
+        COS, SIN, POS, AMASK, stride_mb, stride_mh, TEMP,
+        OUT_M, OUT_L, OUT_ACC, scale, T, NG_K, NG_V, NSPLIT,
+        H: tl.constexpr, REP: tl.constexpr, REP_PAD: tl.constexpr, D: tl.constexpr,
+        S: tl.constexpr, R: tl.constexpr,
+        BITS_K: tl.constexpr, AXIS_K: tl.constexpr, GS_K: tl.constexpr,
+        SYM_K: tl.constexpr, LUT_K: tl.constexpr, NOUT_K: tl.constexpr, NORM_K: tl.constexpr,
+        TPG_K: tl.constexpr, WR_K: tl.constexpr,
+        BITS_V: tl.constexpr, AXIS_V: tl.constexpr, GS_V: tl.constexpr,
+        SYM_V: tl.constexpr, LUT_V: tl.constexpr, NOUT_V: tl.constexpr, TPG_V: tl.constexpr, WR_V: tl.constexpr,
+        ROPE: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHARED: tl.constexpr, IS_CAUSAL: tl.constexpr,
+        TAU_PHASE: tl.constexpr,
+        KPOST: tl.constexpr, VPOST: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr,
+        WINDOW: tl.constexpr, NWIN: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr = False):
+    """The quantized-region launch (grid (B * H, NSPLIT)) or the window launch (WINDOW, grid (B * H, NWIN)):
+    `_decode_program` per program."""
+    if PDL and (TRIGGER or not WINDOW):
+        # the next launch may start now: the window launch reads nothing the quantized region's launch writes; the
+        # final reduction (after a window launch with TRIGGER) waits for this launch's end before it reads
+        gdc_launch_dependents()
+    bh = tl.program_id(0)
+    q = _load_query(Q, stride_qb, stride_qh, bh, H, REP, REP_PAD, D)
+    _decode_program(q, KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK, stride_kb,
+        stride_kh, VC, VCEN, VHALF, VMASK, VOVAL, VOIDX, VLEV, VDATA, VSINK, VRING, VCHUNK, stride_vb, stride_vh,
+        COS, SIN, POS, AMASK, stride_mb, stride_mh, TEMP, OUT_M, OUT_L, OUT_ACC, scale, T, NG_K, NG_V, NSPLIT, bh,
+        tl.program_id(1), H, REP, REP_PAD, D, S, R, BITS_K, AXIS_K, GS_K, SYM_K, LUT_K, NOUT_K, NORM_K, TPG_K,
+        WR_K, BITS_V, AXIS_V, GS_V, SYM_V, LUT_V, NOUT_V, TPG_V, WR_V, ROPE, MASK_KIND, MASK_SHARED, IS_CAUSAL,
+        TAU_PHASE, KPOST, VPOST, BLOCK_T, IEEE, INTERP, WINDOW, NWIN, PDL)
+
+
+@triton.jit
+def _merge_slots(OUT_M, OUT_L, OUT_ACC, bh, NS, REP: tl.constexpr, REP_PAD: tl.constexpr, D: tl.constexpr):
+    """out [REP_PAD, D] of the REP rows of KV head row bh: sum_j exp(m_j - m) acc_j / sum_j exp(m_j - m) l_j
+    over their NS slots (`_combine_kernel`'s math, for one program that merges a whole GQA group). The slots
+    were written by other programs of the same launch: loaded past L1 (.cg)."""
+    r = tl.arange(0, REP_PAD)
+    d = tl.arange(0, D)
+    rv = r < REP
+    base = (bh * REP_PAD + r) * NS
+    CH: tl.constexpr = 64
+    j = tl.arange(0, CH)
+    mx = tl.full([REP_PAD], float("-inf"), tl.float32)
+    for j0 in range(0, NS, CH):
+        jm = rv[:, None] & ((j0 + j) < NS)[None, :]
+        m = tl.load(OUT_M + base[:, None] + (j0 + j)[None, :], mask=jm, other=float("-inf"), cache_modifier=".cg")
+        mx = tl.maximum(mx, tl.max(m, 1))
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    num = tl.zeros([REP_PAD, D], tl.float32)
+    den = tl.zeros([REP_PAD], tl.float32)
+    for jj in range(0, NS):
+        w = tl.exp(tl.load(OUT_M + base + jj, mask=rv, other=float("-inf"), cache_modifier=".cg") - mx)
+        den += w * tl.load(OUT_L + base + jj, mask=rv, other=0.0, cache_modifier=".cg")
+        acc = tl.load(OUT_ACC + (base + jj)[:, None] * D + d[None, :], mask=rv[:, None], other=0.0,
+                      cache_modifier=".cg")
+        num += w[:, None] * acc
+    return tl.where(den[:, None] > 0, num / tl.where(den > 0, den, 1.0)[:, None], 0.0)
+
+
+@triton.jit
+def _fused_decode(
+        q,
+        KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK, stride_kb, stride_kh,
+        VC, VCEN, VHALF, VMASK, VOVAL, VOIDX, VLEV, VDATA, VSINK, VRING, VCHUNK, stride_vb, stride_vh,
+        COS, SIN, POS, AMASK, stride_mb, stride_mh, TEMP,
+        OUT_M, OUT_L, OUT_ACC, scale, T, NG_K, NG_V, NSPLIT, CNT,
+        H: tl.constexpr, REP: tl.constexpr, REP_PAD: tl.constexpr, D: tl.constexpr,
+        S: tl.constexpr, R: tl.constexpr,
+        BITS_K: tl.constexpr, AXIS_K: tl.constexpr, GS_K: tl.constexpr,
+        SYM_K: tl.constexpr, LUT_K: tl.constexpr, NOUT_K: tl.constexpr, NORM_K: tl.constexpr,
+        TPG_K: tl.constexpr, WR_K: tl.constexpr,
+        BITS_V: tl.constexpr, AXIS_V: tl.constexpr, GS_V: tl.constexpr,
+        SYM_V: tl.constexpr, LUT_V: tl.constexpr, NOUT_V: tl.constexpr, TPG_V: tl.constexpr, WR_V: tl.constexpr,
+        ROPE: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHARED: tl.constexpr, IS_CAUSAL: tl.constexpr,
+        TAU_PHASE: tl.constexpr,
+        KPOST: tl.constexpr, VPOST: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr,
+        NWIN: tl.constexpr):
+    """A whole decode-attention call in one launch, grid (B * H, NSPLIT + NWIN): programs j < NSPLIT take slice j
+    of the quantized region, the others window tile j - NSPLIT (`_decode_program` either way); each then counts
+    itself in CNT[bh] (zero before the launch), and the last of a KV head's NSPLIT + NWIN programs merges their
+    slots (`_merge_slots`) and resets CNT[bh] to zero. Returns (last, out [REP_PAD, D] fp32): the caller stores
+    out where last (the Inductor template `kvq_compile.lowering` emits, or `_fused_decode_kernel`). No softmax
+    calibration (TAU_PHASE 0): CalibQuant's range pass must end before its attention pass starts."""
+    bh = tl.program_id(0)
+    j = tl.program_id(1)
+    if j < NSPLIT:
+        _decode_program(q, KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK,
+                        stride_kb, stride_kh, VC, VCEN, VHALF, VMASK, VOVAL, VOIDX, VLEV, VDATA, VSINK, VRING,
+                        VCHUNK, stride_vb, stride_vh, COS, SIN, POS, AMASK, stride_mb, stride_mh, TEMP, OUT_M,
+                        OUT_L, OUT_ACC, scale, T, NG_K, NG_V, NSPLIT, bh, j, H, REP, REP_PAD, D, S, R, BITS_K,
+                        AXIS_K, GS_K, SYM_K, LUT_K, NOUT_K, NORM_K, TPG_K, WR_K, BITS_V, AXIS_V, GS_V, SYM_V,
+                        LUT_V, NOUT_V, TPG_V, WR_V, ROPE, MASK_KIND, MASK_SHARED, IS_CAUSAL, TAU_PHASE, KPOST,
+                        VPOST, BLOCK_T, IEEE, INTERP, False, NWIN, False)
+    else:
+        _decode_program(q, KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK,
+                        stride_kb, stride_kh, VC, VCEN, VHALF, VMASK, VOVAL, VOIDX, VLEV, VDATA, VSINK, VRING,
+                        VCHUNK, stride_vb, stride_vh, COS, SIN, POS, AMASK, stride_mb, stride_mh, TEMP, OUT_M,
+                        OUT_L, OUT_ACC, scale, T, NG_K, NG_V, NSPLIT, bh, j - NSPLIT, H, REP, REP_PAD, D, S, R,
+                        BITS_K, AXIS_K, GS_K, SYM_K, LUT_K, NOUT_K, NORM_K, TPG_K, WR_K, BITS_V, AXIS_V, GS_V,
+                        SYM_V, LUT_V, NOUT_V, TPG_V, WR_V, ROPE, MASK_KIND, MASK_SHARED, IS_CAUSAL, TAU_PHASE,
+                        KPOST, VPOST, BLOCK_T, IEEE, INTERP, True, NWIN, False)
+    tl.debug_barrier()   # every warp's slot stores before the count (its atomic releases them to the last program)
+    n = tl.atomic_add(CNT + bh, 1, sem="acq_rel", scope="gpu")
+    last = n == NSPLIT + NWIN - 1
+    out = tl.zeros([REP_PAD, D], tl.float32)
+    if last:
+        out = _merge_slots(OUT_M, OUT_L, OUT_ACC, bh, NSPLIT + NWIN, REP, REP_PAD, D)
+        tl.store(CNT + bh, 0)   # ready for the next launch on the same counters
+    return last, out
+
+
+@triton.jit
+def _fused_decode_kernel(
+        Q, stride_qb, stride_qh, O,
+        KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK, stride_kb, stride_kh,
+        VC, VCEN, VHALF, VMASK, VOVAL, VOIDX, VLEV, VDATA, VSINK, VRING, VCHUNK, stride_vb, stride_vh,
+        COS, SIN, POS, AMASK, stride_mb, stride_mh, TEMP,
+        OUT_M, OUT_L, OUT_ACC, scale, T, NG_K, NG_V, NSPLIT, CNT,
+        H: tl.constexpr, REP: tl.constexpr, REP_PAD: tl.constexpr, D: tl.constexpr,
+        S: tl.constexpr, R: tl.constexpr,
+        BITS_K: tl.constexpr, AXIS_K: tl.constexpr, GS_K: tl.constexpr,
+        SYM_K: tl.constexpr, LUT_K: tl.constexpr, NOUT_K: tl.constexpr, NORM_K: tl.constexpr,
+        TPG_K: tl.constexpr, WR_K: tl.constexpr,
+        BITS_V: tl.constexpr, AXIS_V: tl.constexpr, GS_V: tl.constexpr,
+        SYM_V: tl.constexpr, LUT_V: tl.constexpr, NOUT_V: tl.constexpr, TPG_V: tl.constexpr, WR_V: tl.constexpr,
+        ROPE: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHARED: tl.constexpr, IS_CAUSAL: tl.constexpr,
+        TAU_PHASE: tl.constexpr,
+        KPOST: tl.constexpr, VPOST: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr,
+        NWIN: tl.constexpr):
+    """`_fused_decode` as a plain Triton launch into O [B, Hq, 1, D] (contiguous): what the Inductor template of
+    `kvq_compile.lowering` computes, for the launcher's `fused=True` (the CPU tests, the kernel benchmark)."""
+    bh = tl.program_id(0)
+    q = _load_query(Q, stride_qb, stride_qh, bh, H, REP, REP_PAD, D)
+    last, out = _fused_decode(q, KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK,
+                              stride_kb, stride_kh, VC, VCEN, VHALF, VMASK, VOVAL, VOIDX, VLEV, VDATA, VSINK, VRING,
+                              VCHUNK, stride_vb, stride_vh, COS, SIN, POS, AMASK, stride_mb, stride_mh, TEMP, OUT_M,
+                              OUT_L, OUT_ACC, scale, T, NG_K, NG_V, NSPLIT, CNT, H, REP, REP_PAD, D, S, R, BITS_K,
+                              AXIS_K, GS_K, SYM_K, LUT_K, NOUT_K, NORM_K, TPG_K, WR_K, BITS_V, AXIS_V, GS_V, SYM_V,
+                              LUT_V, NOUT_V, TPG_V, WR_V, ROPE, MASK_KIND, MASK_SHARED, IS_CAUSAL, TAU_PHASE, KPOST,
+                              VPOST, BLOCK_T, IEEE, INTERP, NWIN)
+    if last:
+        r = tl.arange(0, REP_PAD)
+        d = tl.arange(0, D)
+        row = (bh // H) * (H * REP) + (bh % H) * REP + r
+        tl.store(O + row[:, None] * D + d[None, :], out.to(O.dtype.element_ty), mask=(r < REP)[:, None])
 
 
 @triton.jit
@@ -764,10 +924,105 @@ def _fill_splits(bh: int, max_len: int, device, resident: int) -> int:
     return max(1, min(resident * sms // bh, max_len // (4 * dag.BT), 1024))
 
 
+def _mask_args(attn_mask, query) -> tuple:
+    """(MASK_KIND, mask tensor, batch stride, head stride) of an attention mask for the kernels (the query stands
+    in for an absent one); strides are 0 along broadcast dims. Raises on a mask that does not broadcast as
+    [B|1, Hq|1, 1, >= L]."""
+    import torch
+
+    B, Hq = query.shape[:2]
+    if attn_mask is None:
+        return 0, query, 0, 0
+    amask = attn_mask if attn_mask.stride(-1) == 1 else attn_mask.contiguous()
+    while amask.dim() < 4:
+        amask = amask.unsqueeze(0)
+    if amask.dim() > 4 or amask.shape[0] not in (1, B) or amask.shape[1] not in (1, Hq) or amask.shape[2] != 1:
+        raise ValueError(f"attn_mask must broadcast as [B|1, Hq|1, 1, >= L] = [{B}|1, {Hq}|1, 1, >= L] for a "
+                         f"decode step, got shape {tuple(attn_mask.shape)}")
+    return (1 if amask.dtype == torch.bool else 2, amask, amask.stride(0) if amask.shape[0] > 1 else 0,
+            amask.stride(1) if amask.shape[1] > 1 else 0)
+
+
+def fused_plan(query, bufs: dict, key, value, positions, attn_mask, scale: float, is_causal: bool, cfg, spec, geo,
+               alloc, block_t: int | None = None, num_splits: int | None = None, programs_per_sm: int = 16,
+               post_scaling: bool = True) -> dict:
+    """The arguments of `_fused_decode` (one launch for a whole call, no Gluon) for one decode step: `args` (its
+    positional arguments after q, in order), `consts` (its constexprs), `grid`, `nsplit`, `nwin`. Its scratch
+    buffers come from alloc(kind, numel) for kind "m", "l", "acc" (float32) and "cnt" (int32, zero). Tensors may
+    be on the meta device (the Inductor lowering maps them back to its buffers by identity), except that the split
+    count then needs num_splits. Raises ValueError where one launch cannot serve the layer (calibrated softmax)."""
+    import torch
+
+    B, Hq, n, D = query.shape
+    H = key.shape[1]
+    if n != 1 or Hq % H:
+        raise ValueError(f"fused decode attention takes one query token per sequence and Hq % H == 0, got "
+                         f"query {tuple(query.shape)} and {H} KV heads")
+    if cfg.softmax_tau is not None:
+        raise ValueError("fused decode attention: a calibrated softmax (softmax_tau) needs its range pass first")
+    rep = Hq // H
+    rep_pad = max(16, triton.next_power_of_2(rep))
+    kp, kc = _side_args(bufs, "k", spec.key, geo, cfg)
+    vp, vc = _side_args(bufs, "v", spec.value, geo, cfg)
+    rope = cfg.keys_before_rope and spec.key.quantized
+    if block_t is None:
+        block_t = default_block_t(kc, vc, rope)
+    if block_t < 32 and query.device.type != "cpu" and (kc["NOUT"] or vc["NOUT"]):
+        raise ValueError(f"kvq decode attention: block_t={block_t} with outliers is not supported on the GPU "
+                         "(use 32 or more)")
+    mask_kind, amask, smb, smh = _mask_args(attn_mask, query)
+    nwin = _window_tiles(cfg, kc, vc, block_t)
+    nsplit = num_splits or _num_splits(B * H, geo.max_len, block_t, query.device, programs_per_sm)
+    slots = B * H * rep_pad * (nsplit + nwin)
+    bufs_out = [alloc("m", slots), alloc("l", slots), alloc("acc", slots * D)]
+    args = (*side_pointers(kp, True), key, key.stride(0), key.stride(1),
+            *side_pointers(vp, False), value, value.stride(0), value.stride(1),
+            bufs["rope.cos"] if rope else query, bufs["rope.sin"] if rope else query, positions, amask, smb, smh,
+            query, *bufs_out, float(scale), geo.max_len, kc["NG"], vc["NG"], nsplit, alloc("cnt", B * H))
+    consts = dict(H=H, REP=rep, REP_PAD=rep_pad, D=D, S=cfg.sink, R=cfg.recent, **side_constants(kc, vc),
+                  ROPE=rope, MASK_KIND=mask_kind, MASK_SHARED=smh == 0, IS_CAUSAL=is_causal, TAU_PHASE=0,
+                  KPOST=_post_mode(kc, block_t, D) if (post_scaling and not rope) else 0,
+                  VPOST=_post_mode(vc, block_t, D) if post_scaling else 0, BLOCK_T=block_t,
+                  IEEE=query.dtype == torch.float32, INTERP=_INTERPRET, NWIN=nwin)
+    return dict(args=args, consts=consts, grid=(B * H, nsplit + nwin), nsplit=nsplit, nwin=nwin)
+
+
+def _fused_launch(query, bufs, key, value, positions, attn_mask, scale, is_causal, cfg, spec, geo, block_t,
+                  num_splits, num_warps, num_stages, post_scaling, programs_per_sm, out):
+    """`decode_attention(fused=True)`: `fused_plan` launched as `_fused_decode_kernel`."""
+    import torch
+
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (key, value))
+
+    def alloc(kind, n):
+        if kind == "cnt":
+            return torch.zeros(n, dtype=torch.int32, device=query.device)
+        if POISON:
+            return torch.full((n,), float("nan"), dtype=torch.float32, device=query.device)
+        return torch.empty(n, dtype=torch.float32, device=query.device)
+
+    plan = fused_plan(query, bufs, key, value, positions, attn_mask, scale, is_causal, cfg, spec, geo, alloc,
+                      block_t, num_splits, programs_per_sm, post_scaling)
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    elif tuple(out.shape) != tuple(query.shape) or out.dtype != query.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {query.dtype} tensor of shape {tuple(query.shape)}, got "
+                         f"{out.dtype} {tuple(out.shape)} with strides {out.stride()}")
+    LAST_KERNELS["splits"] = plan["nsplit"]
+    LAST_KERNELS["main"] = _fused_decode_kernel[plan["grid"]](query, query.stride(0), query.stride(1), out,
+                                                              *plan["args"], **plan["consts"], num_warps=num_warps,
+                                                              num_stages=num_stages)
+    LAST_KERNELS["window"] = None
+    return out
+
+
 def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale: float, is_causal: bool,
                      cfg, spec, geo, block_t: int | None = None, num_splits: int | None = None,
                      num_warps: int = 4, num_stages: int = 2, post_scaling: bool = True,
-                     programs_per_sm: int = 16, out=None, gluon: bool | None = None, window_warps: int = 4):
+                     programs_per_sm: int = 16, out=None, gluon: bool | None = None, window_warps: int = 4,
+                     fused: bool = False):
     """kvq::attend for one query token per sequence (decode), entirely on the device.
 
     query [B, Hq, 1, D]; bufs: the layer's attend tensors by name (store.LayerStore.attend_tensors);
@@ -782,8 +1037,15 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
     SMs once: `_fill_splits`): block_t, num_warps and num_stages then apply to the window launch only (block_t; for
     calibquant, whose Gluon launches attend the windows too, to nothing) or not at all, programs_per_sm not at all;
     block_t None then means 32 (faster than 64 by 2-7% on an H100, session 10).
-    window_warps: warps of each window-launch program."""
+    window_warps: warps of each window-launch program.
+    fused: the whole call in one Triton launch (`_fused_decode_kernel`: the quantized region's slices and the
+    window tiles in one grid, the last program of each KV head merges): what the Inductor template of
+    `kvq_compile.lowering` runs; no Gluon, no calibrated softmax (ValueError)."""
     import torch
+
+    if fused:
+        return _fused_launch(query, bufs, key, value, positions, attn_mask, scale, is_causal, cfg, spec, geo,
+                             block_t, num_splits, num_warps, num_stages, post_scaling, programs_per_sm, out)
 
     B, Hq, n, D = query.shape
     H = key.shape[1]
@@ -802,18 +1064,7 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
     rope = cfg.keys_before_rope and spec.key.quantized
     cos = bufs["rope.cos"] if rope else query
     sin = bufs["rope.sin"] if rope else query
-    if attn_mask is None:
-        mask_kind, amask, smb, smh = 0, query, 0, 0
-    else:
-        amask = attn_mask if attn_mask.stride(-1) == 1 else attn_mask.contiguous()
-        while amask.dim() < 4:
-            amask = amask.unsqueeze(0)
-        if amask.dim() > 4 or amask.shape[0] not in (1, B) or amask.shape[1] not in (1, Hq) or amask.shape[2] != 1:
-            raise ValueError(f"attn_mask must broadcast as [B|1, Hq|1, 1, >= L] = [{B}|1, {Hq}|1, 1, >= L] for a "
-                             f"decode step, got shape {tuple(attn_mask.shape)}")
-        mask_kind = 1 if amask.dtype == torch.bool else 2
-        smb = amask.stride(0) if amask.shape[0] > 1 else 0
-        smh = amask.stride(1) if amask.shape[1] > 1 else 0
+    mask_kind, amask, smb, smh = _mask_args(attn_mask, query)
     use_gluon = dag.enabled() if gluon is None else gluon
     if use_gluon:
         why = dag.supports(query, rep, kc, vc, kp, rope, mask_kind, smh == 0, is_causal, cfg.softmax_tau)
