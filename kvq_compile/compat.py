@@ -231,3 +231,55 @@ def source_hash_pass(paths: tuple[str, ...], previous=None, extra=""):
             return None if theirs is None else f"{digest}-{theirs}"  # a pass without uuid: Inductor skips its cache
 
     return SourceHash()
+
+
+# ---------------------------------------------------------------------------------------------
+# Inductor TritonTemplate API (kvq_compile/lowering.py's one-launch decode template)
+# ---------------------------------------------------------------------------------------------
+_TEMPLATES: dict = {}
+
+
+def triton_template(name: str, source: str, grid):
+    """A TritonTemplate per name, created once per process (Inductor asserts against duplicate names). grid(g0,
+    g1, meta) -> the launch grid, wrapped as a SymbolicGridFn where this torch has one. Raises ImportError /
+    AttributeError / TypeError when the private API moved."""
+    if name in _TEMPLATES:
+        return _TEMPLATES[name]
+    from torch._inductor import select_algorithm as sa
+
+    existing = sa.TritonTemplate.all_templates.get(name)
+    if existing is None:
+        wrap = getattr(sa, "SymbolicGridFn", None)
+        existing = sa.TritonTemplate(name=name, grid=wrap(grid) if wrap else grid, source=source)
+    _TEMPLATES[name] = existing
+    return existing
+
+
+def scratch(numel: int, dtype, device, zero: bool):
+    """A realized 1-D buffer of the graph for a template to write (zero-filled by a kernel of its own when zero,
+    else uninitialized)."""
+    from torch._inductor.lowering import empty_strided, full
+
+    if not zero:
+        return empty_strided([numel], [1], dtype=dtype, device=device)
+    x = full([numel], 0, dtype=dtype, device=device)
+    x.realize()
+    return x
+
+
+def frozen_strides(node) -> tuple[int, ...]:
+    """The strides of a realized input, its layout frozen first (a template reads them as constants)."""
+    if hasattr(node, "freeze_layout"):
+        node.freeze_layout()
+    return tuple(int(s) for s in node.get_stride())
+
+
+def is_template_node(node) -> bool:
+    """Whether an autotuned node is a TritonTemplate's output (rather than an extern kernel's)."""
+    from torch._inductor import ir
+
+    for _ in range(4):
+        if isinstance(node, ir.TemplateBuffer):
+            return True
+        node = getattr(node, "data", None)
+    return False

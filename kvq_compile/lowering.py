@@ -1,19 +1,28 @@
-"""Inductor lowering of `kvq::attend`: how a decode step's attention becomes an autotuned Triton kernel.
+"""Inductor lowering of `kvq::attend`: how a decode step's attention becomes an autotuned GPU kernel.
 
     FX node  kvq::attend(query, store[...], key, value, positions, attn_mask?, scale, is_causal, layout)
       -> lower_attend (Inductor's lowering of the op, registered by `register()`)
          CUDA, one query token, shapes static:
-             autotune_select_algorithm("kvq_attend", one ExternKernelCaller per LaunchConfig of
-             templates/decode_attention.py, all of the extern kernel `kvq_attend` with the configuration as
-             keywords): the default launch alone (CONFIGS), or under max_autotune MAX_AUTOTUNE_CONFIGS, which
-             Inductor benchmarks once per layer layout and shape (on the full cache length, see
-             `_input_generators`) and emits a call of the fastest.
+             autotune_select_algorithm("kvq_attend", choices) over
+             - TritonTemplate choices (`_template_choices`, where `use_template` says so): the whole call in one
+               Inductor-generated Triton launch, one per TEMPLATE_CONFIGS entry. Its source (`_template_source`)
+               loads the query rows through Inductor's `load_input` (so a pointwise producer of the query, RoPE,
+               can be fused in as a prologue), calls `templates.decode_attention._fused_decode` (the quantized
+               region's slices and the exact windows in one grid, the last program of each KV head merges the
+               partial results) and stores through `store_output` (epilogue fusion). Its scratch (partial results,
+               per-head counters zeroed by a fill kernel) are graph buffers it mutates. No calibrated softmax there.
+             - ExternKernelChoice choices: the hand-written launches of templates/decode_attention.py (Gluon kernels
+               where they serve the layer, the Triton kernel elsewhere: window, split main region, combine), one
+               per LaunchConfig, all of the extern kernel `kvq_attend` with the configuration as keywords: the
+               default launch alone (CONFIGS), or under max_autotune MAX_AUTOTUNE_CONFIGS.
+             Inductor benchmarks the choices once per layer layout and shape when there are several (on the full
+             cache length, see `_input_generators`) and emits a call of the fastest.
          anything else (CPU, prefill chunks, symbolic shapes): the op as an opaque kernel (the reference
              path, or the CUDA kernel ops.py registers), exactly what Inductor does without a lowering.
 
-The choices are launch configurations of one hand-written Triton template, called as extern kernels; an
-Inductor-generated TritonTemplate (prologue fusion of RoPE and the mask into the kernel) is not built: the
-kernel is three launches (window, split main region, combine), which one TritonTemplate cannot express.
+Inductor times an extern choice with its Python launch (three launches), so against a one-launch template its
+time includes host overhead that a CUDA graph does not pay: `use_template` therefore offers the template only where
+no Gluon kernel serves the layer (measured, bench/RESULTS.md), and not the extern choices then unless max_autotune.
 
 Inductor's compile cache keys on the graph and its config, not on the source of third-party lowerings:
 `cache_key_pass()` returns a post-grad CustomGraphPass (doing nothing) whose uuid() hashes this package's
@@ -60,6 +69,15 @@ TUNED_CONFIGS = (DEFAULT_CONFIG, LaunchConfig(32, 4, 2, 16), LaunchConfig(64, 4,
 MAX_AUTOTUNE_CONFIGS = TUNED_CONFIGS + tuple(
     LaunchConfig(t, w, s, p) for t in (32, 64, 128) for w in (4, 8) for s in (2, 3) for p in (8, 32)
     if LaunchConfig(t, w, s, p) not in TUNED_CONFIGS)
+
+
+# The one-launch TritonTemplate (`_template_choices`): None = offered where no Gluon kernel serves the layer
+# (`use_template`), True = for every layer it can serve, False = never.
+TEMPLATE = None
+TEMPLATE_CONFIGS = (DEFAULT_CONFIG,)
+MAX_AUTOTUNE_TEMPLATE_CONFIGS = TEMPLATE_CONFIGS + (
+    LaunchConfig(0, 4, 2, 4), LaunchConfig(0, 8, 2, 16), LaunchConfig(32, 4, 2, 16), LaunchConfig(64, 4, 3, 16))
+TEMPLATE_IMPORT = "from kvq_compile.templates.decode_attention import _fused_decode"
 
 
 def launch(*tensors, out, kvq_layout: str, scale: float, is_causal: bool, n_store: int, has_mask: bool,
@@ -113,6 +131,148 @@ def _input_generators(layout: str, n_store: int, has_mask: bool) -> dict:
     return gens
 
 
+def _meta(node) -> torch.Tensor:
+    """A meta tensor with the size, strides and dtype of a realized IR node (what the launcher's planning reads)."""
+    return torch.empty_strided(compat.static_size(node), compat.frozen_strides(node), dtype=node.get_dtype(),
+                               device="meta")
+
+
+def use_template(layout: str, query, store, mask, is_causal: bool) -> str | None:
+    """None when the one-launch template is offered for this layer, else why not: TEMPLATE False, a calibrated
+    softmax (its range pass must end first), a CPU graph (Inductor has no Triton driver there), or (TEMPLATE
+    None) a Gluon kernel that serves the layer: on an H100 / H200 those beat the Triton kernel the template runs
+    (bench/RESULTS.md), and Inductor would time them with their Python launch."""
+    from .ops import _decode_layout
+    from .templates import decode_attention as da
+    from .templates import decode_attention_gluon as dag
+
+    cfg, geo, spec, names = _decode_layout(layout)
+    if TEMPLATE is False:
+        return "TEMPLATE is False"
+    if cfg.softmax_tau is not None:
+        return "a calibrated softmax needs its range pass before its attention pass"
+    device = query.get_device()
+    if device is None or device.type != "cuda":
+        return "not a CUDA graph"
+    if TEMPLATE is None and dag.enabled() and spec.key.quantized and spec.value.quantized:
+        B, Hq, _, D = compat.static_size(query)
+        bufs = {n: _meta(x) for n, x in zip(names, store)}
+        kp, kc = da._side_args(bufs, "k", spec.key, geo, cfg)
+        vp, vc = da._side_args(bufs, "v", spec.value, geo, cfg)
+        mask_kind = 0 if mask is None else (1 if mask.get_dtype() == torch.bool else 2)
+        shared = mask is None or compat.static_size(mask)[1] == 1
+        q = torch.empty(B, Hq, 1, D, dtype=query.get_dtype(), device=device)
+        if dag.supports(q, Hq // geo.heads, kc, vc, kp, cfg.keys_before_rope, mask_kind, shared, is_causal,
+                        cfg.softmax_tau) is None:
+            return "a Gluon kernel serves this layer"
+    return None
+
+
+def _grid(g0, g1, meta):
+    return g0, g1, 1
+
+
+def _template_source(args: list[str], names: list[str]) -> str:
+    """The Inductor template (jinja) of one decode-attention call: `_fused_decode`'s positional arguments after q
+    (`args`: kernel argument names, literals and constexpr names), the template's input names (`names`, in
+    def_kernel order). idx_* index the output [B, Hq, 1, D] (and the query: one GQA group's REP_PAD x D tile)."""
+    call = ",\n        ".join(", ".join(args[i:i + 8]) for i in range(0, len(args), 8))
+    return f"""{TEMPLATE_IMPORT}
+
+
+{{{{def_kernel({", ".join(repr(n) for n in names)})}}}}
+    bh = tl.program_id(0)
+    r = tl.arange(0, REP_PAD)
+    idx_b = bh // H
+    idx_h = ((bh % H) * REP + r)[:, None]
+    idx_d = tl.arange(0, D)[None, :]
+    idx_m = idx_d * 0
+    qmask = (r < REP)[:, None] & (idx_d < D)
+    {{{{load_input("Q", "q", ("idx_b", "idx_h", "idx_m", "idx_d"), mask="qmask", other=0.0)}}}}
+    last, out = _fused_decode(
+        q, {call})
+    if last:
+        {{{{store_output(("idx_b", "idx_h", "idx_m", "idx_d"), "out", "qmask", indent_width=8)}}}}
+"""
+
+
+def _template_choices(layout: str, inputs: list, n_store: int, has_mask: bool, scale: float, is_causal: bool,
+                      out_layout, configs) -> tuple[list, list, dict]:
+    """(choices, scratch input nodes, input generators) of the one-launch template: one choice per config that
+    `fused_plan` accepts. Raises where the private API moved (the caller then keeps the extern choices)."""
+    from .ops import _decode_layout
+    from .templates import decode_attention as da
+
+    cfg, geo, spec, names = _decode_layout(layout)
+    query, key, value, positions = inputs[:4]
+    store = inputs[4:4 + n_store]
+    mask = inputs[4 + n_store] if has_mask else None
+    device = query.get_device()
+    B, Hq, _, D = compat.static_size(query)
+    qm = torch.empty(B, Hq, 1, D, dtype=query.get_dtype(), device="meta")
+    km, vm, pm = _meta(key), _meta(value), _meta(positions)
+    bufs = {n: _meta(x) for n, x in zip(names, store)}
+    mm = _meta(mask) if has_mask else None
+    ids = {id(qm): "KCH", id(km): "KCH", id(vm): "VCH", id(pm): "POS"}   # the query stands in for absent buffers
+    ids.update({id(t): f"S{i}" for i, t in enumerate(bufs.values())})
+    if has_mask:
+        ids[id(mm)] = "AMASK"
+    kinds = dict(m="OUT_M", l="OUT_L", acc="OUT_ACC", cnt="CNT")
+    plans, sizes = [], dict.fromkeys(kinds, 0)
+    tile = da.layout_block_t(cfg, spec, names)
+    for c in configs:
+        def alloc(kind, n):
+            t = torch.empty(n, dtype=torch.int32 if kind == "cnt" else torch.float32, device="meta")
+            ids[id(t)] = kinds[kind]
+            sizes[kind] = max(sizes[kind], n)
+            return t
+
+        nsplit = da._num_splits(B * geo.heads, geo.max_len, c.block_t or tile, device, c.programs_per_sm)
+        try:
+            plan = da.fused_plan(qm, bufs, km, vm, pm, mm, scale, is_causal, cfg, spec, geo, alloc,
+                                 block_t=c.block_t or None, num_splits=nsplit)
+        except ValueError as e:
+            log.info("kvq::attend template: config %s not offered: %s", c, e)
+            continue
+        plans.append((c, plan))
+    if not plans:
+        return [], [], {}
+    scratch = [compat.scratch(sizes[k], torch.int32 if k == "cnt" else torch.float32, device, zero=k == "cnt")
+               for k in kinds]
+    pnames = list(da._fused_decode.arg_names)[1:]
+    nargs = len(plans[0][1]["args"])
+
+    def render(name, v):
+        if name == "NSPLIT":
+            return "NSPLIT"   # per config: a constexpr of the choice
+        if isinstance(v, torch.Tensor):
+            return ids[id(v)]
+        if isinstance(v, (bool, int, float)):
+            return repr(v)
+        raise TypeError(f"cannot render argument {name}={v!r} into the template")
+
+    args = [render(n, v) for n, v in zip(pnames, plans[0][1]["args"])] + pnames[nargs:]
+    arg_names = ["Q", "KCH", "VCH", "POS", *(f"S{i}" for i in range(n_store))] + (["AMASK"] if has_mask else []) + [
+        "OUT_M", "OUT_L", "OUT_ACC", "CNT"]
+    source = _template_source(args, arg_names)
+    import hashlib
+
+    template = compat.triton_template(f"kvq_decode_{hashlib.sha256(source.encode()).hexdigest()[:12]}", source,
+                                      _grid)
+    choices = []
+    for c, plan in plans:
+        err = template.maybe_append_choice(
+            choices, input_nodes=[*inputs, *scratch], layout=out_layout, num_stages=c.num_stages,
+            num_warps=c.num_warps, mutated_inputs=scratch, call_sizes=list(plan["grid"]),
+            NSPLIT=plan["nsplit"], **plan["consts"])
+        if err is not None:
+            log.info("kvq::attend template: config %s not offered: %s", c, err)
+    n_in = len(inputs)
+    gens = {n_in + 3: lambda buf: torch.zeros([int(s) for s in buf.get_size()], dtype=buf.get_dtype(),
+                                              device=buf.get_device())}
+    return choices, scratch, gens
+
+
 def distinct_launches(configs, layout: str) -> tuple[LaunchConfig, ...]:
     """The configurations that launch differently for this layout: the default tile (block_t 0) resolved to the
     layout's (`decode_attention.layout_block_t`), later equal launches dropped (Inductor would time them twice)."""
@@ -142,19 +302,38 @@ def lower_attend(query, store, key, value, positions, attn_mask, scale, is_causa
     out_layout = compat.fixed_layout(device, query.get_dtype(), shape)
     kwargs = dict(kvq_layout=layout, scale=float(scale), is_causal=bool(is_causal), n_store=len(store),
                   has_mask=has_mask)
-    configs = distinct_launches(MAX_AUTOTUNE_CONFIGS if compat.max_autotune() else CONFIGS, layout)
-    choices = [_choice().bind(inputs, out_layout, **kwargs, **dataclasses.asdict(c)) for c in configs]
-    node = compat.autotune_select("kvq_attend", choices, inputs, out_layout,
-                                  _input_generators(layout, len(store), has_mask))
-    chosen = compat.chosen_kwargs(node)
-    chosen = None if chosen is None else LaunchConfig(**{f: chosen[f] for f in LaunchConfig.__dataclass_fields__})
+    autotune = compat.max_autotune()
+    choices, scratch, gens = [], [], _input_generators(layout, len(store), has_mask)
+    why = use_template(layout, inputs[0], inputs[4:4 + len(store)], inputs[4 + len(store)] if has_mask else None,
+                       bool(is_causal))
+    if why is None:
+        try:
+            choices, scratch, tgens = _template_choices(
+                layout, inputs, len(store), has_mask, float(scale), bool(is_causal), out_layout,
+                MAX_AUTOTUNE_TEMPLATE_CONFIGS if autotune else TEMPLATE_CONFIGS)
+            gens.update(tgens)
+        except Exception as e:  # noqa: BLE001  (private API moved: the extern choices still serve the op)
+            log.warning("kvq::attend: the Inductor template is not offered (%s: %s)", type(e).__name__, e)
+            choices, scratch = [], []
+    else:
+        log.info("kvq::attend: no template choice: %s", why)
+    if not choices or autotune:
+        configs = distinct_launches(MAX_AUTOTUNE_CONFIGS if autotune else CONFIGS, layout)
+        choices += [_choice().bind(inputs, out_layout, **kwargs, **dataclasses.asdict(c)) for c in configs]
+    node = compat.autotune_select("kvq_attend", choices, [*inputs, *scratch], out_layout, gens)
+    if compat.is_template_node(node):
+        chosen = "template"
+    else:
+        chosen = compat.chosen_kwargs(node)
+        chosen = None if chosen is None else LaunchConfig(**{f: chosen[f] for f in LaunchConfig.__dataclass_fields__})
     SELECTED.append((layout, chosen))
-    log.info("kvq::attend lowered to kvq_attend %s (of %d launch configurations)", chosen, len(choices))
+    log.info("kvq::attend lowered to %s (of %d choices)", chosen, len(choices))
     return node
 
 
-# (layout, chosen launch) of the latest lowered calls, for bench/ and logs
-SELECTED: collections.deque[tuple[str, LaunchConfig | None]] = collections.deque(maxlen=4096)
+# (layout, chosen launch: a LaunchConfig of the extern kernel or "template") of the latest lowered calls, for bench/
+# and logs
+SELECTED: collections.deque[tuple[str, LaunchConfig | str | None]] = collections.deque(maxlen=4096)
 _REGISTERED: list[bool] = []
 _LOCK = threading.Lock()
 
@@ -202,7 +381,7 @@ def cache_key_pass(previous=None):
     """The post-grad pass that carries `source_files()`' hash, and the lowering's state (devices, launch
     configurations, KVQ_REFERENCE_KERNELS), into Inductor's cache key (see the module doc)."""
     def state():
-        return repr((sorted(DEVICES), CONFIGS, MAX_AUTOTUNE_CONFIGS, os.environ.get("KVQ_REFERENCE_KERNELS"),
-                     _REGISTERED))
+        return repr((sorted(DEVICES), CONFIGS, MAX_AUTOTUNE_CONFIGS, TEMPLATE, TEMPLATE_CONFIGS,
+                     MAX_AUTOTUNE_TEMPLATE_CONFIGS, os.environ.get("KVQ_REFERENCE_KERNELS"), _REGISTERED))
 
     return compat.source_hash_pass(source_files(), previous, state)

@@ -74,6 +74,7 @@ def test_compiled_generate_through_the_lowering_matches_opaque_op(configs, monke
     ref = model.generate(ids, compile_config=compile_config(kvq_backend(cfg)), **kw)
     torch._dynamo.reset()
     monkeypatch.setattr(lowering, "DEVICES", {"cuda", "cpu"})  # part of the compile cache key: no stale hit
+    monkeypatch.setattr(lowering, "TEMPLATE", False)   # the extern choices only (the template: the test below)
     monkeypatch.setattr(lowering, "SELECTED", [])
     monkeypatch.setattr(lowering, "CONFIGS", (lowering.LaunchConfig(16, 4, 2, 16),
                                               lowering.LaunchConfig(32, 4, 2, 4))[:configs])
@@ -88,6 +89,40 @@ def test_compiled_generate_through_the_lowering_matches_opaque_op(configs, monke
     tol = 1e-4 if DEVICE == "cpu" else 1e-3
     for a, b in zip(ref.logits, out.logits):
         torch.testing.assert_close(b, a, atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="Inductor generates Triton templates for GPUs only")
+@pytest.mark.parametrize("name,head_dim,gqa,dtype,autotune", [
+    ("kivi-2", 64, 3, torch.float16, False), ("kivi-2", 128, 4, torch.bfloat16, True),
+    ("kvquant-4", 128, 4, torch.float16, False), ("kvquant-4-1%", 64, 2, torch.bfloat16, False),
+    ("innerq-2", 128, 3, torch.bfloat16, False), ("int8", 64, 4, torch.float16, False),
+    ("xquant-1.38", 128, 1, torch.float16, False)])
+def test_template_generate_matches_opaque_op_on_gpu(name, head_dim, gqa, dtype, autotune, monkeypatch):
+    """generate compiled with kvq_backend, kvq::attend lowered to the one-launch TritonTemplate (TEMPLATE True: the
+    only choice, or under max_autotune one of several with the extern launches), against the same generate with the
+    op left opaque (the hand-written launches). Odd GQA ratios, padded rows (the mask), both head dims, layouts with
+    codebooks, outliers, RoPE after dequantization, InnerQ's groups and XQuant's shared codes."""
+    from torch._inductor import config as inductor_config
+
+    model = hf_model("llama", kv_heads=2, gqa=gqa, head_dim=head_dim, layers=2, dtype=dtype).to(DEVICE)
+    ids, mask = (t.to(DEVICE) for t in prompts(3, 11, pad=(0, 3, 1)))
+    kw = dict(attention_mask=mask, max_new_tokens=7, do_sample=False, cache_implementation="static",
+              output_logits=True, return_dict_in_generate=True)
+    cfg = small_windows(name)
+    monkeypatch.setattr(lowering, "DEVICES", set())
+    ref = model.generate(ids, compile_config=compile_config(kvq_backend(cfg)), **kw)
+    torch._dynamo.reset()
+    monkeypatch.setattr(lowering, "DEVICES", {"cuda"})
+    monkeypatch.setattr(lowering, "TEMPLATE", True)
+    monkeypatch.setattr(lowering, "SELECTED", [])
+    monkeypatch.setattr(inductor_config, "max_autotune", autotune)
+    out = model.generate(ids, compile_config=compile_config(kvq_backend(cfg)), **kw)
+    torch._dynamo.reset()
+    picks = [c for _, c in lowering.SELECTED]
+    assert picks and (autotune or all(c == "template" for c in picks)), picks
+    tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
+    for a, b in zip(ref.logits, out.logits):
+        torch.testing.assert_close(b.float(), a.float(), atol=tol, rtol=tol)
 
 
 def test_lowering_is_registered_by_the_backend():

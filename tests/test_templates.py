@@ -22,8 +22,9 @@ TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
 def check(cfg, B=2, H=2, rep=3, D=64, T=48, prefill=21, steps=3, dtype=torch.float32, layers=1, layer=0,
-          mask="bool", block_t=16, num_splits=2, seed=0):
-    """Max |template - reference| over `steps` decode steps of layer `layer` (raises on a mismatch)."""
+          mask="bool", block_t=16, num_splits=2, seed=0, fused=False):
+    """Max |template - reference| over `steps` decode steps of layer `layer` (raises on a mismatch). fused: the
+    one-launch kernel (`_fused_decode_kernel`, what the Inductor template runs)."""
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, generator=gen, device=DEVICE).to(dtype)  # noqa: E731
     geo = st.Geometry(B, H, T, D, st.dtype_name(dtype))
@@ -65,7 +66,7 @@ def check(cfg, B=2, H=2, rep=3, D=64, T=48, prefill=21, steps=3, dtype=torch.flo
         # the reference kernel itself: on CUDA, torch.ops.kvq.attend dispatches to the template under test
         ref = attend_cpu_reference(q, tensors, k, v, pos, am, 0.125, False, lay.descriptor(names))
         out = decode_attention(q, dict(zip(names, tensors)), k, v, pos, am, 0.125, False, cfg, lay.spec, geo,
-                               block_t=block_t, num_splits=num_splits)
+                               block_t=block_t, num_splits=num_splits, fused=fused)
         assert out.dtype == q.dtype and out.shape == q.shape
         torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype],
                                    msg=lambda m: f"step at {p}: {m}")
@@ -118,6 +119,68 @@ def test_outliers_codebook_channel_groups_odd_lengths():
                   outliers=0.03)
     cfg.codebooks = {"0.key": torch.linspace(-1, 1, 8).pow(3).tolist()}
     check(cfg, prefill=37, steps=9, T=64, block_t=32, num_splits=4)  # crosses a key-group flush
+
+
+FUSED_PRESETS = ["kivi-2", "kvquant-4-1%", "innerq-2", "int8", "xquant-1.38", "kvquant-3", "innerq-k3v2"]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("name", FUSED_PRESETS)
+def test_fused_launch_matches_reference(name):
+    """The one-launch kernel (slices and window tiles in one grid, the last program of each KV head merges) on
+    presets of every layout family, with splits that leave some programs without tiles."""
+    cfg = small_windows(name)
+    layers, layer = (4, 3) if name.startswith("xquant") else (1, 0)   # xquant: a layer that reads shared codes
+    check(cfg, num_splits=3 if name != "int8" else 9, fused=True, layers=layers, layer=layer,
+          block_t=32 if "%" in name else 16)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("rep,D,mask,dtype", [(1, 128, None, torch.bfloat16), (4, 64, "additive", torch.float16),
+                                              (3, 128, "bool-heads", torch.float32), (5, 64, "one-row", torch.float16)])
+def test_fused_launch_gqa_head_dim_masks(rep, D, mask, dtype):
+    cfg = _custom(2, Axis.TOKEN, 32, 32, Symmetry.HYBRID, recent=3, sink=2)
+    check(cfg, rep=rep, D=D, mask=mask, prefill=19, steps=2, dtype=dtype, num_splits=2, fused=True, block_t=32)
+
+
+@pytest.mark.interpreter
+def test_fused_launch_refuses_a_calibrated_softmax():
+    with pytest.raises(ValueError, match="calibrated softmax"):
+        check(small_windows("calibquant-1"), fused=True)
+
+
+@pytest.mark.interpreter
+def test_fused_launch_counters_are_reset_for_the_next_call():
+    """The per-head counters return to zero after a launch (the merge resets them): a second launch on the same
+    counters (Inductor's benchmark reruns, CUDA-graph replays) merges again."""
+    import kvq_compile.templates.decode_attention as da
+
+    cfg = small_windows("kivi-2")
+    geo = st.Geometry(2, 2, 48, 64, "float32")
+    ms = st.ModelStore(cfg, 1, geo, DEVICE)
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    rnd = lambda *s: torch.randn(*s, generator=gen, device=DEVICE)  # noqa: E731
+    append_every_layer(ms, cfg, rnd(2, 2, 30, 64), rnd(2, 2, 30, 64), 0)
+    lay = ms.layers[0]
+    names, tensors = lay.attend_tensors()
+    k, v, q, pos = rnd(2, 2, 1, 64), rnd(2, 2, 1, 64), rnd(2, 6, 1, 64), torch.tensor([29], device=DEVICE)
+    cnt = []
+
+    def alloc(kind, n):
+        t = torch.zeros(n, dtype=torch.int32, device=DEVICE) if kind == "cnt" else torch.full(
+            (n,), float("nan"), device=DEVICE)
+        if kind == "cnt":
+            cnt.append(t)
+        return t
+
+    plan = da.fused_plan(q, dict(zip(names, tensors)), k, v, pos, None, 0.125, False, cfg, lay.spec, geo, alloc,
+                         block_t=16, num_splits=3)
+    ref = attend_cpu_reference(q, tensors, k, v, pos, None, 0.125, False, lay.descriptor(names))
+    for _ in range(2):
+        out = torch.full_like(q, float("nan"))
+        da._fused_decode_kernel[plan["grid"]](q, q.stride(0), q.stride(1), out, *plan["args"], **plan["consts"])
+        assert torch.equal(cnt[0], torch.zeros_like(cnt[0]))
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.interpreter
