@@ -21,8 +21,9 @@
              path, or the CUDA kernel ops.py registers), exactly what Inductor does without a lowering.
 
 Inductor times an extern choice with its Python launch (three launches), so against a one-launch template its
-time includes host overhead that a CUDA graph does not pay: `use_template` therefore offers the template only where
-no Gluon kernel serves the layer (measured, bench/RESULTS.md), and not the extern choices then unless max_autotune.
+time includes host overhead that a CUDA graph does not pay, and the template's kernel is slower than the extern
+launches on the GPU (bench/RESULTS.md, session 26): the template is therefore offered only when asked for
+(`TEMPLATE`, KVQ_TEMPLATE=1), alone, or under max_autotune next to the extern choices.
 
 Inductor's compile cache keys on the graph and its config, not on the source of third-party lowerings:
 `cache_key_pass()` returns a post-grad CustomGraphPass (doing nothing) whose uuid() hashes this package's
@@ -71,9 +72,12 @@ MAX_AUTOTUNE_CONFIGS = TUNED_CONFIGS + tuple(
     if LaunchConfig(t, w, s, p) not in TUNED_CONFIGS)
 
 
-# The one-launch TritonTemplate (`_template_choices`): None = offered where no Gluon kernel serves the layer
-# (`use_template`), True = for every layer it can serve, False = never.
-TEMPLATE = None
+# The one-launch TritonTemplate (`_template_choices`): True = offered for every layer it can serve (the only choice,
+# or one of several under max_autotune), None = where no Gluon kernel serves the layer, False = never. Off unless
+# KVQ_TEMPLATE=1: on an H200 it was slower than the extern launches for every layout measured, 2-20% where no Gluon
+# kernel serves the layer and 1.3-6.6x where one does (bench/RESULTS.md, session 26), and Inductor would time the
+# extern choices with their Python launch (see the module doc).
+TEMPLATE = {"1": True, "auto": None}.get(os.environ.get("KVQ_TEMPLATE", "0"), False)
 TEMPLATE_CONFIGS = (DEFAULT_CONFIG,)
 MAX_AUTOTUNE_TEMPLATE_CONFIGS = TEMPLATE_CONFIGS + (
     LaunchConfig(0, 4, 2, 4), LaunchConfig(0, 8, 2, 16), LaunchConfig(32, 4, 2, 16), LaunchConfig(64, 4, 3, 16))
@@ -188,11 +192,13 @@ def _template_source(args: list[str], names: list[str]) -> str:
     idx_d = tl.arange(0, D)[None, :]
     idx_m = idx_d * 0
     qmask = (r < REP)[:, None] & (idx_d < D)
-    {{{{load_input("Q", "q", ("idx_b", "idx_h", "idx_m", "idx_d"), mask="qmask", other=0.0)}}}}
+    {{{{load_input("Q", "q", ("idx_b", "idx_h", "idx_m", "idx_d"), mask="qmask", other=0.0,
+                  index_shape=("REP_PAD", "D"))}}}}
     last, out = _fused_decode(
         q, {call})
     if last:
-        {{{{store_output(("idx_b", "idx_h", "idx_m", "idx_d"), "out", "qmask", indent_width=8)}}}}
+        {{{{store_output(("idx_b", "idx_h", "idx_m", "idx_d"), "out", "qmask", indent_width=8,
+                        val_shape=("REP_PAD", "D"))}}}}
 """
 
 
@@ -313,10 +319,14 @@ def lower_attend(query, store, key, value, positions, attn_mask, scale, is_causa
                 MAX_AUTOTUNE_TEMPLATE_CONFIGS if autotune else TEMPLATE_CONFIGS)
             gens.update(tgens)
         except Exception as e:  # noqa: BLE001  (private API moved: the extern choices still serve the op)
-            log.warning("kvq::attend: the Inductor template is not offered (%s: %s)", type(e).__name__, e)
+            log.warning("kvq::attend: the Inductor template is not offered (%s: %s)", type(e).__name__, e,
+                        exc_info=log.isEnabledFor(logging.DEBUG))
+            NOT_OFFERED.append(f"{type(e).__name__}: {e}")
             choices, scratch = [], []
     else:
         log.info("kvq::attend: no template choice: %s", why)
+    if why is None and not choices:
+        NOT_OFFERED.append(layout)
     if not choices or autotune:
         configs = distinct_launches(MAX_AUTOTUNE_CONFIGS if autotune else CONFIGS, layout)
         choices += [_choice().bind(inputs, out_layout, **kwargs, **dataclasses.asdict(c)) for c in configs]
@@ -334,6 +344,8 @@ def lower_attend(query, store, key, value, positions, attn_mask, scale, is_causa
 # (layout, chosen launch: a LaunchConfig of the extern kernel or "template") of the latest lowered calls, for bench/
 # and logs
 SELECTED: collections.deque[tuple[str, LaunchConfig | str | None]] = collections.deque(maxlen=4096)
+# why the template was asked for and not offered (the exception, or the layout when every config was refused)
+NOT_OFFERED: collections.deque[str] = collections.deque(maxlen=64)
 _REGISTERED: list[bool] = []
 _LOCK = threading.Lock()
 

@@ -618,11 +618,13 @@ def _merge_slots(OUT_M, OUT_L, OUT_ACC, bh, NS, REP: tl.constexpr, REP_PAD: tl.c
     base = (bh * REP_PAD + r) * NS
     CH: tl.constexpr = 64
     j = tl.arange(0, CH)
-    mx = tl.full([REP_PAD], float("-inf"), tl.float32)
-    for j0 in range(0, NS, CH):
+    mx2 = tl.full([REP_PAD, CH], float("-inf"), tl.float32)
+    for j0 in range(0, NS, CH):   # the row maximum reduced after the loop (inside it, triton 3.6's
+        # OptimizeThreadLocality pass asserted at head_dim 64 on an H200)
         jm = rv[:, None] & ((j0 + j) < NS)[None, :]
         m = tl.load(OUT_M + base[:, None] + (j0 + j)[None, :], mask=jm, other=float("-inf"), cache_modifier=".cg")
-        mx = tl.maximum(mx, tl.max(m, 1))
+        mx2 = tl.maximum(mx2, m)
+    mx = tl.max(mx2, 1)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
     num = tl.zeros([REP_PAD, D], tl.float32)
     den = tl.zeros([REP_PAD], tl.float32)

@@ -115,11 +115,13 @@ def test_template_generate_matches_opaque_op_on_gpu(name, head_dim, gqa, dtype, 
     monkeypatch.setattr(lowering, "DEVICES", {"cuda"})
     monkeypatch.setattr(lowering, "TEMPLATE", True)
     monkeypatch.setattr(lowering, "SELECTED", [])
+    monkeypatch.setattr(lowering, "NOT_OFFERED", [])
     monkeypatch.setattr(inductor_config, "max_autotune", autotune)
     out = model.generate(ids, compile_config=compile_config(kvq_backend(cfg)), **kw)
     torch._dynamo.reset()
     picks = [c for _, c in lowering.SELECTED]
-    assert picks and (autotune or all(c == "template" for c in picks)), picks
+    assert picks and (autotune or all(c == "template" for c in picks)), (picks, lowering.NOT_OFFERED)
+    assert not lowering.NOT_OFFERED
     tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
     for a, b in zip(ref.logits, out.logits):
         torch.testing.assert_close(b.float(), a.float(), atol=tol, rtol=tol)
