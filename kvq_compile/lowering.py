@@ -78,9 +78,11 @@ MAX_AUTOTUNE_CONFIGS = TUNED_CONFIGS + tuple(
 # kernel serves the layer and 1.3-6.6x where one does (bench/RESULTS.md, session 26), and Inductor would time the
 # extern choices with their Python launch (see the module doc).
 TEMPLATE = {"1": True, "auto": None}.get(os.environ.get("KVQ_TEMPLATE", "0"), False)
-TEMPLATE_CONFIGS = (DEFAULT_CONFIG,)
+# 4 programs per SM: the last program of a KV head merges its slots one after another, so fewer slices than the
+# extern launches' 16 per SM (kivi-2 at (1, 65536) on an H200: 144 us against 229 us; within 1-5% elsewhere)
+TEMPLATE_CONFIGS = (LaunchConfig(0, 4, 2, 4),)
 MAX_AUTOTUNE_TEMPLATE_CONFIGS = TEMPLATE_CONFIGS + (
-    LaunchConfig(0, 4, 2, 4), LaunchConfig(0, 8, 2, 16), LaunchConfig(32, 4, 2, 16), LaunchConfig(64, 4, 3, 16))
+    LaunchConfig(0, 4, 2, 16), LaunchConfig(0, 8, 2, 4), LaunchConfig(32, 4, 2, 4), LaunchConfig(64, 4, 3, 4))
 TEMPLATE_IMPORT = "from kvq_compile.templates.decode_attention import _fused_decode"
 
 

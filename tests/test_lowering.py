@@ -100,9 +100,11 @@ def test_compiled_generate_through_the_lowering_matches_opaque_op(configs, monke
 def test_template_generate_matches_opaque_op_on_gpu(name, head_dim, gqa, dtype, autotune, monkeypatch):
     """generate compiled with kvq_backend, kvq::attend lowered to the one-launch TritonTemplate (TEMPLATE True: the
     only choice, or under max_autotune one of several with the extern launches), against the same generate with the
-    op left opaque (the hand-written launches). Odd GQA ratios, padded rows (the mask), both head dims, layouts with
+    op left opaque (the hand-written launches of the Triton kernel the template calls). Odd GQA ratios, padded rows (the mask), both head dims, layouts with
     codebooks, outliers, RoPE after dequantization, InnerQ's groups and XQuant's shared codes."""
     from torch._inductor import config as inductor_config
+
+    from kvq_compile.templates import decode_attention_gluon as dag
 
     model = hf_model("llama", kv_heads=2, gqa=gqa, head_dim=head_dim, layers=2, dtype=dtype).to(DEVICE)
     ids, mask = (t.to(DEVICE) for t in prompts(3, 11, pad=(0, 3, 1)))
@@ -110,7 +112,9 @@ def test_template_generate_matches_opaque_op_on_gpu(name, head_dim, gqa, dtype, 
               output_logits=True, return_dict_in_generate=True)
     cfg = small_windows(name)
     monkeypatch.setattr(lowering, "DEVICES", set())
-    ref = model.generate(ids, compile_config=compile_config(kvq_backend(cfg)), **kw)
+    with monkeypatch.context() as m:   # the reference: the op's own launches of the same Triton kernel (no Gluon)
+        m.setattr(dag, "enabled", lambda: False)
+        ref = model.generate(ids, compile_config=compile_config(kvq_backend(cfg)), **kw)
     torch._dynamo.reset()
     monkeypatch.setattr(lowering, "DEVICES", {"cuda"})
     monkeypatch.setattr(lowering, "TEMPLATE", True)
@@ -125,6 +129,7 @@ def test_template_generate_matches_opaque_op_on_gpu(name, head_dim, gqa, dtype, 
     tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
     for a, b in zip(ref.logits, out.logits):
         torch.testing.assert_close(b.float(), a.float(), atol=tol, rtol=tol)
+    assert torch.equal(out.sequences, ref.sequences)
 
 
 def test_lowering_is_registered_by_the_backend():
