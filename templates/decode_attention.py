@@ -654,31 +654,35 @@ def _fused_decode(
         ROPE: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHARED: tl.constexpr, IS_CAUSAL: tl.constexpr,
         TAU_PHASE: tl.constexpr,
         KPOST: tl.constexpr, VPOST: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr,
-        NWIN: tl.constexpr):
-    """A whole decode-attention call in one launch, grid (B * H, NSPLIT + NWIN): programs j < NSPLIT take slice j
-    of the quantized region, the others window tile j - NSPLIT (`_decode_program` either way); each then counts
+        NWIN: tl.constexpr, WBLOCK_T: tl.constexpr):
+    """A whole decode-attention call in one launch, grid (B * H, NWIN + NSPLIT): programs j < NWIN take window tile j
+    (WBLOCK_T tokens: shorter, so that the window's code, compiled into the same kernel, needs no more registers than
+    the region's: kivi-2 at bf16 on sm_90, 255 registers and spills with 64-token window tiles, 138 with 16, the
+    region's 128), the others
+    slice j - NWIN of the quantized region (BLOCK_T-token tiles) (`_decode_program` either way); each then counts
     itself in CNT[bh] (zero before the launch), and the last of a KV head's NSPLIT + NWIN programs merges their
     slots (`_merge_slots`) and resets CNT[bh] to zero. Returns (last, out [REP_PAD, D] fp32): the caller stores
     out where last (the Inductor template `kvq_compile.lowering` emits, or `_fused_decode_kernel`). No softmax
     calibration (TAU_PHASE 0): CalibQuant's range pass must end before its attention pass starts."""
     bh = tl.program_id(0)
     j = tl.program_id(1)
-    if j < NSPLIT:
+    if j < NWIN:   # window tiles first: their tile index is then program_id(1) itself (as j - NSPLIT, ptxas gave
+        # the kernel 237 registers instead of 138: kivi-2 bf16, sm_90)
         _decode_program(q, KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK,
                         stride_kb, stride_kh, VC, VCEN, VHALF, VMASK, VOVAL, VOIDX, VLEV, VDATA, VSINK, VRING,
                         VCHUNK, stride_vb, stride_vh, COS, SIN, POS, AMASK, stride_mb, stride_mh, TEMP, OUT_M,
-                        OUT_L, OUT_ACC, scale, T, NG_K, NG_V, NSPLIT, bh, j, H, REP, REP_PAD, D, S, R, BITS_K,
-                        AXIS_K, GS_K, SYM_K, LUT_K, NOUT_K, NORM_K, TPG_K, WR_K, BITS_V, AXIS_V, GS_V, SYM_V,
-                        LUT_V, NOUT_V, TPG_V, WR_V, ROPE, MASK_KIND, MASK_SHARED, IS_CAUSAL, TAU_PHASE, KPOST,
-                        VPOST, BLOCK_T, IEEE, INTERP, False, NWIN, False)
+                        OUT_L, OUT_ACC, scale, T, NG_K, NG_V, NSPLIT, bh, j, H, REP, REP_PAD, D, S, R,
+                        BITS_K, AXIS_K, GS_K, SYM_K, LUT_K, NOUT_K, NORM_K, TPG_K, WR_K, BITS_V, AXIS_V, GS_V,
+                        SYM_V, LUT_V, NOUT_V, TPG_V, WR_V, ROPE, MASK_KIND, MASK_SHARED, IS_CAUSAL, TAU_PHASE,
+                        KPOST, VPOST, WBLOCK_T, IEEE, INTERP, True, NWIN, False)
     else:
         _decode_program(q, KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK,
                         stride_kb, stride_kh, VC, VCEN, VHALF, VMASK, VOVAL, VOIDX, VLEV, VDATA, VSINK, VRING,
                         VCHUNK, stride_vb, stride_vh, COS, SIN, POS, AMASK, stride_mb, stride_mh, TEMP, OUT_M,
-                        OUT_L, OUT_ACC, scale, T, NG_K, NG_V, NSPLIT, bh, j - NSPLIT, H, REP, REP_PAD, D, S, R,
-                        BITS_K, AXIS_K, GS_K, SYM_K, LUT_K, NOUT_K, NORM_K, TPG_K, WR_K, BITS_V, AXIS_V, GS_V,
-                        SYM_V, LUT_V, NOUT_V, TPG_V, WR_V, ROPE, MASK_KIND, MASK_SHARED, IS_CAUSAL, TAU_PHASE,
-                        KPOST, VPOST, BLOCK_T, IEEE, INTERP, True, NWIN, False)
+                        OUT_L, OUT_ACC, scale, T, NG_K, NG_V, NSPLIT, bh, tl.maximum(j - NWIN, 0), H, REP, REP_PAD, D, S, R, BITS_K,
+                        AXIS_K, GS_K, SYM_K, LUT_K, NOUT_K, NORM_K, TPG_K, WR_K, BITS_V, AXIS_V, GS_V, SYM_V,
+                        LUT_V, NOUT_V, TPG_V, WR_V, ROPE, MASK_KIND, MASK_SHARED, IS_CAUSAL, TAU_PHASE, KPOST,
+                        VPOST, BLOCK_T, IEEE, INTERP, False, NWIN, False)
     tl.debug_barrier()   # every warp's slot stores before the count (its atomic releases them to the last program)
     n = tl.atomic_add(CNT + bh, 1, sem="acq_rel", scope="gpu")
     last = n == NSPLIT + NWIN - 1
@@ -706,7 +710,7 @@ def _fused_decode_kernel(
         ROPE: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHARED: tl.constexpr, IS_CAUSAL: tl.constexpr,
         TAU_PHASE: tl.constexpr,
         KPOST: tl.constexpr, VPOST: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr,
-        NWIN: tl.constexpr):
+        NWIN: tl.constexpr, WBLOCK_T: tl.constexpr):
     """`_fused_decode` as a plain Triton launch into O [B, Hq, 1, D] (contiguous): what the Inductor template of
     `kvq_compile.lowering` computes, for the launcher's `fused=True` (the CPU tests, the kernel benchmark)."""
     bh = tl.program_id(0)
@@ -717,7 +721,7 @@ def _fused_decode_kernel(
                               OUT_L, OUT_ACC, scale, T, NG_K, NG_V, NSPLIT, CNT, H, REP, REP_PAD, D, S, R, BITS_K,
                               AXIS_K, GS_K, SYM_K, LUT_K, NOUT_K, NORM_K, TPG_K, WR_K, BITS_V, AXIS_V, GS_V, SYM_V,
                               LUT_V, NOUT_V, TPG_V, WR_V, ROPE, MASK_KIND, MASK_SHARED, IS_CAUSAL, TAU_PHASE, KPOST,
-                              VPOST, BLOCK_T, IEEE, INTERP, NWIN)
+                              VPOST, BLOCK_T, IEEE, INTERP, NWIN, WBLOCK_T)
     if last:
         r = tl.arange(0, REP_PAD)
         d = tl.arange(0, D)
@@ -926,6 +930,9 @@ def _fill_splits(bh: int, max_len: int, device, resident: int) -> int:
     return max(1, min(resident * sms // bh, max_len // (4 * dag.BT), 1024))
 
 
+FUSED_WINDOW_TILE = 16   # tokens per window tile of `_fused_decode` (32 over outliers on a GPU: see decode_attention)
+
+
 def _mask_args(attn_mask, query) -> tuple:
     """(MASK_KIND, mask tensor, batch stride, head stride) of an attention mask for the kernels (the query stands
     in for an absent one); strides are 0 along broadcast dims. Raises on a mask that does not broadcast as
@@ -973,7 +980,8 @@ def fused_plan(query, bufs: dict, key, value, positions, attn_mask, scale: float
         raise ValueError(f"kvq decode attention: block_t={block_t} with outliers is not supported on the GPU "
                          "(use 32 or more)")
     mask_kind, amask, smb, smh = _mask_args(attn_mask, query)
-    nwin = _window_tiles(cfg, kc, vc, block_t)
+    wblock_t = 32 if (kc["NOUT"] or vc["NOUT"]) and query.device.type != "cpu" else FUSED_WINDOW_TILE
+    nwin = _window_tiles(cfg, kc, vc, wblock_t)
     nsplit = num_splits or _num_splits(B * H, geo.max_len, block_t, query.device, programs_per_sm)
     slots = B * H * rep_pad * (nsplit + nwin)
     bufs_out = [alloc("m", slots), alloc("l", slots), alloc("acc", slots * D)]
@@ -985,7 +993,7 @@ def fused_plan(query, bufs: dict, key, value, positions, attn_mask, scale: float
                   ROPE=rope, MASK_KIND=mask_kind, MASK_SHARED=smh == 0, IS_CAUSAL=is_causal, TAU_PHASE=0,
                   KPOST=_post_mode(kc, block_t, D) if (post_scaling and not rope) else 0,
                   VPOST=_post_mode(vc, block_t, D) if post_scaling else 0, BLOCK_T=block_t,
-                  IEEE=query.dtype == torch.float32, INTERP=_INTERPRET, NWIN=nwin)
+                  IEEE=query.dtype == torch.float32, INTERP=_INTERPRET, NWIN=nwin, WBLOCK_T=wblock_t)
     return dict(args=args, consts=consts, grid=(B * H, nsplit + nwin), nsplit=nsplit, nwin=nwin)
 
 
