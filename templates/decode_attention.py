@@ -679,7 +679,7 @@ def _fused_decode(
         _decode_program(q, KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK,
                         stride_kb, stride_kh, VC, VCEN, VHALF, VMASK, VOVAL, VOIDX, VLEV, VDATA, VSINK, VRING,
                         VCHUNK, stride_vb, stride_vh, COS, SIN, POS, AMASK, stride_mb, stride_mh, TEMP, OUT_M,
-                        OUT_L, OUT_ACC, scale, T, NG_K, NG_V, NSPLIT, bh, tl.maximum(j - NWIN, 0), H, REP, REP_PAD, D, S, R, BITS_K,
+                        OUT_L, OUT_ACC, scale, T, NG_K, NG_V, NSPLIT, bh, j - NWIN, H, REP, REP_PAD, D, S, R, BITS_K,
                         AXIS_K, GS_K, SYM_K, LUT_K, NOUT_K, NORM_K, TPG_K, WR_K, BITS_V, AXIS_V, GS_V, SYM_V,
                         LUT_V, NOUT_V, TPG_V, WR_V, ROPE, MASK_KIND, MASK_SHARED, IS_CAUSAL, TAU_PHASE, KPOST,
                         VPOST, BLOCK_T, IEEE, INTERP, False, NWIN, False)
