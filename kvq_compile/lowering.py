@@ -236,7 +236,7 @@ def _template_choices(layout: str, inputs: list, n_store: int, has_mask: bool, s
             sizes[kind] = max(sizes[kind], n)
             return t
 
-        nsplit = da._num_splits(B * geo.heads, geo.max_len, c.block_t or tile, device, c.programs_per_sm)
+        nsplit = da.fused_splits(B * geo.heads, geo.max_len, c.block_t or tile, device, c.programs_per_sm)
         try:
             plan = da.fused_plan(qm, bufs, km, vm, pm, mm, scale, is_causal, cfg, spec, geo, alloc,
                                  block_t=c.block_t or None, num_splits=nsplit)

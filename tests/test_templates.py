@@ -144,6 +144,13 @@ def test_fused_launch_gqa_head_dim_masks(rep, D, mask, dtype):
 
 
 @pytest.mark.interpreter
+def test_fused_launch_merges_more_slots_than_a_chunk():
+    """70 slices (most without a tile) plus the window's: the merge's maximum runs over two 64-slot chunks and its
+    sum over a last group of fewer than 4 slots."""
+    check(small_windows("kivi-4"), num_splits=70, fused=True, steps=2, dtype=torch.float16)
+
+
+@pytest.mark.interpreter
 def test_fused_launch_refuses_a_calibrated_softmax():
     with pytest.raises(ValueError, match="calibrated softmax"):
         check(small_windows("calibquant-1"), fused=True)
