@@ -74,13 +74,12 @@ MAX_AUTOTUNE_CONFIGS = TUNED_CONFIGS + tuple(
 
 # The one-launch TritonTemplate (`_template_choices`): True = offered for every layer it can serve (the only choice,
 # or one of several under max_autotune), None = where no Gluon kernel serves the layer, False = never. Off unless
-# KVQ_TEMPLATE=1: on an H200 it was slower than the extern launches for every layout and shape measured, 2-21% where
-# no Gluon kernel serves the layer (kvquant-3, innerq-k3v2) and 2.7-13.5x where one does (bench/RESULTS.md, session
-# 26), and Inductor would time the extern choices with their Python launch (see the module doc).
+# KVQ_TEMPLATE=1: on an H200 its kernel was slower than the extern launches at every layout and shape measured,
+# 2-6% where no Gluon kernel serves the layer (kvquant-3, innerq-k3v2), 5-48% against the same Triton kernel's three
+# launches elsewhere, and several times the Gluon kernels' time (bench/RESULTS.md, session 26); Inductor would also
+# time the extern choices with their Python launch (see the module doc).
 TEMPLATE = {"1": True, "auto": None}.get(os.environ.get("KVQ_TEMPLATE", "0"), False)
-# The last program of a KV head merges its slots one after another: 4 programs per SM instead of 16 was faster at
-# batch 1 (kivi-2 at (1, 65536) on an H200: 144 us against 229 us), slower at batch 8 (kvquant-3 at (8, 16384):
-# 1785 us against 1386 us), within 1% at (32, 4096) (bench/RESULTS.md, session 26): max_autotune tries both.
+# 16 programs per SM (at most `decode_attention.FUSED_MAX_SPLITS` slices per KV head); max_autotune also tries 4.
 TEMPLATE_CONFIGS = (DEFAULT_CONFIG,)
 MAX_AUTOTUNE_TEMPLATE_CONFIGS = TEMPLATE_CONFIGS + (
     LaunchConfig(0, 4, 2, 4), LaunchConfig(0, 8, 2, 16), LaunchConfig(32, 4, 2, 16), LaunchConfig(64, 4, 3, 16))
