@@ -5,7 +5,8 @@
          CUDA, one query token, shapes static:
              autotune_select_algorithm("kvq_attend", choices) over
              - TritonTemplate choices (`_template_choices`, where `use_template` says so): the whole call in one
-               Inductor-generated Triton launch, one per TEMPLATE_CONFIGS entry. Its source (`_template_source`)
+               Inductor-generated Triton launch, one per TEMPLATE_CONFIGS entry (MAX_AUTOTUNE_TEMPLATE_CONFIGS under
+               max_autotune). Its source (`_template_source`)
                loads the query rows through Inductor's `load_input` (so a pointwise producer of the query, RoPE,
                can be fused in as a prologue), calls `templates.decode_attention._fused_decode` (the quantized
                region's slices and the exact windows in one grid, the last program of each KV head merges the
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import logging
 import os
 import threading
@@ -72,14 +74,21 @@ MAX_AUTOTUNE_CONFIGS = TUNED_CONFIGS + tuple(
     if LaunchConfig(t, w, s, p) not in TUNED_CONFIGS)
 
 
+def _template_switch(value: str) -> bool | None:
+    if value not in ("", "0", "1", "auto"):
+        log.warning("KVQ_TEMPLATE=%r is none of 0, 1, auto: the Inductor template stays off", value)
+    return {"1": True, "auto": None}.get(value, False)
+
+
 # The one-launch TritonTemplate (`_template_choices`): True = offered for every layer it can serve (the only choice,
 # or one of several under max_autotune), None = where no Gluon kernel serves the layer, False = never. Off unless
 # KVQ_TEMPLATE=1: on an H200 its kernel was slower than the extern launches at every layout and shape measured,
 # 2-6% where no Gluon kernel serves the layer (kvquant-3, innerq-k3v2), 5-48% against the same Triton kernel's three
 # launches elsewhere, and several times the Gluon kernels' time (bench/RESULTS.md, session 26); Inductor would also
 # time the extern choices with their Python launch (see the module doc).
-TEMPLATE = {"1": True, "auto": None}.get(os.environ.get("KVQ_TEMPLATE", "0"), False)
-# 16 programs per SM (at most `decode_attention.FUSED_MAX_SPLITS` slices per KV head); max_autotune also tries 4.
+TEMPLATE = _template_switch(os.environ.get("KVQ_TEMPLATE", "0"))
+# 16 programs per SM (at most `decode_attention.FUSED_MAX_SPLITS` slices per KV head); max_autotune also tries 4
+# programs per SM, 8 warps, 32- and 64-token tiles.
 TEMPLATE_CONFIGS = (DEFAULT_CONFIG,)
 MAX_AUTOTUNE_TEMPLATE_CONFIGS = TEMPLATE_CONFIGS + (
     LaunchConfig(0, 4, 2, 4), LaunchConfig(0, 8, 2, 16), LaunchConfig(32, 4, 2, 16), LaunchConfig(64, 4, 3, 16))
@@ -89,7 +98,9 @@ TEMPLATE_IMPORT = "from kvq_compile.templates.decode_attention import _fused_dec
 def launch(*tensors, out, kvq_layout: str, scale: float, is_causal: bool, n_store: int, has_mask: bool,
            block_t: int, num_warps: int, num_stages: int, programs_per_sm: int) -> None:
     """The extern kernel `extern_kernels.kvq_attend` that every choice calls with its LaunchConfig as keywords:
-    tensors = (query, key, value, positions, *store, [attn_mask]); kvq_layout: the op's layout string
+    tensors = (query, key, value, positions, *store, [attn_mask], ...): tensors after these (the template choices'
+    scratch, which Inductor also hands every extern choice it benchmarks next to them) are ignored; kvq_layout: the
+    op's layout string
     (`layout` is taken by Inductor's bind()). One name for all configurations, registered by `register()`,
     so that graphs loaded from Inductor's cache in a new process find it."""
     from .ops import _decode_layout
@@ -221,14 +232,22 @@ def _template_choices(layout: str, inputs: list, n_store: int, has_mask: bool, s
     km, vm, pm = _meta(key), _meta(value), _meta(positions)
     bufs = {n: _meta(x) for n, x in zip(names, store)}
     mm = _meta(mask) if has_mask else None
-    ids = {id(qm): "KCH", id(km): "KCH", id(vm): "VCH", id(pm): "POS"}   # the query stands in for absent buffers
+    for name, t in (("key", km), ("value", vm), ("attn_mask", mm)):
+        if t is not None and (t.dim() != 4 or t.stride(-1) != 1):
+            # the kernel reads them with unit last strides (the launcher makes them contiguous; `fused_plan` would
+            # then plan a new tensor, which the argument names below cannot follow)
+            raise ValueError(f"{name}: 4 dims with a unit last stride expected, got {tuple(t.shape)} {t.stride()}")
+    # the planned arguments are mapped back to template inputs by identity. The query stands in for absent buffers
+    # (never read); it is given the key chunk's name, since the template's Q input disappears when a prologue is
+    # fused into it
+    ids = {id(qm): "KCH", id(km): "KCH", id(vm): "VCH", id(pm): "POS"}
     ids.update({id(t): f"S{i}" for i, t in enumerate(bufs.values())})
     if has_mask:
         ids[id(mm)] = "AMASK"
     kinds = dict(m="OUT_M", l="OUT_L", acc="OUT_ACC", cnt="CNT")
     plans, sizes = [], dict.fromkeys(kinds, 0)
     tile = da.layout_block_t(cfg, spec, names)
-    for c in configs:
+    for c in distinct_launches(configs, layout):
         def alloc(kind, n):
             t = torch.empty(n, dtype=torch.int32 if kind == "cnt" else torch.float32, device="meta")
             ids[id(t)] = kinds[kind]
@@ -245,8 +264,6 @@ def _template_choices(layout: str, inputs: list, n_store: int, has_mask: bool, s
         plans.append((c, plan))
     if not plans:
         return [], [], {}
-    scratch = [compat.scratch(sizes[k], torch.int32 if k == "cnt" else torch.float32, device, zero=k == "cnt")
-               for k in kinds]
     pnames = list(da._fused_decode.arg_names)[1:]
     nargs = len(plans[0][1]["args"])
 
@@ -260,13 +277,16 @@ def _template_choices(layout: str, inputs: list, n_store: int, has_mask: bool, s
         raise TypeError(f"cannot render argument {name}={v!r} into the template")
 
     args = [render(n, v) for n, v in zip(pnames, plans[0][1]["args"])] + pnames[nargs:]
+    for c, plan in plans[1:]:   # one source for every config: only NSPLIT and the constexprs may differ
+        if [render(n, v) for n, v in zip(pnames, plan["args"])] + pnames[nargs:] != args:
+            raise ValueError(f"config {c} plans other arguments than {plans[0][0]}")
     arg_names = ["Q", "KCH", "VCH", "POS", *(f"S{i}" for i in range(n_store))] + (["AMASK"] if has_mask else []) + [
         "OUT_M", "OUT_L", "OUT_ACC", "CNT"]
     source = _template_source(args, arg_names)
-    import hashlib
-
     template = compat.triton_template(f"kvq_decode_{hashlib.sha256(source.encode()).hexdigest()[:12]}", source,
                                       _grid)
+    scratch = [compat.scratch(sizes[k], torch.int32 if k == "cnt" else torch.float32, device, zero=k == "cnt")
+               for k in kinds]
     choices = []
     for c, plan in plans:
         err = template.maybe_append_choice(
@@ -275,9 +295,10 @@ def _template_choices(layout: str, inputs: list, n_store: int, has_mask: bool, s
             NSPLIT=plan["nsplit"], **plan["consts"])
         if err is not None:
             log.info("kvq::attend template: config %s not offered: %s", c, err)
-    n_in = len(inputs)
-    gens = {n_in + 3: lambda buf: torch.zeros([int(s) for s in buf.get_size()], dtype=buf.get_dtype(),
-                                              device=buf.get_device())}
+    def zeros(buf):   # the counters start at zero (Inductor's benchmark inputs are random otherwise)
+        return torch.zeros([int(n) for n in buf.get_size()], dtype=buf.get_dtype(), device=buf.get_device())
+
+    gens = {len(inputs) + list(kinds).index("cnt"): zeros}
     return choices, scratch, gens
 
 
@@ -346,7 +367,7 @@ def lower_attend(query, store, key, value, positions, attn_mask, scale, is_causa
 # (layout, chosen launch: a LaunchConfig of the extern kernel or "template") of the latest lowered calls, for bench/
 # and logs
 SELECTED: collections.deque[tuple[str, LaunchConfig | str | None]] = collections.deque(maxlen=4096)
-# why the template was asked for and not offered (the exception, or the layout when every config was refused)
+# why the template was asked for and not offered: the exception, and the layout when no choice was made
 NOT_OFFERED: collections.deque[str] = collections.deque(maxlen=64)
 _REGISTERED: list[bool] = []
 _LOCK = threading.Lock()
@@ -395,7 +416,10 @@ def cache_key_pass(previous=None):
     """The post-grad pass that carries `source_files()`' hash, and the lowering's state (devices, launch
     configurations, KVQ_REFERENCE_KERNELS), into Inductor's cache key (see the module doc)."""
     def state():
+        from .templates import decode_attention_gluon as dag
+
         return repr((sorted(DEVICES), CONFIGS, MAX_AUTOTUNE_CONFIGS, TEMPLATE, TEMPLATE_CONFIGS,
-                     MAX_AUTOTUNE_TEMPLATE_CONFIGS, os.environ.get("KVQ_REFERENCE_KERNELS"), _REGISTERED))
+                     MAX_AUTOTUNE_TEMPLATE_CONFIGS, dag.enabled(), os.environ.get("KVQ_REFERENCE_KERNELS"),
+                     _REGISTERED))
 
     return compat.source_hash_pass(source_files(), previous, state)

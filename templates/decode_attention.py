@@ -30,8 +30,10 @@ attends (the Gluon launch's range pass also keeps its logits, which its attentio
 calibquant's Gluon launches attend the exact windows themselves, into the same slots, so that no window launch
 follows them, and its attention pass turns the ranges into temperatures itself (no `_temperature_kernel`; on sm_90+
 it is the range pass's programmatic dependent, and the merge the attention pass's): three launches in all
-(`decode_attention_gluon.window_inside`). Every length is read from `positions` on the device: no host
-synchronization, fixed launch shapes (CUDA-graph safe).
+(`decode_attention_gluon.window_inside`). One launch (`_fused_decode`, what the Inductor template of
+`kvq_compile.lowering` runs; `decode_attention(fused=True)`): the window tiles and the slices in one grid, the last
+program of each KV head merging the slots (no calibrated softmax). Every length is read from `positions` on the
+device: no host synchronization, fixed launch shapes (CUDA-graph safe).
 
 Glossary of constants: PDL programmatic dependent launch (above), TRIGGER the window launch's early trigger; D
 head_dim; REP query heads per KV head (REP_PAD: padded to >= 16 for tl.dot); BITS_* code width (16: unquantized
@@ -571,8 +573,6 @@ def _decode_program(
         tl.store(OUT_ACC + o[:, None] * D + d[None, :], acc, mask=rvalid[:, None])
 
 
-
-
 @triton.jit
 def _decode_kernel(
         Q, stride_qb, stride_qh,
@@ -619,8 +619,9 @@ def _merge_slots(OUT_M, OUT_L, OUT_ACC, bh, NS, REP: tl.constexpr, REP_PAD: tl.c
     CH: tl.constexpr = 64
     j = tl.arange(0, CH)
     mx2 = tl.full([REP_PAD, CH], float("-inf"), tl.float32)
-    for j0 in range(0, NS, CH):   # the row maximum reduced after the loop (inside it, triton 3.6's
-        # OptimizeThreadLocality pass asserted at head_dim 64 on an H200)
+    # the row maximum is reduced after the loop: reduced inside it, triton 3.6's OptimizeThreadLocality pass
+    # asserted (head_dim 64, on an H200)
+    for j0 in range(0, NS, CH):
         jm = rv[:, None] & ((j0 + j) < NS)[None, :]
         m = tl.load(OUT_M + base[:, None] + (j0 + j)[None, :], mask=jm, other=float("-inf"), cache_modifier=".cg")
         mx2 = tl.maximum(mx2, m)
@@ -659,18 +660,20 @@ def _fused_decode(
         KPOST: tl.constexpr, VPOST: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr,
         NWIN: tl.constexpr, WBLOCK_T: tl.constexpr):
     """A whole decode-attention call in one launch, grid (B * H, NWIN + NSPLIT): programs j < NWIN take window tile j
-    (WBLOCK_T tokens: shorter, so that the window's code, compiled into the same kernel, needs no more registers than
-    the region's: kivi-2 at bf16 on sm_90, 255 registers and spills with 64-token window tiles, 138 with 16, the
-    region's 128), the others
-    slice j - NWIN of the quantized region (BLOCK_T-token tiles) (`_decode_program` either way); each then counts
+    (WBLOCK_T tokens: shorter than the region's, since the window's code is compiled into the same kernel and sets
+    its registers too: kivi-2 at bf16 on sm_90, 255 registers and spills with 64-token window tiles, 157 with 16,
+    the region's own launch 128), the others slice j - NWIN of the quantized region (BLOCK_T-token tiles)
+    (`_decode_program` either way); each then counts
     itself in CNT[bh] (zero before the launch), and the last of a KV head's NSPLIT + NWIN programs merges their
     slots (`_merge_slots`) and resets CNT[bh] to zero. Returns (last, out [REP_PAD, D] fp32): the caller stores
     out where last (the Inductor template `kvq_compile.lowering` emits, or `_fused_decode_kernel`). No softmax
     calibration (TAU_PHASE 0): CalibQuant's range pass must end before its attention pass starts."""
     bh = tl.program_id(0)
     j = tl.program_id(1)
-    if j < NWIN:   # window tiles first: their tile index is then program_id(1) itself (as j - NSPLIT, ptxas gave
-        # the kernel 237 registers instead of 138: kivi-2 bf16, sm_90)
+    tl.static_assert(TAU_PHASE == 0, "the one-launch kernel has no calibrated softmax")
+    # window tiles first, their tile index program_id(1) itself: as j - NSPLIT the kernel took 237 registers instead
+    # of 168 (kivi-2 bf16, sm_90)
+    if j < NWIN:
         _decode_program(q, KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK,
                         stride_kb, stride_kh, VC, VCEN, VHALF, VMASK, VOVAL, VOIDX, VLEV, VDATA, VSINK, VRING,
                         VCHUNK, stride_vb, stride_vh, COS, SIN, POS, AMASK, stride_mb, stride_mh, TEMP, OUT_M,

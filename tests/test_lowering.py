@@ -100,8 +100,9 @@ def test_compiled_generate_through_the_lowering_matches_opaque_op(configs, monke
 def test_template_generate_matches_opaque_op_on_gpu(name, head_dim, gqa, dtype, autotune, monkeypatch):
     """generate compiled with kvq_backend, kvq::attend lowered to the one-launch TritonTemplate (TEMPLATE True: the
     only choice, or under max_autotune one of several with the extern launches), against the same generate with the
-    op left opaque (the hand-written launches of the Triton kernel the template calls). Odd GQA ratios, padded rows (the mask), both head dims, layouts with
-    codebooks, outliers, RoPE after dequantization, InnerQ's groups and XQuant's shared codes."""
+    op left opaque (the hand-written launches of the Triton kernel the template calls). Odd GQA ratios, padded rows
+    (the mask), both head dims, layouts with codebooks, outliers, RoPE after dequantization, InnerQ's groups and
+    XQuant's shared codes."""
     from torch._inductor import config as inductor_config
 
     from kvq_compile.templates import decode_attention_gluon as dag
@@ -231,3 +232,35 @@ def test_layout_tile_matches_the_launcher_for_every_preset():
                       for s, q in (("k", lay.spec.key), ("v", lay.spec.value)))
             want = default_block_t(kc, vc, cfg.keys_before_rope and lay.spec.key.quantized)
             assert layout_block_t(cfg, lay.spec, names) == want, (name, lay.spec)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("name", ["kvquant-4-1%", "xquant-1.38"])
+def test_template_source_names_every_planned_argument(name, monkeypatch):
+    """The template's source as the lowering renders it for a compiled generate (on the CPU, Inductor cannot build
+    the Triton kernel itself, so the extern choice then serves the op; its tokens must not change): one argument
+    per `_fused_decode` parameter, every store tensor and scratch buffer named, the mask passed."""
+    from kvq_compile.templates import decode_attention as da
+
+    model = hf_model("llama", kv_heads=1, gqa=3, head_dim=64, layers=2)
+    ids, mask = prompts(2, 9, pad=(0, 2))
+    kw = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, cache_implementation="static")
+    cfg = small_windows(name)
+    monkeypatch.setattr(lowering, "DEVICES", set())
+    ref = model.generate(ids, compile_config=compile_config(kvq_backend(cfg)), **kw)
+    torch._dynamo.reset()
+    sources = []
+    real = lowering._template_source
+    monkeypatch.setattr(lowering, "_template_source", lambda args, names: sources.append((args, names)) or
+                        real(args, names))
+    monkeypatch.setattr(lowering, "use_template", lambda *a, **k: None)
+    monkeypatch.setattr(lowering, "DEVICES", {"cpu"})
+    monkeypatch.setattr(lowering, "TEMPLATE", True)  # part of the compile cache key: no stale hit
+    out = model.generate(ids, compile_config=compile_config(kvq_backend(cfg)), **kw)
+    torch._dynamo.reset()
+    assert torch.equal(out, ref)
+    assert sources
+    for args, names in sources:
+        assert len(args) == len(da._fused_decode.arg_names) - 1
+        assert names[:4] == ["Q", "KCH", "VCH", "POS"] and names[-5:] == ["AMASK", "OUT_M", "OUT_L", "OUT_ACC", "CNT"]
+        assert set(names) - {"Q"} <= set(args), (args, names)   # every input but the query (loaded apart) is read

@@ -38,7 +38,8 @@ SCRIPT = textwrap.dedent('''
                 compiled.append((self.fn.__name__, len(k.asm["cubin"])))
             return run
 
-    for mod, name in ((da, "_decode_kernel"), (da, "_combine_kernel"), (da, "_temperature_kernel"), (da, "_fused_decode_kernel"),
+    for mod, name in ((da, "_decode_kernel"), (da, "_combine_kernel"), (da, "_temperature_kernel"),
+                      (da, "_fused_decode_kernel"),
                       (qa, "_append_kernel"), (pa, "_prefill_kernel")):
         setattr(mod, name, Capture(getattr(mod, name)))
     for i, preset in enumerate(sys.argv[1:]):

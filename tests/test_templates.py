@@ -139,6 +139,8 @@ def test_fused_launch_matches_reference(name):
 @pytest.mark.parametrize("rep,D,mask,dtype", [(1, 128, None, torch.bfloat16), (4, 64, "additive", torch.float16),
                                               (3, 128, "bool-heads", torch.float32), (5, 64, "one-row", torch.float16)])
 def test_fused_launch_gqa_head_dim_masks(rep, D, mask, dtype):
+    """The one-launch kernel with hybrid token groups over GQA ratios 1-5, both head dims, per-head and shared
+    masks, three dtypes."""
     cfg = _custom(2, Axis.TOKEN, 32, 32, Symmetry.HYBRID, recent=3, sink=2)
     check(cfg, rep=rep, D=D, mask=mask, prefill=19, steps=2, dtype=dtype, num_splits=2, fused=True, block_t=32)
 
