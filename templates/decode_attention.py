@@ -947,6 +947,26 @@ def fused_splits(bh: int, max_len: int, block_t: int, device, programs_per_sm: i
     return min(_num_splits(bh, max_len, block_t, device, programs_per_sm), FUSED_MAX_SPLITS)
 
 
+def _check_tile(block_t: int, kc: dict, vc: dict, gpu: bool) -> None:
+    """16-token tiles over outliers compute wrong results on an H100 with triton 3.6 (relative error 0.13-1.8 for
+    kvquant-4-1%, in both launches; right under the interpreter): bench/RESULTS.md, session 12."""
+    if block_t < 32 and gpu and (kc["NOUT"] or vc["NOUT"]):
+        raise ValueError(f"kvq decode attention: block_t={block_t} with outliers is not supported on the GPU "
+                         "(use 32 or more)")
+
+
+def _output(out, query):
+    """`out` checked as the call's output (a contiguous tensor like the query), or a new one."""
+    import torch
+
+    if out is None:
+        return torch.empty_like(query, memory_format=torch.contiguous_format)
+    if tuple(out.shape) != tuple(query.shape) or out.dtype != query.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {query.dtype} tensor of shape {tuple(query.shape)}, got "
+                         f"{out.dtype} {tuple(out.shape)} with strides {out.stride()}")
+    return out
+
+
 def _mask_args(attn_mask, query) -> tuple:
     """(MASK_KIND, mask tensor, batch stride, head stride) of an attention mask for the kernels (the query stands
     in for an absent one); strides are 0 along broadcast dims. Raises on a mask that does not broadcast as
@@ -990,9 +1010,7 @@ def fused_plan(query, bufs: dict, key, value, positions, attn_mask, scale: float
     rope = cfg.keys_before_rope and spec.key.quantized
     if block_t is None:
         block_t = default_block_t(kc, vc, rope)
-    if block_t < 32 and query.device.type != "cpu" and (kc["NOUT"] or vc["NOUT"]):
-        raise ValueError(f"kvq decode attention: block_t={block_t} with outliers is not supported on the GPU "
-                         "(use 32 or more)")
+    _check_tile(block_t, kc, vc, query.device.type != "cpu")
     mask_kind, amask, smb, smh = _mask_args(attn_mask, query)
     wblock_t = 32 if (kc["NOUT"] or vc["NOUT"]) and query.device.type != "cpu" else FUSED_WINDOW_TILE
     nwin = _window_tiles(cfg, kc, vc, wblock_t)
@@ -1029,11 +1047,7 @@ def _fused_launch(query, bufs, key, value, positions, attn_mask, scale, is_causa
 
     plan = fused_plan(query, bufs, key, value, positions, attn_mask, scale, is_causal, cfg, spec, geo, alloc,
                       block_t, num_splits, programs_per_sm, post_scaling)
-    if out is None:
-        out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    elif tuple(out.shape) != tuple(query.shape) or out.dtype != query.dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous {query.dtype} tensor of shape {tuple(query.shape)}, got "
-                         f"{out.dtype} {tuple(out.shape)} with strides {out.stride()}")
+    out = _output(out, query)
     LAST_KERNELS["splits"] = plan["nsplit"]
     LAST_KERNELS["main"] = _fused_decode_kernel[plan["grid"]](query, query.stride(0), query.stride(1), out,
                                                               *plan["args"], **plan["consts"], num_warps=num_warps,
@@ -1097,11 +1111,7 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
         use_gluon = why is None
     # with the Gluon launch, block_t is the window launch's tile only
     block_t = block_t or (32 if use_gluon else default_block_t(kc, vc, rope))
-    if block_t < 32 and query.is_cuda and (kc["NOUT"] or vc["NOUT"]):
-        # 16-token tiles over outliers compute wrong results on an H100 with triton 3.6 (relative error 0.13-1.8 for
-        # kvquant-4-1%, in both launches; right under the interpreter): bench/RESULTS.md, session 12
-        raise ValueError(f"kvq decode attention: block_t={block_t} with outliers is not supported on the GPU "
-                         "(use 32 or more)")
+    _check_tile(block_t, kc, vc, query.is_cuda)
     kpost = _post_mode(kc, block_t, D) if (post_scaling and not rope) else 0
     vpost = _post_mode(vc, block_t, D) if post_scaling else 0
     kind = dag.layout_kind(kc, vc, D) if use_gluon else None
@@ -1141,11 +1151,7 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
     ns = nsplit + nwin
     LAST_KERNELS["splits"] = nsplit
     m_buf, l_buf, acc_buf = partials(nsplit)
-    if out is None:
-        out = torch.empty(B, Hq, 1, D, dtype=query.dtype, device=query.device)
-    elif tuple(out.shape) != (B, Hq, 1, D) or out.dtype != query.dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous {query.dtype} tensor of shape {(B, Hq, 1, D)}, got "
-                         f"{out.dtype} {tuple(out.shape)} with strides {out.stride()}")
+    out = _output(out, query)
     ieee = query.dtype == torch.float32
 
     def launch(phase, temp, nsplit, m_buf, l_buf, acc_buf, logits=None, ranges=None):
