@@ -822,6 +822,26 @@ def side_pointers(p: dict, key: bool) -> tuple:
     return tuple(p[n] for n in names)
 
 
+def _program_args(kp: dict, vp: dict, key, value, cos, sin, positions, amask, smb: int, smh: int, temp, partials,
+                  scale: float, T: int, kc: dict, vc: dict, nsplit: int) -> tuple:
+    """`_decode_program`'s arguments from KC to NSPLIT, in order: what `_decode_kernel` and `_fused_decode` pass on
+    (partials: the (max, sum, acc) slot buffers)."""
+    return (*side_pointers(kp, True), key, key.stride(0), key.stride(1),
+            *side_pointers(vp, False), value, value.stride(0), value.stride(1),
+            cos, sin, positions, amask, smb, smh, temp, *partials, float(scale), T, kc["NG"], vc["NG"], nsplit)
+
+
+def _program_consts(cfg, kc: dict, vc: dict, H: int, rep: int, rep_pad: int, D: int, rope: bool, mask_kind: int,
+                    smh: int, is_causal: bool, phase: int, block_t: int, post_scaling: bool, ieee: bool,
+                    nwin: int) -> dict:
+    """`_decode_program`'s constexprs (but WINDOW and PDL) for one launch."""
+    return dict(H=H, REP=rep, REP_PAD=rep_pad, D=D, S=cfg.sink, R=cfg.recent, **side_constants(kc, vc),
+                ROPE=rope, MASK_KIND=mask_kind, MASK_SHARED=smh == 0, IS_CAUSAL=is_causal, TAU_PHASE=phase,
+                KPOST=_post_mode(kc, block_t, D) if (post_scaling and not rope) else 0,
+                VPOST=_post_mode(vc, block_t, D) if post_scaling else 0,
+                BLOCK_T=block_t, IEEE=ieee, INTERP=_INTERPRET, NWIN=nwin)
+
+
 def _post_mode(c: dict, block_t: int, head_dim: int) -> int:
     """1: per-channel statistics constant over each tile; 2: one statistic per token; 0: dequantize per element
     (hybrid groups, outliers, several groups per token, or channel groups a tile straddles). A batched dot over
@@ -947,10 +967,16 @@ def fused_splits(bh: int, max_len: int, block_t: int, device, programs_per_sm: i
     return min(_num_splits(bh, max_len, block_t, device, programs_per_sm), FUSED_MAX_SPLITS)
 
 
+def _min_tile(kc: dict, vc: dict, gpu: bool) -> int:
+    """The shortest tile a layout may take: 16-token tiles over outliers compute wrong results on an H100 with
+    triton 3.6 (relative error 0.13-1.8 for kvquant-4-1%, in both launches; right under the interpreter):
+    bench/RESULTS.md, session 12. So 32 tokens there on a GPU."""
+    return 32 if gpu and (kc["NOUT"] or vc["NOUT"]) else 1
+
+
 def _check_tile(block_t: int, kc: dict, vc: dict, gpu: bool) -> None:
-    """16-token tiles over outliers compute wrong results on an H100 with triton 3.6 (relative error 0.13-1.8 for
-    kvquant-4-1%, in both launches; right under the interpreter): bench/RESULTS.md, session 12."""
-    if block_t < 32 and gpu and (kc["NOUT"] or vc["NOUT"]):
+    """Raises where `block_t` is shorter than `_min_tile`."""
+    if block_t < _min_tile(kc, vc, gpu):
         raise ValueError(f"kvq decode attention: block_t={block_t} with outliers is not supported on the GPU "
                          "(use 32 or more)")
 
@@ -1012,20 +1038,16 @@ def fused_plan(query, bufs: dict, key, value, positions, attn_mask, scale: float
         block_t = default_block_t(kc, vc, rope)
     _check_tile(block_t, kc, vc, query.device.type != "cpu")
     mask_kind, amask, smb, smh = _mask_args(attn_mask, query)
-    wblock_t = 32 if (kc["NOUT"] or vc["NOUT"]) and query.device.type != "cpu" else FUSED_WINDOW_TILE
+    wblock_t = max(FUSED_WINDOW_TILE, _min_tile(kc, vc, query.device.type != "cpu"))
     nwin = _window_tiles(cfg, kc, vc, wblock_t)
     nsplit = num_splits or fused_splits(B * H, geo.max_len, block_t, query.device, programs_per_sm)
     slots = B * H * rep_pad * (nsplit + nwin)
     bufs_out = [alloc("m", slots), alloc("l", slots), alloc("acc", slots * D)]
-    args = (*side_pointers(kp, True), key, key.stride(0), key.stride(1),
-            *side_pointers(vp, False), value, value.stride(0), value.stride(1),
-            bufs["rope.cos"] if rope else query, bufs["rope.sin"] if rope else query, positions, amask, smb, smh,
-            query, *bufs_out, float(scale), geo.max_len, kc["NG"], vc["NG"], nsplit, alloc("cnt", B * H))
-    consts = dict(H=H, REP=rep, REP_PAD=rep_pad, D=D, S=cfg.sink, R=cfg.recent, **side_constants(kc, vc),
-                  ROPE=rope, MASK_KIND=mask_kind, MASK_SHARED=smh == 0, IS_CAUSAL=is_causal, TAU_PHASE=0,
-                  KPOST=_post_mode(kc, block_t, D) if (post_scaling and not rope) else 0,
-                  VPOST=_post_mode(vc, block_t, D) if post_scaling else 0, BLOCK_T=block_t,
-                  IEEE=query.dtype == torch.float32, INTERP=_INTERPRET, NWIN=nwin, WBLOCK_T=wblock_t)
+    args = (*_program_args(kp, vp, key, value, bufs["rope.cos"] if rope else query,
+                           bufs["rope.sin"] if rope else query, positions, amask, smb, smh, query, bufs_out, scale,
+                           geo.max_len, kc, vc, nsplit), alloc("cnt", B * H))
+    consts = dict(**_program_consts(cfg, kc, vc, H, rep, rep_pad, D, rope, mask_kind, smh, is_causal, 0, block_t,
+                                    post_scaling, query.dtype == torch.float32, nwin), WBLOCK_T=wblock_t)
     return dict(args=args, consts=consts, grid=(B * H, nsplit + nwin), nsplit=nsplit, nwin=nwin)
 
 
@@ -1112,8 +1134,6 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
     # with the Gluon launch, block_t is the window launch's tile only
     block_t = block_t or (32 if use_gluon else default_block_t(kc, vc, rope))
     _check_tile(block_t, kc, vc, query.is_cuda)
-    kpost = _post_mode(kc, block_t, D) if (post_scaling and not rope) else 0
-    vpost = _post_mode(vc, block_t, D) if post_scaling else 0
     kind = dag.layout_kind(kc, vc, D) if use_gluon else None
     # calibquant's Gluon launch attends the exact windows itself, into the window launch's slots (then not launched)
     win_in = use_gluon and dag.window_inside(kind, kc, vc, cfg.softmax_tau)
@@ -1156,13 +1176,10 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
 
     def launch(phase, temp, nsplit, m_buf, l_buf, acc_buf, logits=None, ranges=None):
         args = (query, query.stride(0), query.stride(1),
-                *side_pointers(kp, True), key, key.stride(0), key.stride(1),
-                *side_pointers(vp, False), value, value.stride(0), value.stride(1),
-                cos, sin, positions, amask, smb, smh, temp, m_buf, l_buf, acc_buf, float(scale), T, kc["NG"], vc["NG"], nsplit)
-        consts = dict(H=H, REP=rep, REP_PAD=rep_pad, D=D, S=cfg.sink, R=cfg.recent, **side_constants(kc, vc),
-                      ROPE=rope, MASK_KIND=mask_kind, MASK_SHARED=smh == 0, IS_CAUSAL=is_causal, TAU_PHASE=phase,
-                      KPOST=kpost, VPOST=vpost,
-                      BLOCK_T=block_t, IEEE=ieee, INTERP=_INTERPRET, NWIN=nwin, PDL=pdl)
+                *_program_args(kp, vp, key, value, cos, sin, positions, amask, smb, smh, temp,
+                               (m_buf, l_buf, acc_buf), scale, T, kc, vc, nsplit))
+        consts = dict(**_program_consts(cfg, kc, vc, H, rep, rep_pad, D, rope, mask_kind, smh, is_causal, phase,
+                                        block_t, post_scaling, ieee, nwin), PDL=pdl)
         if use_gluon:
             LAST_KERNELS["main"] = dag.launch(query, kp, vp, m_buf=m_buf, l_buf=l_buf, acc_buf=acc_buf, scale=scale,
                                               nsplit=nsplit, phase=phase, temp=temp if phase == 2 else None,
