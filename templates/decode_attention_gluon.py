@@ -202,7 +202,7 @@ def _key_asm(bits: int, bf16: bool, tokenwise: bool = False) -> str:
     return "\n".join(lines)
 
 
-def _value_asm(bits: int, bf16: bool, per_code: bool = False) -> str:
+def _value_asm(bits: int, bf16: bool, per_code: bool = False, zero_apart: bool = False) -> str:
     """Codes 0-7 of two tokens' words (pre-shifted so they sit at bits 0 .. 8 * bits - 1) -> 8 registers (token t,
     token t+1) of code j = 0..7. Operands: $0-$7 out, $8-$23 words (even: token t, odd: token t+1), $24-$31 scale
     pairs, $32-$39 offset pairs (t, t+1). `prmt` interleaves a byte of the two words (low half: token t, high
@@ -212,15 +212,24 @@ def _value_asm(bits: int, bf16: bool, per_code: bool = False) -> str:
     codes 2, 3 down. 4 bits: code 0 of the byte at bit 0, y >> 4 brings code 1 down. 1 bit: y >> 1 per code.
     KIVI's Values (one group per block) read the scale and offset pair of $24 and $32 only; per_code (InnerQ's
     Values, statistics per channel) reads register j's own $(24 + j), $(32 + j), at 2 bits its odd codes' scale
-    handed over divided by 4."""
+    handed over divided by 4.
+    zero_apart (KIVI's Values in bf16, `VZ`): s * code alone, the offset left to a small mma (`_kivi_decode_kernel`);
+    $32 holds -M * s, so one `fma` (M + 4^m code) * s / 4^m - M * s / 4^m gives s * code exactly before its one
+    rounding: no `add`. (-M s, M = 128, and the quarters are exact in bf16; fp16's -1024 s would overflow from s = 64.)"""
     ty = "bf16x2" if bf16 else "f16x2"
     magic, neg = _magic(bf16)
-    lines = ["{ .reg .b32 y, x, n;" if per_code else "{ .reg .b32 y, x, n, s1, z0;", f"mov.b32 n, {neg};"]
+    assert not (per_code and zero_apart), "zero_apart: KIVI's Values, one scale per block"
+    lines = ["{ .reg .b32 y, x, n;" if per_code else
+             "{ .reg .b32 y, x, n, s1, c1, z0;" if zero_apart else "{ .reg .b32 y, x, n, s1, z0;", f"mov.b32 n, {neg};"]
 
-    def value(r: int, mask: str, scale: str = "$24"):
-        scale, offset = (f"${24 + r}", f"${32 + r}") if per_code else (scale, "$32")
-        lines.append(f"lop3.b32 x, y, {mask}, {magic}, 0xea; add.rn.{ty} x, x, n; "
-                     f"fma.rn.{ty} ${r}, x, {scale}, {offset};")
+    def value(r: int, mask: str, scale: str = "$24", offset: str = "$32"):
+        if per_code:
+            scale, offset = f"${24 + r}", f"${32 + r}"
+        if zero_apart:
+            lines.append(f"lop3.b32 x, y, {mask}, {magic}, 0xea; fma.rn.{ty} ${r}, x, {scale}, {offset};")
+        else:
+            lines.append(f"lop3.b32 x, y, {mask}, {magic}, 0xea; add.rn.{ty} x, x, n; "
+                         f"fma.rn.{ty} ${r}, x, {scale}, {offset};")
 
     def interleave(byte: int):
         lines.append(f"prmt.b32 y, $8, $9, 0x{4 + byte:x}{4 + byte:x}{byte:x}{byte:x};")
@@ -229,12 +238,15 @@ def _value_asm(bits: int, bf16: bool, per_code: bool = False) -> str:
         if not per_code:
             lines[-1] += f" mov.b32 z0, {_NEG0};"
             lines.append(f"mov.b32 s1, {_f16x2(0.25, 0.25, bf16)}; fma.rn.{ty} s1, $24, s1, z0;")
+            if zero_apart:
+                lines.append(f"mov.b32 c1, {_f16x2(0.25, 0.25, bf16)}; fma.rn.{ty} c1, $32, c1, z0;")
         for byte in range(2):
             interleave(byte)
             for j in range(4):
                 if j == 2:
                     lines.append("shr.b32 y, y, 4;")
-                value(4 * byte + j, "0x00030003" if j % 2 == 0 else "0x000C000C", "$24" if j % 2 == 0 else "s1")
+                value(4 * byte + j, "0x00030003" if j % 2 == 0 else "0x000C000C", "$24" if j % 2 == 0 else "s1",
+                      "$32" if j % 2 == 0 or not zero_apart else "c1")
     elif bits in (1, 4):  # the 8 codes fill `bits` bytes; y >> bits steps to the next code of a byte
         for byte in range(bits):
             interleave(byte)
@@ -442,6 +454,8 @@ _ASM = {(side, bits, bf): (_key_asm if side == "k" else _value_asm)(bits, bf)
 # InnerQ's layout: Keys with statistics per token ("kt"), Values with statistics per channel ("vc")
 _ASM.update({(side, bits, bf): _key_asm(bits, bf, tokenwise=True) if side == "kt" else _value_asm(bits, bf, True)
              for side in ("kt", "vc") for bits in BITS for bf in (False, True)})
+# KIVI's Values without their offset ("vz", bf16 only: `VZ`)
+_ASM.update({("vz", bits, True): _value_asm(bits, True, zero_apart=True) for bits in BITS})
 _STATS = {bf: _stats_asm(bf) for bf in (False, True)}
 _ASM.update({(side + "post", 1, bf): (_post_key_asm if side == "k" else _post_value_asm)(bf)
              for side in "kv" for bf in (False, True)})
@@ -625,6 +639,14 @@ if HAVE_GLUON:
         else:
             y = c
         return y
+
+    @gluon.jit
+    def _zero_rows(z, a_l: gl.constexpr, BT: gl.constexpr):
+        """[BT, 8] per-token Value offsets (column w: those of channels 16w .. 16w + 15, group w // 2) -> the A
+        operand [16, BT] of the offsets' mma (`_kivi_decode_kernel` VZ), row r = column r % 8: each lane holds the
+        offsets its Value registers were dequantized with, so no data moves."""
+        zt = z.permute([1, 0])
+        return gl.convert_layout(gl.join(zt, zt).permute([2, 0, 1]).reshape([16, BT]), a_l)
 
     @gluon.jit
     def _rows128(c, mma: gl.constexpr):
@@ -1170,7 +1192,7 @@ if HAVE_GLUON:
             VA_HI: gl.constexpr, VA_LO: gl.constexpr, NWIN: gl.constexpr, TMA: gl.constexpr, NST: gl.constexpr,
             PDL: gl.constexpr, INNER: gl.constexpr = False, KHYB: gl.constexpr = False,
             VHYB: gl.constexpr = False, NORM: gl.constexpr = False, KPOST: gl.constexpr = False,
-            QZROWS: gl.constexpr = False, QZ_N: gl.constexpr = 8):
+            QZROWS: gl.constexpr = False, QZ_N: gl.constexpr = 8, VZ: gl.constexpr = False):
         """KIVI's layout, or with INNER InnerQ's (Keys per token in groups of 32 channels, Values per channel in
         groups of 32 tokens: the same packed words, the statistics the other way round, the codes alone through the
         ring where TMA). NG_K: the
@@ -1190,8 +1212,15 @@ if HAVE_GLUON:
         the tiles, whose ring then skips the centers), kept in shared memory and read back per tile: 8 mma per QZ_N
         groups instead of 8 per tile (a q . z is the same mma row either way: bit-equal logits). Each refill runs
         first in its tile's iteration, while few registers are live (placed after the tile's unpacking, the build
-        took 254 registers)."""
+        took 254 registers).
+        VZ (KIVI's Values in bf16, `VALUE_ZERO_APART`): the Values' offsets leave the dequantization,
+            p @ v = p @ (s * code) + p @ z,
+        the first term from one `fma` per register (`_value_asm` zero_apart: s * code rounded once, no `add`), the
+        second from one more mma per tile, acc_z^T [16, 8] = z_rows @ p^T with row r the offsets of channel group
+        (r % 8) // 2 (`_zero_rows`), rescaled with the accumulator and added to its rows once at the end
+        (`_rows128`: accumulator row n holds channel 16 (n % 8) + n // 8, group (n % 8) // 2)."""
         gl.static_assert(KPOST or not QZROWS, "QZROWS computes the post-scaled Keys' q . z")
+        gl.static_assert(not (VZ and (INNER or not IS_BF16)), "VZ: KIVI's Values in bf16")
         bh = gl.program_id(0)
         split = gl.program_id(1)
         b = bh // H
@@ -1276,6 +1305,9 @@ if HAVE_GLUON:
         else:
             vhi = gl.full([BT, 8], VA_HI, dt, VW)
             vlo = gl.full([BT, 8], VA_LO, dt, VW)
+            if VZ:
+                vnegm = gl.full([BT, 8], -128.0, dt, VW)   # -M: bf16's magic number (`_value_asm`)
+                accz = gl.zeros([16, 8], gl.float32, mma)
 
         if TMA and INNER:  # InnerQ: a ring of the tiles' code rows only (`INNER_TMA`); statistics by plain loads
             kbuf = gl.allocate_shared_memory(gl.int32, [NST, BT, KW_], KC.layout)
@@ -1461,11 +1493,18 @@ if HAVE_GLUON:
                 vv = _unpack(wv, vs4, vz4, "vc", VBITS, 16, IS_BF16)
             else:
                 wv, vs4 = gl.broadcast(wv, gl.expand_dims(gl.expand_dims(vs, 2), 3))
-                wv, vz4 = gl.broadcast(wv, gl.expand_dims(gl.expand_dims(vz, 2), 3))
-                vv = _unpack(wv, vs4, vz4, "v", VBITS, 16, IS_BF16)
+                if VZ:  # s * code alone: the fma's addend is -M s (exact)
+                    wv, vz4 = gl.broadcast(wv, gl.expand_dims(gl.expand_dims(_mul(vs, vnegm, IS_BF16), 2), 3))
+                    vv = _unpack(wv, vs4, vz4, "vz", VBITS, 16, IS_BF16)
+                else:
+                    wv, vz4 = gl.broadcast(wv, gl.expand_dims(gl.expand_dims(vz, 2), 3))
+                    vv = _unpack(wv, vs4, vz4, "v", VBITS, 16, IS_BF16)
             vv = vv.permute([0, 2, 3, 1]).reshape([BT, 128]).permute([1, 0])          # v^T [128 (n = 8j + w), BT]
             vv = gl.convert_layout(vv, a_l)
-            acc = mma_v2(vv, _p_transposed(p.to(dt), b_l, BT, IS_BF16), acc * gl.expand_dims(alpha8, 0))
+            pT = _p_transposed(p.to(dt), b_l, BT, IS_BF16)
+            acc = mma_v2(vv, pT, acc * gl.expand_dims(alpha8, 0))
+            if VZ:  # the offsets' share: z_rows @ p^T
+                accz = mma_v2(_zero_rows(vz, a_l, BT), pT, accz * gl.expand_dims(alpha8, 0))
             if TMA and INNER:  # the ring slot just read takes the tile NST ahead
                 _issue_codes(KC, VC, kbuf, vbuf, bars.index(st), st, row0 + t0 + NST * BT, it + NST < n_iter,
                              BT * (KW_ + VW_) * 4)
@@ -1474,6 +1513,8 @@ if HAVE_GLUON:
                        kzbuf.index(st), vhbuf.index(st), vzbuf.index(st), bars.index(st), row0, grow0,
                        t0 + NST * BT, S, it + NST < n_iter, NBYTES, not QZROWS)
 
+        if VZ:
+            acc = acc + _rows128(accz, mma)
         _store_partials(OUT_M, OUT_L, OUT_ACC, bh, split, NSPLIT, NWIN, m8, gl.sum(lacc, 0), acc, REP, mma)
 
     @gluon.jit
@@ -2037,6 +2078,8 @@ QZ_ROWS = True  # KIVI's layout with post-scaled Keys through the TMA ring: q . 
                 # (xquant-1.38) at batch x context >= 64k with a bool mask (H200, bench/RESULTS.md session 25). Not on
                 # the plain-load path: there it takes 181 / 184 registers against 168 (bf16, 2 / 4 bits; 8 programs
                 # per SM instead of 12, sm_90 compile), not measured
+VALUE_ZERO_APART = True  # KIVI's Values in bf16: s * code in the registers, the offsets by one small mma per tile
+                         # (`_kivi_decode_kernel` VZ): one instruction fewer per Value register
 QZ_N = 8        # Key groups per refill: 149 / 158 registers (bf16, 2 / 4 bits, TMA); 16 took 168 (sm_90 compile)
 WINDOW_INSIDE = True  # calibquant's Gluon launches attend the exact windows themselves (`window_inside`)
 POST_WCOST = {1: 2, 2: 2}  # calibquant with its windows inside: an exact-window tile counts as this many slice tiles
@@ -2190,7 +2233,7 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
         H=H, REP=rep, S=sink, R=recent, TPG_K=32, TPG_V=tpg_v, MASK_KIND=mask_kind,
         IS_BF16=bf16, BT=KIVI_BT, KBITS=kbits, VBITS=vbits, KA_HI=ka_hi, KA_LO=ka_lo, VA_HI=va_hi, VA_LO=va_lo,
         NWIN=nwin, TMA=use_tma, NST=NSTAGES, PDL=pdl, KPOST=KEY_POST, QZROWS=KEY_POST and QZ_ROWS and use_tma, QZ_N=QZ_N,
-        num_warps=1)
+        VZ=VALUE_ZERO_APART and bf16, num_warps=1)
 
 
 def window_inside(kind: str | None, kc: dict, vc: dict, tau) -> bool:
@@ -2280,7 +2323,7 @@ def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mas
     tma = _use_tma(query, sink, T, use_tma, kind)
     key = (kind, inner_flags(kp, vp) if kind == "inner" else None, dev.index, query.dtype, amask.dtype, mask_kind, kbits, vbits, H, rep, sink, recent, tpg_v, nwin,
            tma, NSTAGES, phase, rope is not None, tuple(nout), LUT_BT, LUT_MAXNREG, LUT_NO_MASK_AS_BOOL, SYM8_BT, KIVI_BT, pdl,
-           KEY_POST, QZ_ROWS, QZ_N, None if exact is None else tuple(exact[s]["ring"].shape[2] for s in ("k", "v")),
+           KEY_POST, QZ_ROWS, QZ_N, VALUE_ZERO_APART, None if exact is None else tuple(exact[s]["ring"].shape[2] for s in ("k", "v")),
            tuple(sorted(POST_MAXNREG.items())), tuple(sorted(POST_WCOST.items())))
     if key not in _RESIDENT:
         one = torch.empty(1, dtype=torch.float32, device=dev)   # stand-ins: partial buffers, temperatures, logits

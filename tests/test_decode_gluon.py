@@ -191,7 +191,7 @@ SCRIPT = textwrap.dedent('''
 
     def loop(b, last=False):   # the main loop's HMMA, MOVM and HFMA2 (last: the last loop in the code)
         ops = main_loop(b.sass, last)
-        return ops["HMMA"], ops["MOVM"], ops["HFMA2"], ops["LDS"] + ops["STS"] + ops["LDL"] + ops["STL"]
+        return ops["HMMA"], ops["MOVM"], ops["HFMA2"], ops["LDS"] + ops["STS"] + ops["LDL"] + ops["STL"], ops["HADD2"]
 
     out = []
     for bf16, mask, kb, vb, tma, post in ((False, 0, 2, 2, False, True), (True, 1, 2, 2, False, True),
@@ -214,7 +214,8 @@ SCRIPT = textwrap.dedent('''
         ka, va = (dag.split_scale(2 / (2 ** n - 1), bf16) for n in (kb, vb))
         cx = dict(H=8, REP=4, S=0, R=128, TPG_K=32, TPG_V=1, MASK_KIND=mask, IS_BF16=bf16, BT=32, KBITS=kb,
                   VBITS=vb, KA_HI=ka[0], KA_LO=ka[1], VA_HI=va[0], VA_LO=va[1], NWIN=3, TMA=tma, NST=2,
-                  PDL=tma, KPOST=post, QZROWS=post and tma and dag.QZ_ROWS, QZ_N=dag.QZ_N)   # as `_plan` builds it
+                  PDL=tma, KPOST=post, QZROWS=post and tma and dag.QZ_ROWS, QZ_N=dag.QZ_N,
+                  VZ=dag.VALUE_ZERO_APART and bf16)   # as `_plan` builds it
         b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 12, 13, 14, 22, 23) + (() if tma else (3, 4, 5, 6, 7, 8)))
         out.append((bf16, mask, kb, vb, tma, post, b.shared, b.stack == b.local == 0, b.sass.count("HMMA"),
                     b.sass.count("STS"), b.sass.count("LDS"), b.sass.count("UTMALDG"), b.sass.count("MOVM"),
@@ -342,7 +343,7 @@ def test_compiles_for_sm90_into_registers_only():
     for _, bf16, shared, no_spill, hmma, sts, lds, loop in rows[19:21]:
         # int8's kernel: per 16-token tile 8 HMMA (the transposed logits) + 8 (v^T @ p^T), p^T by 2 MOVM; no shared
         # memory, no spills; its codes are centred bytes (no HFMA2)
-        assert shared == 0 and sts == 0 and lds == 0 and no_spill and loop == (16, 2, 0, 0), rows
+        assert shared == 0 and sts == 0 and lds == 0 and no_spill and loop[:4] == (16, 2, 0, 0), rows
     for _, bf16, shared, no_spill, hmma, sts, lds, movm, loop in rows[17:19]:
         # InnerQ's layout in the KIVI kernel: plain loads straight into the mma operands, as KIVI's; per 32-token
         # tile 16 HMMA for the transposed logits, 16 for v^T @ p^T, p^T by 4 MOVM; both sides dequantized
@@ -372,6 +373,7 @@ def test_compiles_for_sm90_into_registers_only():
         assert loop[:3] == {0: (34, 4, 0), 1: (16, 0, 0), 2: (18, 4, 0)}[phase], rows
     for bf16, mask, kb, vb, tma, post, shared, no_local, hmma, sts, lds, tma_loads, movm, hfma2, loop in rows[:8]:
         qz = tma and post and dag.QZ_ROWS   # q . z of QZ_N Key groups per mma (`_kivi_decode_kernel` QZROWS)
+        vz = 2 if bf16 and dag.VALUE_ZERO_APART else 0   # the Values' offsets: 2 HMMA per tile (VZ)
         if tma:  # the ring: filled by TMA copies (six per tile, five with QZROWS: no Key centers; in the prologue and
             # the loop), read by LDS; QZROWS stores its q . z rows (2 STS per refill)
             assert shared > 0 and sts == (2 if qz else 0) and lds > 0 and tma_loads == (5 if qz else 6) * 3, rows
@@ -381,11 +383,14 @@ def test_compiles_for_sm90_into_registers_only():
         # per 32-token tile: 16 HMMA (logits^T = k @ q^T, m16n8k16) + 16 (v^T @ p^T, p^T by 4 MOVM); post-scaled
         # Keys 8 more for q . z (and bf16 8 for its magic); their dequantization drops out: only the Values' 64
         # HFMA2 (and their scales') remain, 88 against 168. With QZROWS q . z takes 8 HMMA per QZ_N groups, out of
-        # the tile's path (`loop` spans the mbarrier wait's retry branch there: its HMMA and MOVM counts only)
+        # the tile's path (`loop` spans the mbarrier wait's retry branch there: its HMMA and MOVM counts only). bf16's
+        # Values leave their offsets to 2 more HMMA per tile (VZ), their `add` per register drops out
         if qz:
-            assert loop[:2] == (32 + 8 * bf16, 4) and hmma == 40 + 8 * bf16, rows
+            assert loop[:2] == (32 + 8 * bf16 + vz, 4) and hmma == 40 + 8 * bf16 + vz, rows
         else:
-            assert loop[:3] == ((40 + 8 * bf16, 4, 88) if post else (32, 4, 168)), rows
+            assert loop[:3] == ((40 + 8 * bf16 + vz, 4, 88) if post else (32 + vz, 4, 168)), rows
+        if not tma:   # HADD2: the `add` of -M per register, 64 per dequantized side and tile (a few others)
+            assert loop[4] - 64 * (not post) in (range(0, 8) if vz else range(64, 72)), rows
 
 
 PDL_SCRIPT = textwrap.dedent('''
@@ -688,6 +693,33 @@ def test_inline_ptx_unpacks_every_code(bf16, bits):
             assert abs(got - _bits(_exact(h * a, bf16), bf16)) <= 1, (trial, "scale", h, hex(got))
         out = run(offset_asm, {1: _pair(s[0], s[1], bf16), 2: _pair(z[0], z[1], bf16)})
         assert out["$0"] == _pair(_exact(z[0] - s[0], bf16), _exact(z[1] - s[1], bf16), bf16)
+
+
+@pytest.mark.parametrize("bits", dag.BITS)
+def test_value_blocks_without_offsets_give_scale_times_code(bits):
+    """KIVI's bf16 Value blocks with the offsets left to the mma (`_value_asm` zero_apart, the kernel's VZ): with
+    -128 s as the addend, every register holds s * code of its token rounded once, for random words and scales
+    from 1e-30 to 1e30 (-128 s and the quarters stay exact); against the same block with zero offsets."""
+    from ptx_emulator import run
+
+    gen = torch.Generator().manual_seed(100 + bits)
+    code = lambda w, j: (w >> bits * j) & ((1 << bits) - 1)  # noqa: E731
+    for trial in range(60):
+        words = [int(w) & 0xFFFFFFFF for w in torch.randint(-2**31, 2**31 - 1, (2,), generator=gen)]
+        mag = 10.0 ** float(torch.empty(()).uniform_(-30, 30, generator=gen))
+        s = [_exact(float(x) * mag * (1 if k else -1) ** trial, True)
+             for k, x in enumerate(torch.rand(2, generator=gen) + 0.05)]
+        for shift in range(0, 32, 8 * bits):
+            ops = {8 + i: words[i % 2] >> shift for i in range(16)}
+            ops.update({24 + i: _pair(s[0], s[1], True) for i in range(8)})
+            ops.update({32 + i: _pair(-128 * s[0], -128 * s[1], True) for i in range(8)})
+            out = run(dag._ASM[("vz", bits, True)], ops)
+            ops.update({32 + i: 0 for i in range(8)})
+            plain = run(dag._ASM[("v", bits, True)], ops)
+            for j in range(8):   # (a code 0 of a negative scale: the block's +0 against the product's -0)
+                want = _pair(*(_exact(code(words[t] >> shift, j) * s[t], True) + 0.0 for t in (0, 1)), True)
+                assert out[f"${j}"] == want, (trial, shift, j, hex(out[f"${j}"]), hex(want))
+                assert plain[f"${j}"] & 0x7FFF7FFF == want & 0x7FFF7FFF, (trial, shift, j)
 
 
 @pytest.mark.parametrize("bits", dag.BITS)
