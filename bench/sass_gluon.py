@@ -2,8 +2,9 @@
 SASS instructions (the longest backward branch), by opcode. kvquant's kernel at 16- and 32-token tiles, with its
 168-register cap and without, and with one outlier per token (kvquant-4-1%); int8's kernel at 16- and 32-token
 tiles, fp16 and bf16; the KIVI-layout kernel at 2 and 4 bits (fp16, bool mask, plain loads) with its Keys
-post-scaled (the default) and dequantized, and its TMA build (bf16) with q . z per tile or per QZ_N Key groups
-(`QZ_ROWS`); InnerQ's layout in the same kernel; calibquant's kernel (both phases).
+post-scaled (the default) and dequantized, and its TMA build (bf16, the Values' offsets by their own mma where
+`VALUE_ZERO_APART`) with q . z per tile or per QZ_N Key groups (`QZ_ROWS`); InnerQ's layout in the same kernel;
+calibquant's kernel (both phases).
 
     python bench/sass_gluon.py        (without TRITON_INTERPRET; ptxas and cuobjdump from the triton wheel)
 """
@@ -77,7 +78,7 @@ def main():
         for qz in (False, True):
             cx = dict(H=8, REP=4, S=0, R=128, TPG_K=32, TPG_V=1, MASK_KIND=1, IS_BF16=True, BT=32, KBITS=bits,
                       VBITS=bits, KA_HI=a[0], KA_LO=a[1], VA_HI=a[0], VA_LO=a[1], NWIN=3, TMA=True, NST=dag.NSTAGES,
-                      PDL=True, KPOST=True, QZROWS=qz, QZ_N=dag.QZ_N)
+                      PDL=True, KPOST=True, QZROWS=qz, QZ_N=dag.QZ_N, VZ=dag.VALUE_ZERO_APART)
             b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 12, 13, 14, 22, 23))
             # main_loop spans the mbarrier wait's retry branch here: its HMMA are the tile's, the refill's not
             print(f"KIVI layout {bits}-bit, bf16, TMA, q . z {'per QZ_N groups' if qz else 'per tile'}: {b.regs} "

@@ -79,10 +79,17 @@ Math (one program = one KV head of one sequence and one slice of the quantized r
     logits' initial accumulator (see `_kivi_decode_kernel`). On the TMA path q . z comes from one mma per QZ_N = 8
     Key groups (their zero points as the mma's rows, `_qz_rows`), kept in shared memory (QZROWS, `QZ_ROWS`): 8
     instead of 16 HMMA per tile at bf16 (0 instead of 8 at fp16), plus 8 per refill, bit-equal logits.
+    VZ (KIVI's Values in bf16, `VALUE_ZERO_APART`): p @ v = p @ (s code) + p @ z, the registers hold s code from one
+    `fma` each ((M + 4^m code) s / 4^m - M s / 4^m: exact before its one rounding, no `add` of -M), the offsets' share
+    comes from one more mma per tile (z as its A rows, `_zero_rows`) into a [16, 8] accumulator added to the rows of
+    acc^T once per slice: 785 -> 739 SASS instructions per 32-token tile at 2 bits (TMA build), 1.2-2.6% faster at
+    batch x context >= 64k (H200, bench/RESULTS.md session 27). fp16 keeps the `add`: its -1024 s overflows from s = 64.
     Scale and offset are rounded to the cache dtype before the multiply-add (one rounding of the value after
     it): values can differ from the reference's fp32 dequantization by about one unit in the last place; at 2
     bits fp16 scales below 2^-12 lose bits in the division by 4 (at most 3 * 2^-23 absolute). Post-scaled Keys
-    round q' twice (q a 2^(E - b) once per program, its product with half once per tile).
+    round q' twice (q a 2^(E - b) once per program, its product with half once per tile). With VZ a Value register
+    is s code rounded once, and its offset z enters the mma as stored (relative error against the reference op,
+    `bench_decode_attention.py`: kivi-2 7.6e-3 -> 7.5e-3, kivi-4 7.6e-3 -> 8.0e-3, xquant-1.38 5.8e-3 either way).
 
 Layouts (one warp; the A fragment of m16n8k16 gives lane l the reduction indices 2(l%4) + {0, 1, 8, 9} of every
 16 and the rows l/4, l/4 + 8 of every 16, the B fragment the same reduction indices and the column l/4 of every
@@ -103,7 +110,8 @@ cache dtype; KBITS / VBITS the code widths; NSPLIT slices of the quantized regio
 window launch (partial-result slots per row: NSPLIT + NWIN); PDL the window launch may start early; KA_HI + KA_LO
 (VA_*) the level spacing 2 / (2^B - 1) of each side in two terms of the cache dtype;
 TMA the shared-memory ring of NST slots; KPOST post-scaled Keys (`KEY_POST`), POST_E and U their fp16 range
-factors.
+factors; QZROWS / QZ_N the Keys' q . z per QZ_N groups (`QZ_ROWS`); VZ the Values' offsets by their own mma
+(`VALUE_ZERO_APART`).
 """
 from __future__ import annotations
 
@@ -2079,7 +2087,9 @@ QZ_ROWS = True  # KIVI's layout with post-scaled Keys through the TMA ring: q . 
                 # the plain-load path: there it takes 181 / 184 registers against 168 (bf16, 2 / 4 bits; 8 programs
                 # per SM instead of 12, sm_90 compile), not measured
 VALUE_ZERO_APART = True  # KIVI's Values in bf16: s * code in the registers, the offsets by one small mma per tile
-                         # (`_kivi_decode_kernel` VZ): one instruction fewer per Value register
+                         # (`_kivi_decode_kernel` VZ): one instruction fewer per Value register; 1.2-2.6% faster
+                         # (kivi-2, kivi-4, xquant-1.38 at batch x context >= 64k, bool mask, H200, bench/RESULTS.md
+                         # session 27); 4 / 4 / 6 more registers (153 / 162 / 157 at 2 / 4 / 1 bits, TMA build)
 QZ_N = 8        # Key groups per refill: 149 / 158 registers (bf16, 2 / 4 bits, TMA); 16 took 168 (sm_90 compile)
 WINDOW_INSIDE = True  # calibquant's Gluon launches attend the exact windows themselves (`window_inside`)
 POST_WCOST = {1: 2, 2: 2}  # calibquant with its windows inside: an exact-window tile counts as this many slice tiles
