@@ -542,6 +542,15 @@ if HAVE_GLUON:
             reg_bases=[[1, 0]] + [[8 << i, 0] for i in range(bt.bit_length() - 4)],
             lane_bases=[[2, 0], [4, 0], [0, 0], [0, 1], [0, 2]], warp_bases=[], block_bases=[], shape=[bt, 4])
 
+    @gluon.constexpr_function
+    def _stats42_layout(bt):
+        """[bt, 4, 2] (token, group, w % 2): `_stats4_layout` with w % 2 on lane bit 2, so that its reshape to
+        [bt, 8] (w = 2 group + w % 2) is the Values' statistics layout and widening moves no data."""
+        return gl.DistributedLinearLayout(
+            reg_bases=[[1, 0, 0]] + [[8 << i, 0, 0] for i in range(bt.bit_length() - 4)],
+            lane_bases=[[2, 0, 0], [4, 0, 0], [0, 0, 1], [0, 1, 0], [0, 2, 0]], warp_bases=[], block_bases=[],
+            shape=[bt, 4, 2])
+
     @gluon.jit
     def _scale_offset(half, center, hi, lo, IS_BF16: gl.constexpr):
         """(half * (hi + lo), center - half) in the cache dtype, two per instruction (hi, lo broadcast)."""
@@ -898,7 +907,7 @@ if HAVE_GLUON:
             H: gl.constexpr, REP: gl.constexpr, S: gl.constexpr, R: gl.constexpr, MASK_KIND: gl.constexpr,
             IS_BF16: gl.constexpr, BT: gl.constexpr, TAU_PHASE: gl.constexpr, NWIN: gl.constexpr,
             PDL: gl.constexpr, WIN: gl.constexpr = False, WR_K: gl.constexpr = 0, WR_V: gl.constexpr = 0,
-            WCOST: gl.constexpr = 0, TMA: gl.constexpr = False, NST: gl.constexpr = 2):
+            WCOST: gl.constexpr = 0, TMA: gl.constexpr = False, NST: gl.constexpr = 2, WL: gl.constexpr = True):
         """Post-scaled decode over 1-bit channel-wise Keys and Values with one static range per channel
         (calibquant-1): k[t, c] = s_k[c] code + z_k[c], v likewise, s = 2 half, z = center - half.
             logits^T = k @ q^T = codes @ (q * s_k)^T + q . z_k: the mma takes q' = q s_k / 2^i (rounded once to the
@@ -1060,7 +1069,7 @@ if HAVE_GLUON:
 
                 if TMA:   # word w // 2 of each token into column w
                     vwords = gl.expand_dims(_widen(vbuf.index(st)._reinterpret(gl.int32, [BT, 4], flat2).load(L4),
-                                                   VW, BT), 2) >> vshift
+                                                   VW, BT, WL), 2) >> vshift
                 else:
                     vvalid = gl.expand_dims((t0 + vt) < stop, 1)
                     vwords = gl.expand_dims(gl.load(vc_base + t0 * 4 + voff, mask=vvalid, other=0), 2) >> vshift
@@ -1200,7 +1209,8 @@ if HAVE_GLUON:
             VA_HI: gl.constexpr, VA_LO: gl.constexpr, NWIN: gl.constexpr, TMA: gl.constexpr, NST: gl.constexpr,
             PDL: gl.constexpr, INNER: gl.constexpr = False, KHYB: gl.constexpr = False,
             VHYB: gl.constexpr = False, NORM: gl.constexpr = False, KPOST: gl.constexpr = False,
-            QZROWS: gl.constexpr = False, QZ_N: gl.constexpr = 8, VZ: gl.constexpr = False):
+            QZROWS: gl.constexpr = False, QZ_N: gl.constexpr = 8, VZ: gl.constexpr = False,
+            WL: gl.constexpr = True):
         """KIVI's layout, or with INNER InnerQ's (Keys per token in groups of 32 channels, Values per channel in
         groups of 32 tokens: the same packed words, the statistics the other way round, the codes alone through the
         ring where TMA). NG_K: the
@@ -1226,7 +1236,9 @@ if HAVE_GLUON:
         the first term from one `fma` per register (`_value_asm` zero_apart: s * code rounded once, no `add`), the
         second from one more mma per tile, acc_z^T [16, 8] = z_rows @ p^T with row r the offsets of channel group
         (r % 8) // 2 (`_zero_rows`), rescaled with the accumulator and added to its rows once at the end
-        (`_rows128`: accumulator row n holds channel 16 (n % 8) + n // 8, group (n % 8) // 2)."""
+        (`_rows128`: accumulator row n holds channel 16 (n % 8) + n // 8, group (n % 8) // 2).
+        WL (`WIDEN_IN_LANES`): the ring's Value statistics (and 1-bit Value words) widened from [BT, 4] to the
+        [BT, 8] statistics layout without moving data (`_widen` LANES)."""
         gl.static_assert(KPOST or not QZROWS, "QZROWS computes the post-scaled Keys' q . z")
         gl.static_assert(not (VZ and (INNER or not IS_BF16)), "VZ: KIVI's Values in bf16")
         bh = gl.program_id(0)
@@ -1418,13 +1430,14 @@ if HAVE_GLUON:
                                                                    VHYB)
                 st = it % NST
                 mbarrier.wait(bars.index(st), (it // NST) & 1)
-                kwords, vwords = _smem_codes(kbuf.index(st), vbuf.index(st), KW, VW, VW3, L4, BT, KBITS, VBITS, KP)
+                kwords, vwords = _smem_codes(kbuf.index(st), vbuf.index(st), KW, VW, VW3, L4, BT, KBITS, VBITS, KP,
+                                             WL)
             elif TMA:
                 st = it % NST
                 mbarrier.wait(bars.index(st), (it // NST) & 1)
                 kwords, kh, kcen, vwords, vh, vcen = _smem_tile(kbuf.index(st), vbuf.index(st), khbuf.index(st),
                                                                 kzbuf.index(st), vhbuf.index(st), vzbuf.index(st),
-                                                                KW, KS, VW, VW3, L4, BT, D, KBITS, VBITS, KP)
+                                                                KW, KS, VW, VW3, L4, BT, D, KBITS, VBITS, KP, WL)
                 vvalid = gl.expand_dims((t0 + vt) < stop, 1)
                 vh = gl.where(vvalid, vh, 0.0)   # statistics past the slice may be unwritten memory
                 vcen = gl.where(vvalid, vcen, 0.0)
@@ -1542,28 +1555,38 @@ if HAVE_GLUON:
         tma.async_copy_global_to_shared(VCEN, [(row0 + t0) * 4], bar, vzb, pred=pred)
 
     @gluon.jit
-    def _widen(x4, VW: gl.constexpr, BT: gl.constexpr):
-        """[BT, 4] -> [BT, 8] (column w reads column w // 2), in the layout VW."""
-        return gl.convert_layout(gl.join(x4, x4).reshape([BT, 8]), VW)
+    def _widen(x4, VW: gl.constexpr, BT: gl.constexpr, LANES: gl.constexpr = True):
+        """[BT, 4] -> [BT, 8] (column w reads column w // 2), in the layout VW. LANES (`WIDEN_IN_LANES`): the new
+        column bit w % 2 broadcast over lane bit 2, where `_stats4_layout` already holds the value twice, so no data
+        moves (else a join along the registers, which ptxas turned into per-lane byte selects and shuffles)."""
+        if LANES:
+            L42: gl.constexpr = _stats42_layout(BT)
+            x = gl.expand_dims(gl.convert_layout(x4, gl.SliceLayout(2, L42)), 2)
+            x, _ = gl.broadcast(x, gl.full([BT, 4, 2], 0, x4.dtype, L42))
+            y = gl.convert_layout(x.reshape([BT, 8]), VW)
+        else:
+            y = gl.convert_layout(gl.join(x4, x4).reshape([BT, 8]), VW)
+        return y
 
     @gluon.jit
     def _smem_tile(kb, vb, khb, kzb, vhb, vzb, KW: gl.constexpr, KS: gl.constexpr, VW: gl.constexpr,
                    VW3: gl.constexpr, L4: gl.constexpr, BT: gl.constexpr, D: gl.constexpr, KBITS: gl.constexpr,
-                   VBITS: gl.constexpr, KP: gl.constexpr):
+                   VBITS: gl.constexpr, KP: gl.constexpr, LANES: gl.constexpr = True):
         """One ring slot into registers, in the layouts `_load_tile` returns (Key words at 1 bit unshifted); with
-        QZROWS the slot holds no Key centers (`_issue` KZ): their registers are then unused."""
+        QZROWS the slot holds no Key centers (`_issue` KZ): their registers are then unused. LANES: `_widen`'s."""
         flat3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
         flat2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-        kwords, vwords = _smem_codes(kb, vb, KW, VW, VW3, L4, BT, KBITS, VBITS, KP)
+        kwords, vwords = _smem_codes(kb, vb, KW, VW, VW3, L4, BT, KBITS, VBITS, KP, LANES)
         kh = khb._reinterpret(khb.dtype, [4, 32 // KP, KP], flat3).permute([1, 0, 2]).load(KS)
         kcen = kzb._reinterpret(kzb.dtype, [4, 32 // KP, KP], flat3).permute([1, 0, 2]).load(KS)
-        vh = _widen(vhb._reinterpret(vhb.dtype, [BT, 4], flat2).load(L4), VW, BT)
-        vcen = _widen(vzb._reinterpret(vzb.dtype, [BT, 4], flat2).load(L4), VW, BT)
+        vh = _widen(vhb._reinterpret(vhb.dtype, [BT, 4], flat2).load(L4), VW, BT, LANES)
+        vcen = _widen(vzb._reinterpret(vzb.dtype, [BT, 4], flat2).load(L4), VW, BT, LANES)
         return kwords, kh, kcen, vwords, vh, vcen
 
     @gluon.jit
     def _smem_codes(kb, vb, KW: gl.constexpr, VW: gl.constexpr, VW3: gl.constexpr, L4: gl.constexpr,
-                    BT: gl.constexpr, KBITS: gl.constexpr, VBITS: gl.constexpr, KP: gl.constexpr):
+                    BT: gl.constexpr, KBITS: gl.constexpr, VBITS: gl.constexpr, KP: gl.constexpr,
+                    LANES: gl.constexpr = True):
         """One ring slot's code rows into registers (`_smem_tile`'s words; InnerQ's codes-only ring)."""
         flat3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
         flat2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
@@ -1577,7 +1600,7 @@ if HAVE_GLUON:
         elif VBITS == 2:
             vwords = gl.expand_dims(vb._reinterpret(gl.int32, [BT, 8], flat2).load(VW), 2)
         else:
-            vwords = gl.expand_dims(_widen(vb._reinterpret(gl.int32, [BT, 4], flat2).load(L4), VW, BT), 2)
+            vwords = gl.expand_dims(_widen(vb._reinterpret(gl.int32, [BT, 4], flat2).load(L4), VW, BT, LANES), 2)
         return kwords, vwords
 
     @gluon.jit
@@ -2090,6 +2113,8 @@ VALUE_ZERO_APART = True  # KIVI's Values in bf16: s * code in the registers, the
                          # (`_kivi_decode_kernel` VZ): one instruction fewer per Value register; 1.2-2.6% faster
                          # (kivi-2, kivi-4, xquant-1.38 at batch x context >= 64k, bool mask, H200, bench/RESULTS.md
                          # session 27); 4 / 4 / 6 more registers (153 / 162 / 157 at 2 / 4 / 1 bits, TMA build)
+WIDEN_IN_LANES = True   # the TMA ring's Value statistics widened in place (`_widen` LANES, `_kivi_decode_kernel` WL):
+                        # 739 -> 693 SASS instructions per 32-token tile (kivi-2, bf16, `VZ`; PRMT 84 -> 44, SHFL 14 -> 6)
 QZ_N = 8        # Key groups per refill: 149 / 158 registers (bf16, 2 / 4 bits, TMA); 16 took 168 (sm_90 compile)
 WINDOW_INSIDE = True  # calibquant's Gluon launches attend the exact windows themselves (`window_inside`)
 POST_WCOST = {1: 2, 2: 2}  # calibquant with its windows inside: an exact-window tile counts as this many slice tiles
@@ -2211,7 +2236,7 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
             H=H, REP=rep, S=sink, R=recent, MASK_KIND=mask_kind, IS_BF16=bf16, BT=BT, TAU_PHASE=phase, NWIN=nwin,
             PDL=pdl, WIN=win, WCOST=POST_WCOST.get(phase, 0) if win else 0,
             WR_K=exact["k"]["ring"].shape[2] if win else 0,
-            WR_V=exact["v"]["ring"].shape[2] if win else 0, TMA=tma_on, NST=NSTAGES, num_warps=1,
+            WR_V=exact["v"]["ring"].shape[2] if win else 0, TMA=tma_on, NST=NSTAGES, WL=WIDEN_IN_LANES, num_warps=1,
             **({"maxnreg": POST_MAXNREG[phase]} if win and POST_MAXNREG.get(phase) else {}))
     if kind not in ("kivi", "inner") or phase:
         raise ValueError(f"no Gluon launch for layout {kind!r} with calibrated-softmax phase {phase}")
@@ -2231,7 +2256,7 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
             float(scale), T, ng_k, nsplit, *extra), dict(
             H=H, REP=rep, S=sink, R=recent, TPG_K=1, TPG_V=32, MASK_KIND=mask_kind, IS_BF16=bf16, BT=KIVI_BT,
             KBITS=kbits, VBITS=vbits, KA_HI=ka_hi, KA_LO=ka_lo, VA_HI=va_hi, VA_LO=va_lo, NWIN=nwin, TMA=tma_on,
-            NST=NSTAGES, PDL=pdl, INNER=True, KHYB=khyb, VHYB=vhyb, NORM=norm, num_warps=1)
+            NST=NSTAGES, PDL=pdl, INNER=True, KHYB=khyb, VHYB=vhyb, NORM=norm, WL=WIDEN_IN_LANES, num_warps=1)
     ka_hi, ka_lo = split_scale(2.0 / (2 ** kbits - 1), bf16)
     va_hi, va_lo = split_scale(2.0 / (2 ** vbits - 1), bf16)
     use_tma = _use_tma(query, sink, T, use_tma)
@@ -2243,7 +2268,7 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
         H=H, REP=rep, S=sink, R=recent, TPG_K=32, TPG_V=tpg_v, MASK_KIND=mask_kind,
         IS_BF16=bf16, BT=KIVI_BT, KBITS=kbits, VBITS=vbits, KA_HI=ka_hi, KA_LO=ka_lo, VA_HI=va_hi, VA_LO=va_lo,
         NWIN=nwin, TMA=use_tma, NST=NSTAGES, PDL=pdl, KPOST=KEY_POST, QZROWS=KEY_POST and QZ_ROWS and use_tma, QZ_N=QZ_N,
-        VZ=VALUE_ZERO_APART and bf16, num_warps=1)
+        VZ=VALUE_ZERO_APART and bf16, WL=WIDEN_IN_LANES, num_warps=1)
 
 
 def window_inside(kind: str | None, kc: dict, vc: dict, tau) -> bool:
@@ -2333,7 +2358,7 @@ def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mas
     tma = _use_tma(query, sink, T, use_tma, kind)
     key = (kind, inner_flags(kp, vp) if kind == "inner" else None, dev.index, query.dtype, amask.dtype, mask_kind, kbits, vbits, H, rep, sink, recent, tpg_v, nwin,
            tma, NSTAGES, phase, rope is not None, tuple(nout), LUT_BT, LUT_MAXNREG, LUT_NO_MASK_AS_BOOL, SYM8_BT, KIVI_BT, pdl,
-           KEY_POST, QZ_ROWS, QZ_N, VALUE_ZERO_APART, None if exact is None else tuple(exact[s]["ring"].shape[2] for s in ("k", "v")),
+           KEY_POST, QZ_ROWS, QZ_N, VALUE_ZERO_APART, WIDEN_IN_LANES, None if exact is None else tuple(exact[s]["ring"].shape[2] for s in ("k", "v")),
            tuple(sorted(POST_MAXNREG.items())), tuple(sorted(POST_WCOST.items())))
     if key not in _RESIDENT:
         one = torch.empty(1, dtype=torch.float32, device=dev)   # stand-ins: partial buffers, temperatures, logits

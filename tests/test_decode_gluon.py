@@ -965,6 +965,45 @@ def test_post_scaled_keys_qz_rows_bit_equal_on_gpu(dtype, layout, case, num_spli
     assert torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() < (9, 0) or not dag.HAVE_TMA,
+                    reason="the widening runs on the TMA ring: sm_90+ and Gluon's TMA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["kivi-2", "kivi-4", "k1v1", "innerq-k4v1", "calibquant-1"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[7], CASES[9]])
+def test_widened_statistics_bit_equal_on_gpu(dtype, layout, case, monkeypatch):
+    """`WIDEN_IN_LANES` (the TMA ring): the Value statistics, and 1-bit Value words, widened from [BT, 4] to the
+    [BT, 8] statistics layout over a lane bit instead of a register join; the same values reach the same
+    instructions, so the output is bit-equal with it off. KIVI's layout at 2, 4 and 1 bits, InnerQ's 1-bit Values,
+    calibquant's attention pass; the launches are checked to be the builds compared."""
+    B, H, rep, T, n0, sink, magnitude = case
+    cfg, ms, lay, k, v, p = _store(layout, B, H, T, n0, dtype, "cuda", seed=B * 11 + n0, sink=sink,
+                                   magnitude=magnitude)
+    names, tensors = lay.attend_tensors()
+    bufs = dict(zip(names, tensors))
+    q = torch.randn(B, H * rep, 1, 128, device="cuda").to(dtype) / magnitude ** 0.5
+    am = random_mask("bool", B, T, n0, dtype, "cuda")
+    plan, built = dag._plan, []
+
+    def spy(*args, **kwargs):   # the constexprs each Gluon launch was built with
+        fn, a, kw = plan(*args, **kwargs)
+        built.append((kw.get("TMA"), kw.get("WL")))
+        return fn, a, kw
+
+    monkeypatch.setattr(dag, "_plan", spy)
+    monkeypatch.setattr(dag, "USE_TMA", True)
+    outs = []
+    for lanes in (False, True):
+        monkeypatch.setattr(dag, "WIDEN_IN_LANES", lanes)
+        built.clear()
+        outs.append(da.decode_attention(q, bufs, k, v, p, am, 128 ** -0.5, False, cfg, lay.spec, ms.geo,
+                                        gluon=True))
+        assert KERNELS.get(layout, "_kivi_decode_kernel") in str(getattr(da.LAST_KERNELS["main"], "name",
+                                                                         da.LAST_KERNELS["main"]))
+        assert built and all(b == (True, lanes) for b in built), built
+    assert torch.isfinite(outs[0]).all()
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
 def test_calibquant_large_fp16_queries_on_gpu():
     """calibquant's kernel holds q' = q 2 half / 2^i in the mma's fp16 operand once per program: it scales q' down to
