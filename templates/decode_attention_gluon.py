@@ -54,7 +54,10 @@ Loads (TMA): on sm_90+ inside CUDA-graph capture (`launch`), each tile's codes a
 half-ranges but not their centers, which `_qz_rows` loads itself) are copied by the
 tensor-memory accelerator into a ring of NST shared-memory slots (one mbarrier each; the slot just read takes the
 tile NST ahead), then read into the same register layouts; 7-15% faster than plain loads at 2 and 4 bits on an
-H100, no faster with 1-bit Values (bench/RESULTS.md, session 10). Used at every width of KIVI's layout. Otherwise (and for an odd sink or cache length, where a Value-statistics
+H100, no faster with 1-bit Values (bench/RESULTS.md, session 10). Used at every width of KIVI's layout. The Values'
+statistics ([BT, 4]: one per token and 32-channel group) are read in `_stats4_layout` (lane bit 2 holds them twice)
+and widened to the [BT, 8] statistics layout over that lane bit (`_widen`, `WIDEN_IN_LANES`); the register join it
+replaced became per-lane byte selects and shuffles (kivi-2 3-7% faster, session 27). Otherwise (and for an odd sink or cache length, where a Value-statistics
 box would start misaligned) every lane loads its words from global memory. kvquant's kernel takes the same ring for
 its codes alone (64-byte rows: any sink or length), its statistics, outliers and RoPE table rows by plain loads:
 10.8-14.7% faster at batch x context >= 64k with a bool mask, 9.6-13.0% without, on an H100 (bench/RESULTS.md,
@@ -111,7 +114,7 @@ window launch (partial-result slots per row: NSPLIT + NWIN); PDL the window laun
 (VA_*) the level spacing 2 / (2^B - 1) of each side in two terms of the cache dtype;
 TMA the shared-memory ring of NST slots; KPOST post-scaled Keys (`KEY_POST`), POST_E and U their fp16 range
 factors; QZROWS / QZ_N the Keys' q . z per QZ_N groups (`QZ_ROWS`); VZ the Values' offsets by their own mma
-(`VALUE_ZERO_APART`).
+(`VALUE_ZERO_APART`); WL the ring's Value statistics widened over a lane bit (`WIDEN_IN_LANES`).
 """
 from __future__ import annotations
 
@@ -909,7 +912,8 @@ if HAVE_GLUON:
             PDL: gl.constexpr, WIN: gl.constexpr = False, WR_K: gl.constexpr = 0, WR_V: gl.constexpr = 0,
             WCOST: gl.constexpr = 0, TMA: gl.constexpr = False, NST: gl.constexpr = 2, WL: gl.constexpr = True):
         """Post-scaled decode over 1-bit channel-wise Keys and Values with one static range per channel
-        (calibquant-1): k[t, c] = s_k[c] code + z_k[c], v likewise, s = 2 half, z = center - half.
+        (calibquant-1): k[t, c] = s_k[c] code + z_k[c], v likewise, s = 2 half, z = center - half. (WL: the ring's
+        Value words widened over a lane bit, `_widen`, `WIDEN_IN_LANES`.)
             logits^T = k @ q^T = codes @ (q * s_k)^T + q . z_k: the mma takes q' = q s_k / 2^i (rounded once to the
             cache dtype, formed once per program) against M + 2^i code straight from a `lop3`, and the per-head
             constant C = q . z_k - M sum(q') (fp32, from the rounded q') goes back in: no per-element arithmetic.
@@ -2113,8 +2117,10 @@ VALUE_ZERO_APART = True  # KIVI's Values in bf16: s * code in the registers, the
                          # (`_kivi_decode_kernel` VZ): one instruction fewer per Value register; 1.2-2.6% faster
                          # (kivi-2, kivi-4, xquant-1.38 at batch x context >= 64k, bool mask, H200, bench/RESULTS.md
                          # session 27); 4 / 4 / 6 more registers (153 / 162 / 157 at 2 / 4 / 1 bits, TMA build)
-WIDEN_IN_LANES = True   # the TMA ring's Value statistics widened in place (`_widen` LANES, `_kivi_decode_kernel` WL):
-                        # 739 -> 693 SASS instructions per 32-token tile (kivi-2, bf16, `VZ`; PRMT 84 -> 44, SHFL 14 -> 6)
+WIDEN_IN_LANES = True   # the TMA ring's Value statistics (and 1-bit Value words) widened over a lane bit (`_widen`
+                        # LANES; `_kivi_decode_kernel` / `_post_decode_kernel` WL): 739 -> 693 SASS instructions per
+                        # 32-token tile (kivi-2, bf16, `VZ`; PRMT 84 -> 44, SHFL 14 -> 6), output bit-equal; kivi-2
+                        # 4.7-7.3%, kivi-4 3.0-3.5%, calibquant-1 2.5-5.3% faster (H200, bench/RESULTS.md session 27)
 QZ_N = 8        # Key groups per refill: 149 / 158 registers (bf16, 2 / 4 bits, TMA); 16 took 168 (sm_90 compile)
 WINDOW_INSIDE = True  # calibquant's Gluon launches attend the exact windows themselves (`window_inside`)
 POST_WCOST = {1: 2, 2: 2}  # calibquant with its windows inside: an exact-window tile counts as this many slice tiles
