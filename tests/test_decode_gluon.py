@@ -184,6 +184,7 @@ def test_programs_per_sm_follows_the_occupancy_rules():
 
 
 SCRIPT = textwrap.dedent('''
+    import re
     import torch
     from triton.runtime.jit import mangle_type
     from kvq_compile.templates import decode_attention_gluon as dag
@@ -215,11 +216,12 @@ SCRIPT = textwrap.dedent('''
         cx = dict(H=8, REP=4, S=0, R=128, TPG_K=32, TPG_V=1, MASK_KIND=mask, IS_BF16=bf16, BT=32, KBITS=kb,
                   VBITS=vb, KA_HI=ka[0], KA_LO=ka[1], VA_HI=va[0], VA_LO=va[1], NWIN=3, TMA=tma, NST=2,
                   PDL=tma, KPOST=post, QZROWS=post and tma and dag.QZ_ROWS, QZ_N=dag.QZ_N,
-                  VZ=dag.VALUE_ZERO_APART and bf16)   # as `_plan` builds it
+                  VZ=dag.VALUE_ZERO_APART and bf16, WL=dag.WIDEN_IN_LANES)   # as `_plan` builds it (an
+        # offline compile leaves a constexpr it is not given falsy, not at its default)
         b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 12, 13, 14, 22, 23) + (() if tma else (3, 4, 5, 6, 7, 8)))
         out.append((bf16, mask, kb, vb, tma, post, b.shared, b.stack == b.local == 0, b.sass.count("HMMA"),
                     b.sass.count("STS"), b.sass.count("LDS"), b.sass.count("UTMALDG"), b.sass.count("MOVM"),
-                    b.sass.count("HFMA2"), loop(b)))
+                    b.sass.count("HFMA2"), loop(b), len(re.findall(r"PRMT R\\d+, R\\d+, R\\d+", b.sass))))
     for bf16, mask, phase in ((True, 1, 2), (False, 2, 1), (False, 0, 0)):   # calibquant's kernel
         ty = "*bf16" if bf16 else "*fp16"
         sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KCEN=ty, KHALF=ty, VC="*i32", VCEN=ty,
@@ -286,7 +288,8 @@ SCRIPT = textwrap.dedent('''
                    KSINK=ty, KRING=ty, KCHUNK=ty, stride_kcb="i32", stride_kch="i32", VSINK=ty, VRING=ty, VCHUNK=ty,
                    stride_vcb="i32", stride_vch="i32", M1="*fp32", L1="*fp32", NS1="i32", tau_sum="fp32")
         cx = dict(H=8, REP=4, S=0, R=128, MASK_KIND=1, IS_BF16=bf16, BT=32, TAU_PHASE=phase, NWIN=4, PDL=True,
-                  WIN=True, WR_K=128, WR_V=128, WCOST=dag.POST_WCOST[phase], TMA=True, NST=dag.NSTAGES)
+                  WIN=True, WR_K=128, WR_V=128, WCOST=dag.POST_WCOST[phase], TMA=True, NST=dag.NSTAGES,
+                  WL=dag.WIDEN_IN_LANES)
         b = compile_sm90(dag._post_decode_kernel, sig, cx, [0, 4, 5, 7, 8] + list(range(20, 32)),
                          maxnreg=dag.POST_MAXNREG[phase])
         out.append(("post-tma", phase, b.stack == b.local == 0, b.regs, b.shared, b.sass.count("UTMALDG"),
@@ -303,7 +306,7 @@ SCRIPT = textwrap.dedent('''
         ka, va = (dag.split_scale(2 / (2 ** n - (2 if hyb else 1)), bf16) for n in (kb, vb))
         cx = dict(H=8, REP=4, S=32, R=96, TPG_K=1, TPG_V=32, MASK_KIND=mask, IS_BF16=bf16, BT=32, KBITS=kb, VBITS=vb,
                   KA_HI=ka[0], KA_LO=ka[1], VA_HI=va[0], VA_LO=va[1], NWIN=3, TMA=True, NST=dag.NSTAGES, PDL=True,
-                  INNER=True, KHYB=hyb, VHYB=hyb, NORM=norm)
+                  INNER=True, KHYB=hyb, VHYB=hyb, NORM=norm, WL=dag.WIDEN_IN_LANES)
         b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 4, 5, 7, 8, 12, 13, 14))
         out.append(("inner-tma", bf16, kb, vb, b.shared, b.stack == b.local == 0, b.sass.count("UTMALDG"),
                     b.sass.count("STS"), b.sass.count("LDS"), b.regs, loop(b)))
@@ -371,12 +374,14 @@ def test_compiles_for_sm90_into_registers_only():
         assert loop[3] == 0 and regs <= 128 and (no_local or phase == 1), rows
         assert (shared, sts_lds) == ((0, 0) if phase != 2 else (512, 32)), rows
         assert loop[:3] == {0: (34, 4, 0), 1: (16, 0, 0), 2: (18, 4, 0)}[phase], rows
-    for bf16, mask, kb, vb, tma, post, shared, no_local, hmma, sts, lds, tma_loads, movm, hfma2, loop in rows[:8]:
+    for bf16, mask, kb, vb, tma, post, shared, no_local, hmma, sts, lds, tma_loads, movm, hfma2, loop, sel in rows[:8]:
         qz = tma and post and dag.QZ_ROWS   # q . z of QZ_N Key groups per mma (`_kivi_decode_kernel` QZROWS)
         vz = 2 if bf16 and dag.VALUE_ZERO_APART else 0   # the Values' offsets: 2 HMMA per tile (VZ)
         if tma:  # the ring: filled by TMA copies (six per tile, five with QZROWS: no Key centers; in the prologue and
-            # the loop), read by LDS; QZROWS stores its q . z rows (2 STS per refill)
+            # the loop), read by LDS; QZROWS stores its q . z rows (2 STS per refill). The Value statistics widened
+            # over a lane bit (`WIDEN_IN_LANES`): no byte select by a lane-dependent selector (a register join took 16)
             assert shared > 0 and sts == (2 if qz else 0) and lds > 0 and tma_loads == (5 if qz else 6) * 3, rows
+            assert sel == 0 or not dag.WIDEN_IN_LANES, rows
         else:
             assert shared == 0 and sts == 0 and lds == 0 and tma_loads == 0, rows
         assert no_local, rows
