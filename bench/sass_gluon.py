@@ -7,6 +7,9 @@ post-scaled (the default) and dequantized, and its TMA build (bf16, the Values' 
 calibquant's kernel (both phases).
 
     python bench/sass_gluon.py        (without TRITON_INTERPRET; ptxas and cuobjdump from the triton wheel)
+
+Every constexpr is passed as `_plan` passes it: an offline compile leaves one it is not given falsy, not at the
+kernel's default (session 27: WL omitted compiled the register join that the launch no longer uses).
 """
 from __future__ import annotations
 
@@ -54,7 +57,7 @@ def main():
             a = dag.split_scale(2 / (2 ** bits - 1), False)
             cx = dict(H=8, REP=4, S=0, R=128, TPG_K=32, TPG_V=1, MASK_KIND=1, IS_BF16=False, BT=32, KBITS=bits,
                       VBITS=bits, KA_HI=a[0], KA_LO=a[1], VA_HI=a[0], VA_LO=a[1], NWIN=3, TMA=False, NST=2,
-                      PDL=True, KPOST=post)
+                      PDL=True, KPOST=post, WL=dag.WIDEN_IN_LANES)
             b = compile_sm90(dag._kivi_decode_kernel, kivi, cx, (0, 3, 4, 5, 6, 7, 8, 12, 13, 14))
             ops = main_loop(b.sass)
             print(f"KIVI layout {bits}-bit, Keys {'post-scaled' if post else 'dequantized'}: {b.regs} registers, "
@@ -78,7 +81,7 @@ def main():
         for qz in (False, True):
             cx = dict(H=8, REP=4, S=0, R=128, TPG_K=32, TPG_V=1, MASK_KIND=1, IS_BF16=True, BT=32, KBITS=bits,
                       VBITS=bits, KA_HI=a[0], KA_LO=a[1], VA_HI=a[0], VA_LO=a[1], NWIN=3, TMA=True, NST=dag.NSTAGES,
-                      PDL=True, KPOST=True, QZROWS=qz, QZ_N=dag.QZ_N, VZ=dag.VALUE_ZERO_APART)
+                      PDL=True, KPOST=True, QZROWS=qz, QZ_N=dag.QZ_N, VZ=dag.VALUE_ZERO_APART, WL=dag.WIDEN_IN_LANES)
             b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 12, 13, 14, 22, 23))
             # main_loop spans the mbarrier wait's retry branch here: its HMMA are the tile's, the refill's not
             print(f"KIVI layout {bits}-bit, bf16, TMA, q . z {'per QZ_N groups' if qz else 'per tile'}: {b.regs} "
@@ -88,7 +91,7 @@ def main():
     inner = dict(kivi, KMASK="*u8", VMASK="*u8", KNORM="*fp32")
     cx = dict(H=8, REP=4, S=32, R=96, TPG_K=1, TPG_V=32, MASK_KIND=1, IS_BF16=False, BT=32, KBITS=2, VBITS=2,
               KA_HI=1.0, KA_LO=0.0, VA_HI=1.0, VA_LO=0.0, NWIN=3, TMA=False, NST=2, PDL=True, INNER=True, KHYB=True,
-              VHYB=True, NORM=True)
+              VHYB=True, NORM=True, WL=dag.WIDEN_IN_LANES)
     b = compile_sm90(dag._kivi_decode_kernel, inner, cx, (0, 3, 4, 5, 6, 7, 8, 12, 13, 14))
     ops = main_loop(b.sass)
     print(f"InnerQ layout 2-bit hybrid: {b.regs} registers, stack {b.stack} B, loop {sum(ops.values())} "
@@ -100,7 +103,7 @@ def main():
                 M1="*fp32", L1="*fp32", NS1="i32", tau_sum="fp32")
     for phase in (1, 2):   # calibquant: the range pass, then the calibrated attention, with the windows inside
         cx = dict(H=8, REP=4, S=0, R=128, MASK_KIND=1, IS_BF16=False, BT=32, TAU_PHASE=phase, NWIN=4,
-                  PDL=phase != 1, WIN=True, WR_K=128, WR_V=128, WCOST=dag.POST_WCOST[phase])
+                  PDL=phase != 1, WIN=True, WR_K=128, WR_V=128, WCOST=dag.POST_WCOST[phase], WL=dag.WIDEN_IN_LANES)
         b = compile_sm90(dag._post_decode_kernel, post, cx, [i for i in range(0, 9) if i not in (1, 2)],
                          maxnreg=dag.POST_MAXNREG[phase])
         ops = main_loop(b.sass, last=True)   # the slice's loop (the windows' loop comes first)
