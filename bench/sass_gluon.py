@@ -8,8 +8,10 @@ calibquant's kernel (both phases).
 
     python bench/sass_gluon.py        (without TRITON_INTERPRET; ptxas and cuobjdump from the triton wheel)
 
-Every constexpr is passed as `_plan` passes it: an offline compile leaves one it is not given falsy, not at the
-kernel's default (session 27: WL omitted compiled the register join that the launch no longer uses).
+A constexpr whose kernel default is on (WL) is passed as `_plan` passes it: an offline compile leaves one it is not
+given falsy, not at the kernel's default (session 27: WL omitted compiled the register join that the launch no
+longer uses). calibquant's rows are its plain-load builds (outside CUDA graphs); its ring builds are in
+`bench/debug/post_tma_sass.py`.
 """
 from __future__ import annotations
 

@@ -57,7 +57,8 @@ tile NST ahead), then read into the same register layouts; 7-15% faster than pla
 H100, no faster with 1-bit Values (bench/RESULTS.md, session 10). Used at every width of KIVI's layout. The Values'
 statistics ([BT, 4]: one per token and 32-channel group) are read in `_stats4_layout` (lane bit 2 holds them twice)
 and widened to the [BT, 8] statistics layout over that lane bit (`_widen`, `WIDEN_IN_LANES`); the register join it
-replaced became per-lane byte selects and shuffles (kivi-2 3-7% faster, session 27). Otherwise (and for an odd sink or cache length, where a Value-statistics
+replaced became per-lane byte selects and shuffles (kivi-2 4.7-7.3% faster, kivi-4 3.0-3.5%, calibquant-1 2.5-5.3%,
+session 27). Otherwise (and for an odd sink or cache length, where a Value-statistics
 box would start misaligned) every lane loads its words from global memory. kvquant's kernel takes the same ring for
 its codes alone (64-byte rows: any sink or length), its statistics, outliers and RoPE table rows by plain loads:
 10.8-14.7% faster at batch x context >= 64k with a bool mask, 9.6-13.0% without, on an H100 (bench/RESULTS.md,
@@ -226,7 +227,8 @@ def _value_asm(bits: int, bf16: bool, per_code: bool = False, zero_apart: bool =
     handed over divided by 4.
     zero_apart (KIVI's Values in bf16, `VZ`): s * code alone, the offset left to a small mma (`_kivi_decode_kernel`);
     $32 holds -M * s, so one `fma` (M + 4^m code) * s / 4^m - M * s / 4^m gives s * code exactly before its one
-    rounding: no `add`. (-M s, M = 128, and the quarters are exact in bf16; fp16's -1024 s would overflow from s = 64.)"""
+    rounding: no `add`. (-M s, M = 128, and the quarters are exact in bf16 for 2^-124 <= s < 2^121: a Value group's
+    half-range between about 2^-124 and 2^120, not checked at run time; fp16's -1024 s would overflow from s = 64.)"""
     ty = "bf16x2" if bf16 else "f16x2"
     magic, neg = _magic(bf16)
     assert not (per_code and zero_apart), "zero_apart: KIVI's Values, one scale per block"
@@ -2094,6 +2096,11 @@ def supports(query, rep: int, kc: dict, vc: dict, kp: dict, rope: bool, mask_kin
         return "needs fp16 or bf16 queries and statistics of the same dtype"
     if not query.is_cuda or torch.cuda.get_device_capability(query.device) < (8, 0):
         return "needs an NVIDIA GPU of compute capability 8.0 or newer"
+    if query.dtype == torch.bfloat16 and kind in ("kivi", "inner") and \
+            torch.cuda.get_device_capability(query.device) < (9, 0):
+        # their inline PTX adds and multiplies bf16x2 pairs (`add` / `mul.rn.bf16x2`: sm_90; the build fails on
+        # sm_80, checked offline); kvquant's, calibquant's and int8's bf16 blocks use `fma` only
+        return "bf16 in KIVI's or InnerQ's layout needs compute capability 9.0 (packed bf16 add and multiply)"
     if not HAVE_GLUON:
         return "triton.experimental.gluon is not available"
     return None
@@ -2116,12 +2123,14 @@ QZ_ROWS = True  # KIVI's layout with post-scaled Keys through the TMA ring: q . 
 VALUE_ZERO_APART = True  # KIVI's Values in bf16: s * code in the registers, the offsets by one small mma per tile
                          # (`_kivi_decode_kernel` VZ): one instruction fewer per Value register; 1.2-2.6% faster
                          # (kivi-2, kivi-4, xquant-1.38 at batch x context >= 64k, bool mask, H200, bench/RESULTS.md
-                         # session 27); 4 / 4 / 6 more registers (153 / 162 / 157 at 2 / 4 / 1 bits, TMA build)
+                         # session 27); 4 / 4 / 6 more registers (153 / 162 / 157 at 2 / 4 / 1 bits, TMA build,
+                         # before `WIDEN_IN_LANES`: 151 / 160 / 153 with it)
 WIDEN_IN_LANES = True   # the TMA ring's Value statistics (and 1-bit Value words) widened over a lane bit (`_widen`
                         # LANES; `_kivi_decode_kernel` / `_post_decode_kernel` WL): 739 -> 693 SASS instructions per
                         # 32-token tile (kivi-2, bf16, `VZ`; PRMT 84 -> 44, SHFL 14 -> 6), output bit-equal; kivi-2
                         # 4.7-7.3%, kivi-4 3.0-3.5%, calibquant-1 2.5-5.3% faster (H200, bench/RESULTS.md session 27)
-QZ_N = 8        # Key groups per refill: 149 / 158 registers (bf16, 2 / 4 bits, TMA); 16 took 168 (sm_90 compile)
+QZ_N = 8        # Key groups per refill: 149 / 158 registers (bf16, 2 / 4 bits, TMA; session 25, before `VZ` and
+                # `WIDEN_IN_LANES`); 16 took 168 (sm_90 compile)
 WINDOW_INSIDE = True  # calibquant's Gluon launches attend the exact windows themselves (`window_inside`)
 POST_WCOST = {1: 2, 2: 2}  # calibquant with its windows inside: an exact-window tile counts as this many slice tiles
                           # of its pass (`_slice` WCOST), so the programs that take window tiles take shorter slices

@@ -141,6 +141,30 @@ def test_where_the_kernel_applies():
                                 gluon=True)
 
 
+def test_bf16_kivi_and_innerq_layouts_need_sm90(monkeypatch):
+    """KIVI's and InnerQ's blocks add and multiply bf16x2 pairs (sm_90 PTX; their bf16 builds fail for sm_80): on an
+    sm_80 device bf16 in those layouts goes to the Triton template, fp16 and the other kernels' bf16 do not."""
+    import types
+
+    def reason(preset, dtype, cap):
+        cfg, ms, lay, k, v, p = _store(preset, 1, 1, 256, 40, dtype, "cpu")
+        bufs = dict(zip(*lay.attend_tensors()))
+        kp, kc = da._side_args(bufs, "k", lay.spec.key, ms.geo, cfg)
+        vp, vc = da._side_args(bufs, "v", lay.spec.value, ms.geo, cfg)
+        q = types.SimpleNamespace(shape=(1, 4, 1, 128), dtype=dtype, is_cuda=True, device="cuda:0")
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+        return dag.supports(q, 4, kc, vc, kp, False, 1, True, False, cfg.softmax_tau)
+
+    ok = None if dag.HAVE_GLUON else "triton.experimental.gluon is not available"
+    for preset in ("kivi-2", "kivi-4", "xquant-1.38", "innerq-2"):
+        assert "9.0" in reason(preset, torch.bfloat16, (8, 0)), preset
+        assert reason(preset, torch.bfloat16, (8, 9)) is not None, preset
+        assert reason(preset, torch.bfloat16, (9, 0)) == ok, preset
+        assert reason(preset, torch.float16, (8, 0)) == ok, preset
+    for preset in ("kvquant-4", "calibquant-1", "int8"):
+        assert reason(preset, torch.bfloat16, (8, 0)) == ok, preset
+
+
 def test_layout_kinds():
     """Which Gluon kernel each preset's layout would take (`layout_kind`, from the store's constants), and None for
     the layouts only the Triton template serves."""

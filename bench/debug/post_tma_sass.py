@@ -25,7 +25,7 @@ for bf16 in (True, False):
                            tau_sum="fp32")
                 cx = dict(H=8, REP=4, S=0, R=128, MASK_KIND=1, IS_BF16=bf16, BT=32, TAU_PHASE=phase, NWIN=4,
                           PDL=True, WIN=True, WR_K=128, WR_V=128, WCOST=dag.POST_WCOST[phase], TMA=tma,
-                          NST=dag.NSTAGES)
+                          NST=dag.NSTAGES, WL=dag.WIDEN_IN_LANES)   # as `_plan` passes them
                 ptrs = [i for i in list(range(0, 9)) + list(range(20, 32)) if not (tma and i in (3, 6))]
                 b = compile_sm90(dag._post_decode_kernel, sig, cx, ptrs, **({"maxnreg": cap} if cap else {}))
                 ops = main_loop(b.sass, True)
