@@ -956,6 +956,37 @@ def test_post_scaled_keys_large_fp16_operands_on_gpu(layout, q_size, k_size):
     _large_operands(layout, torch.float16, q_size, k_size, 6, "_kivi_decode_kernel", 3e-3, premise)
 
 
+def _outputs_by_flag(layout, case, dtype, seed, flag, constexpr, monkeypatch, **kw):
+    """The Gluon launch's output on one store (the TMA ring forced, a bool mask) with the module flag `flag` off,
+    then on; each time the layout's kernel ran and every Gluon launch was built with TMA and the constexpr
+    `constexpr` equal to the flag (the builds compared are the ones meant)."""
+    B, H, rep, T, n0, sink, magnitude = case
+    cfg, ms, lay, k, v, p = _store(layout, B, H, T, n0, dtype, "cuda", seed=seed, sink=sink, magnitude=magnitude)
+    names, tensors = lay.attend_tensors()
+    bufs = dict(zip(names, tensors))
+    q = torch.randn(B, H * rep, 1, 128, device="cuda").to(dtype) / magnitude ** 0.5
+    am = random_mask("bool", B, T, n0, dtype, "cuda")
+    plan, built = dag._plan, []
+
+    def spy(*args, **kwargs):   # the constexprs each Gluon launch was built with
+        fn, a, kws = plan(*args, **kwargs)
+        built.append((kws.get("TMA"), kws.get(constexpr)))
+        return fn, a, kws
+
+    monkeypatch.setattr(dag, "_plan", spy)
+    monkeypatch.setattr(dag, "USE_TMA", True)
+    outs = []
+    for on in (False, True):
+        monkeypatch.setattr(dag, flag, on)
+        built.clear()
+        outs.append(da.decode_attention(q, bufs, k, v, p, am, 128 ** -0.5, False, cfg, lay.spec, ms.geo,
+                                        gluon=True, **kw))
+        assert KERNELS.get(layout, "_kivi_decode_kernel") in str(getattr(da.LAST_KERNELS["main"], "name",
+                                                                         da.LAST_KERNELS["main"]))
+        assert built and all(b == (True, on) for b in built), built
+    return outs
+
+
 @pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() < (9, 0) or not dag.HAVE_TMA,
                     reason="QZ_ROWS runs on the TMA ring: sm_90+ and Gluon's TMA")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -967,29 +998,8 @@ def test_post_scaled_keys_qz_rows_bit_equal_on_gpu(dtype, layout, case, num_spli
     the per-tile mma (each is the same mma row), so the output is bit-equal with it off; the launches are checked to
     be the builds compared. One slice over the whole region (num_splits 1) crosses several QZ_N-group refills, an
     even sink counts groups from 34, small statistics take fp16 scales near the subnormal range."""
-    B, H, rep, T, n0, sink, magnitude = case
-    cfg, ms, lay, k, v, p = _store(layout, B, H, T, n0, dtype, "cuda", seed=B * 7 + n0, sink=sink,
-                                   magnitude=magnitude)
-    names, tensors = lay.attend_tensors()
-    bufs = dict(zip(names, tensors))
-    q = torch.randn(B, H * rep, 1, 128, device="cuda").to(dtype) / magnitude ** 0.5
-    am = random_mask("bool", B, T, n0, dtype, "cuda")
-    plan, built = dag._plan, []
-
-    def spy(*args, **kwargs):   # the constexprs each Gluon launch was built with
-        fn, a, kw = plan(*args, **kwargs)
-        built.append((kw.get("TMA"), kw.get("QZROWS")))
-        return fn, a, kw
-
-    monkeypatch.setattr(dag, "_plan", spy)
-    monkeypatch.setattr(dag, "USE_TMA", True)
-    outs = []
-    for rows in (False, True):
-        monkeypatch.setattr(dag, "QZ_ROWS", rows)
-        outs.append(da.decode_attention(q, bufs, k, v, p, am, 128 ** -0.5, False, cfg, lay.spec, ms.geo,
-                                        gluon=True, num_splits=num_splits))
-        assert "_kivi_decode_kernel" in str(getattr(da.LAST_KERNELS["main"], "name", da.LAST_KERNELS["main"]))
-        assert built and built[-1] == (True, rows), built
+    B, n0 = case[0], case[4]
+    outs = _outputs_by_flag(layout, case, dtype, B * 7 + n0, "QZ_ROWS", "QZROWS", monkeypatch, num_splits=num_splits)
     assert torch.isfinite(outs[0]).all()
     assert torch.equal(outs[0], outs[1])
 
@@ -1004,31 +1014,8 @@ def test_widened_statistics_bit_equal_on_gpu(dtype, layout, case, monkeypatch):
     [BT, 8] statistics layout over a lane bit instead of a register join; the same values reach the same
     instructions, so the output is bit-equal with it off. KIVI's layout at 2, 4 and 1 bits, InnerQ's 1-bit Values,
     calibquant's attention pass; the launches are checked to be the builds compared."""
-    B, H, rep, T, n0, sink, magnitude = case
-    cfg, ms, lay, k, v, p = _store(layout, B, H, T, n0, dtype, "cuda", seed=B * 11 + n0, sink=sink,
-                                   magnitude=magnitude)
-    names, tensors = lay.attend_tensors()
-    bufs = dict(zip(names, tensors))
-    q = torch.randn(B, H * rep, 1, 128, device="cuda").to(dtype) / magnitude ** 0.5
-    am = random_mask("bool", B, T, n0, dtype, "cuda")
-    plan, built = dag._plan, []
-
-    def spy(*args, **kwargs):   # the constexprs each Gluon launch was built with
-        fn, a, kw = plan(*args, **kwargs)
-        built.append((kw.get("TMA"), kw.get("WL")))
-        return fn, a, kw
-
-    monkeypatch.setattr(dag, "_plan", spy)
-    monkeypatch.setattr(dag, "USE_TMA", True)
-    outs = []
-    for lanes in (False, True):
-        monkeypatch.setattr(dag, "WIDEN_IN_LANES", lanes)
-        built.clear()
-        outs.append(da.decode_attention(q, bufs, k, v, p, am, 128 ** -0.5, False, cfg, lay.spec, ms.geo,
-                                        gluon=True))
-        assert KERNELS.get(layout, "_kivi_decode_kernel") in str(getattr(da.LAST_KERNELS["main"], "name",
-                                                                         da.LAST_KERNELS["main"]))
-        assert built and all(b == (True, lanes) for b in built), built
+    B, n0 = case[0], case[4]
+    outs = _outputs_by_flag(layout, case, dtype, B * 11 + n0, "WIDEN_IN_LANES", "WL", monkeypatch)
     assert torch.isfinite(outs[0]).all()
     assert torch.equal(outs[0], outs[1])
 
