@@ -256,7 +256,10 @@ def test_template_source_names_every_planned_argument(name, monkeypatch):
     monkeypatch.setattr(lowering, "use_template", lambda *a, **k: None)
     monkeypatch.setattr(lowering, "DEVICES", {"cpu"})
     monkeypatch.setattr(lowering, "TEMPLATE", True)  # part of the compile cache key: no stale hit
-    out = model.generate(ids, compile_config=compile_config(kvq_backend(cfg)), **kw)
+    from torch._inductor import config as inductor_config
+    # and no hit from an earlier run on this machine either (the same graph with TEMPLATE on renders no source)
+    with inductor_config.patch(force_disable_caches=True):
+        out = model.generate(ids, compile_config=compile_config(kvq_backend(cfg)), **kw)
     torch._dynamo.reset()
     assert torch.equal(out, ref)
     assert sources
