@@ -461,6 +461,16 @@ def split_scale(scale: float, bf16: bool) -> tuple[float, float]:
     return hi, _round(scale - hi, bf16)
 
 
+def whole_tiles(r, tpg_k, tpg_v, bt):
+    """Whether every tile of every slice lies before the slice's stop (`_slice`), from the constexprs alone: with
+    a recent window (r > 0) the quantized region ends at S + a multiple of the larger fill boundary (the smaller
+    divides it: min(bnd_k, bnd_v) is the coarser one's, and it lies at or below the current position), a
+    multiple of the tile; slices are whole tiles. KIVI's layouts (tpg_k 32, tpg_v 1 or 32) and InnerQ's (1, 32)
+    with 32-token tiles; not calibquant's or kvquant's (a token at a time)."""
+    lo, hi = min(tpg_k, tpg_v), max(tpg_k, tpg_v)
+    return r > 0 and hi % lo == 0 and hi % bt == 0
+
+
 BITS = (1, 2, 4)  # code widths the kernel unpacks (per side: xquant pairs 2-bit Keys with 1-bit Values)
 _ASM = {(side, bits, bf): (_key_asm if side == "k" else _value_asm)(bits, bf)
         for side in "kv" for bits in BITS for bf in (False, True)}
@@ -510,6 +520,8 @@ if HAVE_GLUON:
     def _sym8_value_cons():
         """Operand constraints of int8's Value block: 8 outputs, 16 words, 8 scale pairs."""
         return ",".join(["=r"] * 8 + ["r"] * 24)
+
+    _whole_tiles = gluon.constexpr_function(whole_tiles)
 
     @gluon.constexpr_function
     def _stats(bf16, which):
@@ -691,21 +703,33 @@ if HAVE_GLUON:
         return gl.convert_layout(x.reshape([BT // 8, 8, 8]).permute([0, 2, 1]).reshape([BT, 8]), b_l)
 
     @gluon.jit
-    def _mask_scores(s, trow, tcol, t0, stop, AMASK, moff, REP: gl.constexpr, MASK_KIND: gl.constexpr):
+    def _before(t, stop, WT: gl.constexpr):
+        """t < stop; with WT (`_whole_tiles`) a constant True, which drops the compare and the select or predicate
+        it would feed."""
+        if WT:
+            ok = gl.full(t.shape, 1, gl.int1, t.type.layout)
+        else:
+            ok = t < stop
+        return ok
+
+    @gluon.jit
+    def _mask_scores(s, trow, tcol, t0, stop, AMASK, moff, REP: gl.constexpr, MASK_KIND: gl.constexpr,
+                     WT: gl.constexpr = False):
         """(s, allowed) of a transposed [BT, 8] tile of base-2 logits (rows: positions t0 + trow, columns: query
-        heads): real heads, positions < stop, and the one-row attention mask (MASK_KIND 1 bool, 2 additive: added
-        to s in base 2; 3 none, through the bool build's code with its load predicated off: kvquant's kernel only,
-        `LUT_NO_MASK_AS_BOOL`)."""
+        heads): real heads, positions < stop (WT: all, `_whole_tiles`), and the one-row attention mask (MASK_KIND 1
+        bool, 2 additive: added to s in base 2; 3 none, through the bool build's code with its load predicated off:
+        kvquant's kernel only, `LUT_NO_MASK_AS_BOOL`)."""
         tt = t0 + trow
-        allowed = gl.expand_dims(tcol < REP, 0) & gl.expand_dims(tt < stop, 1)
+        inside = _before(tt, stop, WT)
+        allowed = gl.expand_dims(tcol < REP, 0) & gl.expand_dims(inside, 1)
         if MASK_KIND == 1:
-            mv = gl.load(AMASK + moff + tt, mask=tt < stop, other=0)
+            mv = gl.load(AMASK + moff + tt, mask=inside, other=0)
             allowed = allowed & gl.expand_dims(mv != 0, 1)
         elif MASK_KIND == 3:   # no mask, through the bool build's code: a load predicated off (tt >= 0)
             mv = gl.load(AMASK.to(gl.pointer_type(gl.int8), bitcast=True) + moff + tt, mask=tt < 0, other=1)
             allowed = allowed & gl.expand_dims(mv != 0, 1)
         elif MASK_KIND == 2:
-            mv = gl.load(AMASK + moff + tt, mask=tt < stop, other=0.0).to(gl.float32)
+            mv = gl.load(AMASK + moff + tt, mask=inside, other=0.0).to(gl.float32)
             s = s + gl.expand_dims(mv * 1.4426950408889634, 1)
             allowed = allowed & gl.expand_dims(mv > float("-inf"), 1)
         return s, allowed
@@ -1216,7 +1240,7 @@ if HAVE_GLUON:
             PDL: gl.constexpr, INNER: gl.constexpr = False, KHYB: gl.constexpr = False,
             VHYB: gl.constexpr = False, NORM: gl.constexpr = False, KPOST: gl.constexpr = False,
             QZROWS: gl.constexpr = False, QZ_N: gl.constexpr = 8, VZ: gl.constexpr = False,
-            WL: gl.constexpr = True):
+            WL: gl.constexpr = True, WT: gl.constexpr = False):
         """KIVI's layout, or with INNER InnerQ's (Keys per token in groups of 32 channels, Values per channel in
         groups of 32 tokens: the same packed words, the statistics the other way round, the codes alone through the
         ring where TMA). NG_K: the
@@ -1244,7 +1268,9 @@ if HAVE_GLUON:
         (r % 8) // 2 (`_zero_rows`), rescaled with the accumulator and added to its rows once at the end
         (`_rows128`: accumulator row n holds channel 16 (n % 8) + n // 8, group (n % 8) // 2).
         WL (`WIDEN_IN_LANES`): the ring's Value statistics (and 1-bit Value words) widened from [BT, 4] to the
-        [BT, 8] statistics layout without moving data (`_widen` LANES)."""
+        [BT, 8] statistics layout without moving data (`_widen` LANES).
+        WT (`WHOLE_TILES`, where `whole_tiles` holds): no tile crosses its slice's stop, so the tile's positions are
+        not compared with it (loads, statistics and logits unmasked by position)."""
         gl.static_assert(KPOST or not QZROWS, "QZROWS computes the post-scaled Keys' q . z")
         gl.static_assert(not (VZ and (INNER or not IS_BF16)), "VZ: KIVI's Values in bf16")
         bh = gl.program_id(0)
@@ -1257,6 +1283,7 @@ if HAVE_GLUON:
         KP: gl.constexpr = 8 if KBITS == 4 else 16   # Key codes per asm block (`key_pack`)
         NA: gl.constexpr = 32 // KP                    # Key asm blocks per lane and token
         D: gl.constexpr = D_
+        gl.static_assert((not WT) or _whole_tiles(R, TPG_K, TPG_V, BT), "WT: no tile may cross its slice's stop")
 
         start, stop, n_iter = _slice(POS, split, NSPLIT, S, R, TPG_K, TPG_V, BT, PDL, 0, 0)   # this program's slice
 
@@ -1433,7 +1460,7 @@ if HAVE_GLUON:
             if TMA and INNER:  # the statistics' loads first: in flight while the codes' slot fills
                 kh, kcen, khyb, vh, vcen, vhyb = _load_inner_stats(KHALF, KCEN, KMASK, VHALF, VCEN, VMASK, ks_base,
                                                                    vs_base, t0, stop, S, ksoff, kt, vchan, D, KHYB,
-                                                                   VHYB)
+                                                                   VHYB, WT)
                 st = it % NST
                 mbarrier.wait(bars.index(st), (it // NST) & 1)
                 kwords, vwords = _smem_codes(kbuf.index(st), vbuf.index(st), KW, VW, VW3, L4, BT, KBITS, VBITS, KP,
@@ -1444,17 +1471,18 @@ if HAVE_GLUON:
                 kwords, kh, kcen, vwords, vh, vcen = _smem_tile(kbuf.index(st), vbuf.index(st), khbuf.index(st),
                                                                 kzbuf.index(st), vhbuf.index(st), vzbuf.index(st),
                                                                 KW, KS, VW, VW3, L4, BT, D, KBITS, VBITS, KP, WL)
-                vvalid = gl.expand_dims((t0 + vt) < stop, 1)
-                vh = gl.where(vvalid, vh, 0.0)   # statistics past the slice may be unwritten memory
-                vcen = gl.where(vvalid, vcen, 0.0)
+                if not WT:   # statistics past the slice may be unwritten memory
+                    vvalid = gl.expand_dims((t0 + vt) < stop, 1)
+                    vh = gl.where(vvalid, vh, 0.0)
+                    vcen = gl.where(vvalid, vcen, 0.0)
             elif INNER:
                 kwords, vwords, kh, kcen, khyb, vh, vcen, vhyb = _load_inner_tile(
                     kc_base, KHALF, KCEN, KMASK, vc_base, VHALF, VCEN, VMASK, ks_base, vs_base, t0, stop, S, koff,
-                    ksoff, kt, voff, vchan, vt, BT, D, KW_, VW_, VBITS, KHYB, VHYB)
+                    ksoff, kt, voff, vchan, vt, BT, D, KW_, VW_, VBITS, KHYB, VHYB, WT)
             else:
                 kwords, kh, kcen, vwords, vh, vcen = _load_tile(kc_base, KHALF, KCEN, vc_base, VHALF, VCEN, ks_base,
                                                                 vs_base, t0, stop, S, koff, schan, kt, voff, vsoff,
-                                                                vt, BT, D, KW_, VW_, VBITS)
+                                                                vt, BT, D, KW_, VW_, VBITS, WT)
             if KBITS == 1:
                 kwords = kwords >> kshift
             if INNER:  # [4, BT] -> [1, 4, 1, BT]: one scale and offset per token and lane group
@@ -1501,7 +1529,8 @@ if HAVE_GLUON:
                     s = mma_v2(kvT, qp, _rows(c, BT, mma)) * (sscale / tg)
             else:
                 s = mma_v2(kvT, qT, gl.zeros([BT, 8], gl.float32, mma)) * qscale
-            s, allowed = _mask_scores(s, trow, tcol, t0, stop, AMASK, b.to(gl.int64) * stride_mb, REP, MASK_KIND)
+            s, allowed = _mask_scores(s, trow, tcol, t0, stop, AMASK, b.to(gl.int64) * stride_mb, REP, MASK_KIND,
+                                        WT)
             p, alpha8, m8, lacc = _softmax_step(s, allowed, m8, lacc)
 
             if INNER:
@@ -1612,16 +1641,16 @@ if HAVE_GLUON:
     @gluon.jit
     def _load_tile(kc_base, KHALF, KCEN, vc_base, VHALF, VCEN, ks_base, vs_base, t0, stop, S: gl.constexpr, koff,
                    schan, kt, voff, vsoff, vt, BT: gl.constexpr, D: gl.constexpr, KW_: gl.constexpr,
-                   VW_: gl.constexpr, VBITS: gl.constexpr):
-        """Packed words and raw statistics of the tile at t0 (positions >= stop load 0); Value words as
-        [BT, 8, 2] at 4 bits, else [BT, 8] broadcast to [BT, 8, 2] (both chunks of a word)."""
-        kvalid = (t0 + kt) < stop
+                   VW_: gl.constexpr, VBITS: gl.constexpr, WT: gl.constexpr = False):
+        """Packed words and raw statistics of the tile at t0 (positions >= stop load 0; WT: none, `_whole_tiles`);
+        Value words as [BT, 8, 2] at 4 bits, else [BT, 8] broadcast to [BT, 8, 2] (both chunks of a word)."""
+        kvalid = _before(t0 + kt, stop, WT)
         kwords = gl.load(kc_base + t0 * KW_ + koff, mask=gl.expand_dims(gl.expand_dims(kvalid, 0), 0), other=0)
         grow = (t0 - S) // 32
         srow = ks_base + grow * D + schan
         kh = gl.load(KHALF + srow)  # t0 < stop: the tile's group row is written
         kcen = gl.load(KCEN + srow)
-        vvalid = gl.expand_dims((t0 + vt) < stop, 1)
+        vvalid = gl.expand_dims(_before(t0 + vt, stop, WT), 1)
         if VBITS == 4:
             vwords = gl.load(vc_base + t0 * VW_ + voff, mask=gl.expand_dims(vvalid, 2), other=0)
         else:
@@ -1634,27 +1663,28 @@ if HAVE_GLUON:
     def _load_inner_tile(kc_base, KHALF, KCEN, KMASK, vc_base, VHALF, VCEN, VMASK, ks_base, vs_base, t0, stop,
                          S: gl.constexpr, koff, ksoff, kt, voff, vchan, vt, BT: gl.constexpr, D: gl.constexpr,
                          KW_: gl.constexpr, VW_: gl.constexpr, VBITS: gl.constexpr, KHYB: gl.constexpr,
-                         VHYB: gl.constexpr):
+                         VHYB: gl.constexpr, WT: gl.constexpr = False):
         """InnerQ's tile at t0: packed words as `_load_tile` loads them; the Keys' raw statistics per token and
         group [4, BT] (positions >= stop load 0) and the Values' per channel of the tile's group row [8, 2, 8];
         each side's level-spacing factor (hybrid: 1 for a symmetric group, 2 for an asymmetric one; else 1)."""
-        kvalid = (t0 + kt) < stop
+        kvalid = _before(t0 + kt, stop, WT)
         kwords = gl.load(kc_base + t0 * KW_ + koff, mask=gl.expand_dims(gl.expand_dims(kvalid, 0), 0), other=0)
-        vvalid = gl.expand_dims((t0 + vt) < stop, 1)
+        vvalid = gl.expand_dims(_before(t0 + vt, stop, WT), 1)
         if VBITS == 4:
             vwords = gl.load(vc_base + t0 * VW_ + voff, mask=gl.expand_dims(vvalid, 2), other=0)
         else:
             vwords = gl.expand_dims(gl.load(vc_base + t0 * VW_ + voff, mask=vvalid, other=0), 2)
         kh, kcen, khyb, vh, vcen, vhyb = _load_inner_stats(KHALF, KCEN, KMASK, VHALF, VCEN, VMASK, ks_base, vs_base,
-                                                           t0, stop, S, ksoff, kt, vchan, D, KHYB, VHYB)
+                                                           t0, stop, S, ksoff, kt, vchan, D, KHYB, VHYB, WT)
         return kwords, vwords, kh, kcen, khyb, vh, vcen, vhyb
 
     @gluon.jit
     def _load_inner_stats(KHALF, KCEN, KMASK, VHALF, VCEN, VMASK, ks_base, vs_base, t0, stop, S: gl.constexpr,
-                          ksoff, kt, vchan, D: gl.constexpr, KHYB: gl.constexpr, VHYB: gl.constexpr):
+                          ksoff, kt, vchan, D: gl.constexpr, KHYB: gl.constexpr, VHYB: gl.constexpr,
+                          WT: gl.constexpr = False):
         """InnerQ's raw statistics and level-spacing factors of the tile at t0 (`_load_inner_tile`'s; the codes-only
-        ring loads these alone)."""
-        kvalid = (t0 + kt) < stop
+        ring loads these alone; WT: `_load_tile`'s)."""
+        kvalid = _before(t0 + kt, stop, WT)
         kvalid2 = gl.expand_dims(kvalid, 0) & (ksoff >= 0)   # [4, BT]
         ksrow = ks_base + t0 * 4 + ksoff
         kh = gl.load(KHALF + ksrow, mask=kvalid2, other=0.0)
@@ -2125,6 +2155,7 @@ VALUE_ZERO_APART = True  # KIVI's Values in bf16: s * code in the registers, the
                          # (kivi-2, kivi-4, xquant-1.38 at batch x context >= 64k, bool mask, H200, bench/RESULTS.md
                          # session 27); 4 / 4 / 6 more registers (153 / 162 / 157 at 2 / 4 / 1 bits, TMA build,
                          # before `WIDEN_IN_LANES`: 151 / 160 / 153 with it)
+WHOLE_TILES = True  # KIVI's and InnerQ's launches skip the per-tile position masks where `whole_tiles` holds (WT)
 WIDEN_IN_LANES = True   # the TMA ring's Value statistics (and 1-bit Value words) widened over a lane bit (`_widen`
                         # LANES; `_kivi_decode_kernel` / `_post_decode_kernel` WL): 739 -> 693 SASS instructions per
                         # 32-token tile (kivi-2, bf16, `VZ`; PRMT 84 -> 44, SHFL 14 -> 6), output bit-equal; kivi-2
@@ -2271,7 +2302,8 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
             float(scale), T, ng_k, nsplit, *extra), dict(
             H=H, REP=rep, S=sink, R=recent, TPG_K=1, TPG_V=32, MASK_KIND=mask_kind, IS_BF16=bf16, BT=KIVI_BT,
             KBITS=kbits, VBITS=vbits, KA_HI=ka_hi, KA_LO=ka_lo, VA_HI=va_hi, VA_LO=va_lo, NWIN=nwin, TMA=tma_on,
-            NST=NSTAGES, PDL=pdl, INNER=True, KHYB=khyb, VHYB=vhyb, NORM=norm, WL=WIDEN_IN_LANES, num_warps=1)
+            NST=NSTAGES, PDL=pdl, INNER=True, KHYB=khyb, VHYB=vhyb, NORM=norm, WL=WIDEN_IN_LANES,
+            WT=WHOLE_TILES and whole_tiles(recent, 1, 32, KIVI_BT), num_warps=1)
     ka_hi, ka_lo = split_scale(2.0 / (2 ** kbits - 1), bf16)
     va_hi, va_lo = split_scale(2.0 / (2 ** vbits - 1), bf16)
     use_tma = _use_tma(query, sink, T, use_tma)
@@ -2283,7 +2315,8 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
         H=H, REP=rep, S=sink, R=recent, TPG_K=32, TPG_V=tpg_v, MASK_KIND=mask_kind,
         IS_BF16=bf16, BT=KIVI_BT, KBITS=kbits, VBITS=vbits, KA_HI=ka_hi, KA_LO=ka_lo, VA_HI=va_hi, VA_LO=va_lo,
         NWIN=nwin, TMA=use_tma, NST=NSTAGES, PDL=pdl, KPOST=KEY_POST, QZROWS=KEY_POST and QZ_ROWS and use_tma, QZ_N=QZ_N,
-        VZ=VALUE_ZERO_APART and bf16, WL=WIDEN_IN_LANES, num_warps=1)
+        VZ=VALUE_ZERO_APART and bf16, WL=WIDEN_IN_LANES, WT=WHOLE_TILES and whole_tiles(recent, 32, tpg_v, KIVI_BT),
+        num_warps=1)
 
 
 def window_inside(kind: str | None, kc: dict, vc: dict, tau) -> bool:

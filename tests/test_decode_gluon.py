@@ -1,6 +1,7 @@
 """The Gluon decode kernel (templates/decode_attention_gluon.py): where it applies; its inline-PTX blocks bit by
 bit through a small PTX interpreter, and that it compiles for sm_90 without shared or local memory (CPU CI: Gluon
 has no interpreter); on a GPU its output against the reference op and the Triton template."""
+import itertools
 import os
 import subprocess
 import sys
@@ -240,7 +241,7 @@ SCRIPT = textwrap.dedent('''
         cx = dict(H=8, REP=4, S=0, R=128, TPG_K=32, TPG_V=1, MASK_KIND=mask, IS_BF16=bf16, BT=32, KBITS=kb,
                   VBITS=vb, KA_HI=ka[0], KA_LO=ka[1], VA_HI=va[0], VA_LO=va[1], NWIN=3, TMA=tma, NST=2,
                   PDL=tma, KPOST=post, QZROWS=post and tma and dag.QZ_ROWS, QZ_N=dag.QZ_N,
-                  VZ=dag.VALUE_ZERO_APART and bf16, WL=dag.WIDEN_IN_LANES)   # as `_plan` builds it (an
+                  VZ=dag.VALUE_ZERO_APART and bf16, WL=dag.WIDEN_IN_LANES, WT=dag.WHOLE_TILES)   # as `_plan` builds it (an
         # offline compile leaves a constexpr it is not given falsy, not at its default)
         b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 12, 13, 14, 22, 23) + (() if tma else (3, 4, 5, 6, 7, 8)))
         out.append((bf16, mask, kb, vb, tma, post, b.shared, b.stack == b.local == 0, b.sass.count("HMMA"),
@@ -289,7 +290,7 @@ SCRIPT = textwrap.dedent('''
         ka, va = (dag.split_scale(2 / (2 ** n - (2 if hyb else 1)), bf16) for n in (kb, vb))
         cx = dict(H=8, REP=4, S=32, R=96, TPG_K=1, TPG_V=32, MASK_KIND=mask, IS_BF16=bf16, BT=32, KBITS=kb, VBITS=vb,
                   KA_HI=ka[0], KA_LO=ka[1], VA_HI=va[0], VA_LO=va[1], NWIN=3, TMA=False, NST=2, PDL=True, INNER=True,
-                  KHYB=hyb, VHYB=hyb, NORM=norm)
+                  KHYB=hyb, VHYB=hyb, NORM=norm, WL=dag.WIDEN_IN_LANES, WT=dag.WHOLE_TILES)
         b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 3, 4, 5, 6, 7, 8, 12, 13, 14))
         out.append(("inner", bf16, b.shared, b.stack == b.local == 0, b.sass.count("HMMA"), b.sass.count("STS"),
                     b.sass.count("LDS"), b.sass.count("MOVM"), loop(b)))
@@ -330,7 +331,7 @@ SCRIPT = textwrap.dedent('''
         ka, va = (dag.split_scale(2 / (2 ** n - (2 if hyb else 1)), bf16) for n in (kb, vb))
         cx = dict(H=8, REP=4, S=32, R=96, TPG_K=1, TPG_V=32, MASK_KIND=mask, IS_BF16=bf16, BT=32, KBITS=kb, VBITS=vb,
                   KA_HI=ka[0], KA_LO=ka[1], VA_HI=va[0], VA_LO=va[1], NWIN=3, TMA=True, NST=dag.NSTAGES, PDL=True,
-                  INNER=True, KHYB=hyb, VHYB=hyb, NORM=norm, WL=dag.WIDEN_IN_LANES)
+                  INNER=True, KHYB=hyb, VHYB=hyb, NORM=norm, WL=dag.WIDEN_IN_LANES, WT=dag.WHOLE_TILES)
         b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 4, 5, 7, 8, 12, 13, 14))
         out.append(("inner-tma", bf16, kb, vb, b.shared, b.stack == b.local == 0, b.sass.count("UTMALDG"),
                     b.sass.count("STS"), b.sass.count("LDS"), b.regs, loop(b)))
@@ -956,10 +957,10 @@ def test_post_scaled_keys_large_fp16_operands_on_gpu(layout, q_size, k_size):
     _large_operands(layout, torch.float16, q_size, k_size, 6, "_kivi_decode_kernel", 3e-3, premise)
 
 
-def _outputs_by_flag(layout, case, dtype, seed, flag, constexpr, monkeypatch, **kw):
-    """The Gluon launch's output on one store (the TMA ring forced, a bool mask) with the module flag `flag` off,
-    then on; each time the layout's kernel ran and every Gluon launch was built with TMA and the constexpr
-    `constexpr` equal to the flag (the builds compared are the ones meant)."""
+def _outputs_by_flag(layout, case, dtype, seed, flag, constexpr, monkeypatch, tma=True, **kw):
+    """The Gluon launch's output on one store (the TMA ring forced, or with tma False plain loads; a bool mask) with
+    the module flag `flag` off, then on; each time the layout's kernel ran and every Gluon launch was built with
+    that TMA setting and the constexpr `constexpr` equal to the flag (the builds compared are the ones meant)."""
     B, H, rep, T, n0, sink, magnitude = case
     cfg, ms, lay, k, v, p = _store(layout, B, H, T, n0, dtype, "cuda", seed=seed, sink=sink, magnitude=magnitude)
     names, tensors = lay.attend_tensors()
@@ -974,7 +975,7 @@ def _outputs_by_flag(layout, case, dtype, seed, flag, constexpr, monkeypatch, **
         return fn, a, kws
 
     monkeypatch.setattr(dag, "_plan", spy)
-    monkeypatch.setattr(dag, "USE_TMA", True)
+    monkeypatch.setattr(dag, "USE_TMA", tma)
     outs = []
     for on in (False, True):
         monkeypatch.setattr(dag, flag, on)
@@ -983,7 +984,7 @@ def _outputs_by_flag(layout, case, dtype, seed, flag, constexpr, monkeypatch, **
                                         gluon=True, **kw))
         assert KERNELS.get(layout, "_kivi_decode_kernel") in str(getattr(da.LAST_KERNELS["main"], "name",
                                                                          da.LAST_KERNELS["main"]))
-        assert built and all(b == (True, on) for b in built), built
+        assert built and all(b == (tma, on) for b in built), built
     return outs
 
 
@@ -1016,6 +1017,23 @@ def test_widened_statistics_bit_equal_on_gpu(dtype, layout, case, monkeypatch):
     calibquant's attention pass; the launches are checked to be the builds compared."""
     B, n0 = case[0], case[4]
     outs = _outputs_by_flag(layout, case, dtype, B * 11 + n0, "WIDEN_IN_LANES", "WL", monkeypatch)
+    assert torch.isfinite(outs[0]).all()
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() < (9, 0) or not dag.HAVE_TMA,
+                    reason="the ring builds: sm_90+ and Gluon's TMA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["kivi-2", "kivi-4", "k1v1", "innerq-2", "innerq-k4v1"])
+@pytest.mark.parametrize("case,tma", [(CASES[0], True), (CASES[7], True), (CASES[3], True), (CASES[1], False),
+                                      (CASES[6], False)])
+def test_whole_tiles_bit_equal_on_gpu(dtype, layout, case, tma, monkeypatch):
+    """`WHOLE_TILES`: where no tile crosses its slice's stop (`whole_tiles`: KIVI's and InnerQ's layouts with a
+    recent window) the kernel drops its per-tile position masks; they were all true, so the output is bit-equal with
+    it off. The TMA ring and plain loads (an odd sink, GQA 3), the default slice counts; the launches are checked to
+    be the builds compared."""
+    B, n0 = case[0], case[4]
+    outs = _outputs_by_flag(layout, case, dtype, B * 13 + n0, "WHOLE_TILES", "WT", monkeypatch, tma=tma)
     assert torch.isfinite(outs[0]).all()
     assert torch.equal(outs[0], outs[1])
 
@@ -1115,6 +1133,45 @@ def test_calibquant_attention_pass_launch_with_the_windows_inside(monkeypatch):
         assert kw.get("maxnreg") == (dag.POST_MAXNREG.get(phase) if ex is not None else None)
 
 
+def _slice_mirror(L: int, split: int, nsplit: int, S: int, R: int, tpg_k: int, tpg_v: int, bt: int):
+    """(start, stop) of a program's slice as `decode_attention_gluon._slice` computes it (WCOST 0), p0 = L - 1."""
+    cdiv = lambda a, b: -(-a // b)   # noqa: E731
+    bnd_k = S + max(L - S - R, 0) // tpg_k * tpg_k
+    bnd_v = S + max(L - S - R, 0) // tpg_v * tpg_v
+    qend = min(bnd_k, bnd_v, L - 1)
+    per = cdiv(cdiv(max(qend - S, 0), nsplit), bt) * bt
+    start = S + split * per
+    return start, min(start + per, qend)
+
+
+@pytest.mark.skipif(not dag.HAVE_GLUON, reason="triton without Gluon")
+def test_whole_tiles_only_where_no_tile_crosses_its_stop(monkeypatch):
+    """`whole_tiles` (the kernel's WT: no position masks per tile) holds only where every non-empty slice is whole
+    32-token tiles, at every position, slice count and sink: KIVI's layouts (Keys filled 32 tokens at a time, Values
+    1 or 32) and InnerQ's (1, 32) with a recent window. Without one (R = 0), or with both sides filled a token at a
+    time (calibquant, kvquant), a slice can end inside a tile, and it does not hold. `_plan` passes it for KIVI's
+    layout (and `WHOLE_TILES` off turns it off)."""
+    bt = dag.KIVI_BT
+    for S, R, tpg_k, tpg_v in itertools.product((0, 1, 33, 34), (0, 1, 96, 128), (1, 32), (1, 32)):
+        ragged = False
+        for L, nsplit in itertools.product(range(1, 420, 7), (1, 2, 3, 5, 16)):
+            for split in range(nsplit):
+                start, stop = _slice_mirror(L, split, nsplit, S, R, tpg_k, tpg_v, bt)
+                ragged |= stop > start and (stop - start) % bt != 0
+        assert dag.whole_tiles(R, tpg_k, tpg_v, bt) == (not ragged), (S, R, tpg_k, tpg_v)
+    assert dag.whole_tiles(128, 32, 1, bt) and dag.whole_tiles(96, 1, 32, bt) and not dag.whole_tiles(128, 1, 1, bt)
+    q = torch.zeros(2, 8, 1, 128, dtype=torch.bfloat16)
+    side = dict(codes=torch.zeros(4, dtype=torch.int32), cen=q, half=q)
+    one = torch.zeros(64, dtype=torch.float32)
+    common = dict(positions=torch.zeros(1, dtype=torch.long), amask=q, smb=0, mask_kind=1, m_buf=one, l_buf=one,
+                  acc_buf=one, scale=1.0, T=256, ng_k=8, nsplit=3, nwin=4, H=2, rep=4, sink=0, tpg_v=1, kbits=2,
+                  vbits=2, kind="kivi", use_tma=False, phase=0, temp=None, rope=None)
+    assert dag._plan(q, side, side, recent=128, **common)[2]["WT"]
+    assert not dag._plan(q, side, side, recent=0, **common)[2]["WT"]
+    monkeypatch.setattr(dag, "WHOLE_TILES", False)
+    assert not dag._plan(q, side, side, recent=128, **common)[2]["WT"]
+
+
 @pytest.mark.skipif(CUDA, reason="the Triton launches run on CPU tensors: the interpreter, without a GPU")
 def test_use_tma_decides_per_layout(monkeypatch):
     """The ring decision that both `_plan` and `resident_programs` take (`_use_tma`), with the device allowing it:
@@ -1157,7 +1214,7 @@ def test_inner_launch_takes_the_codes_ring(preset, kb, vb, monkeypatch):
         query, sink, T, use_tma, kind))
     monkeypatch.setattr(dag, "_ring_device", lambda query, use_tma: True)   # as an sm_90 GPU inside graph capture
     fn, args, consts = dag._plan(**kw, use_tma=True)
-    assert seen == ["inner"] and consts["TMA"] and consts["INNER"]
+    assert seen == ["inner"] and consts["TMA"] and consts["INNER"] and consts["WT"]   # its recent window: whole tiles
     kd, vd = args[3], args[6]
     assert list(kd.block_shape) == [dag.KIVI_BT, 4 * kb] and list(vd.block_shape) == [dag.KIVI_BT, 4 * vb]
     assert args[4] is call["kp"]["cen"] and args[8] is call["vp"]["half"]   # statistics: plain loads
