@@ -1240,7 +1240,7 @@ if HAVE_GLUON:
             PDL: gl.constexpr, INNER: gl.constexpr = False, KHYB: gl.constexpr = False,
             VHYB: gl.constexpr = False, NORM: gl.constexpr = False, KPOST: gl.constexpr = False,
             QZROWS: gl.constexpr = False, QZ_N: gl.constexpr = 8, VZ: gl.constexpr = False,
-            WL: gl.constexpr = True, WT: gl.constexpr = False):
+            WL: gl.constexpr = True, WT: gl.constexpr = False, TPS: gl.constexpr = 1):
         """KIVI's layout, or with INNER InnerQ's (Keys per token in groups of 32 channels, Values per channel in
         groups of 32 tokens: the same packed words, the statistics the other way round, the codes alone through the
         ring where TMA). NG_K: the
@@ -1270,7 +1270,9 @@ if HAVE_GLUON:
         WL (`WIDEN_IN_LANES`): the ring's Value statistics (and 1-bit Value words) widened from [BT, 4] to the
         [BT, 8] statistics layout without moving data (`_widen` LANES).
         WT (`WHOLE_TILES`, where `whole_tiles` holds): no tile crosses its slice's stop, so the tile's positions are
-        not compared with it (loads, statistics and logits unmasked by position)."""
+        not compared with it (loads, statistics and logits unmasked by position).
+        TPS (`RING_TILES`, KIVI's ring): tiles per ring slot, filled by one set of copies (the descriptors' boxes
+        hold TPS tiles: `descriptors` tps), so the copies' issue cost is paid once per TPS tiles."""
         gl.static_assert(KPOST or not QZROWS, "QZROWS computes the post-scaled Keys' q . z")
         gl.static_assert(not (VZ and (INNER or not IS_BF16)), "VZ: KIVI's Values in bf16")
         bh = gl.program_id(0)
@@ -1376,23 +1378,32 @@ if HAVE_GLUON:
             bh64 = bh.to(gl.int64)
             ks_base = bh64 * T * 4
             vs_base = bh64 * NG_K * D
-        elif TMA:  # a ring of NST tiles in shared memory, filled by the tensor-memory accelerator
-            kbuf = gl.allocate_shared_memory(gl.int32, [NST, BT, KW_], KC.layout)
-            vbuf = gl.allocate_shared_memory(gl.int32, [NST, BT, VW_], VC.layout)
-            khbuf = gl.allocate_shared_memory(dt, [NST, 1, D], KHALF.layout)
-            kzbuf = gl.allocate_shared_memory(dt, [NST, 1, D], KCEN.layout)
-            vhbuf = gl.allocate_shared_memory(dt, [NST, BT * 4], VHALF.layout)
-            vzbuf = gl.allocate_shared_memory(dt, [NST, BT * 4], VCEN.layout)
+        elif TMA:  # a ring of NST slots of TPS tiles in shared memory, filled by the tensor-memory accelerator
+            gl.static_assert((TPS == 1) | (BT == 32), "a slot's Key statistics rows: one per tile")
+            kbuf = gl.allocate_shared_memory(gl.int32, [NST, TPS * BT, KW_], KC.layout)   # the copies' boxes
+            vbuf = gl.allocate_shared_memory(gl.int32, [NST, TPS * BT, VW_], VC.layout)
+            khbuf = gl.allocate_shared_memory(dt, [NST, TPS, D], KHALF.layout)
+            kzbuf = gl.allocate_shared_memory(dt, [NST, TPS, D], KCEN.layout)
+            vhbuf = gl.allocate_shared_memory(dt, [NST, TPS * BT * 4], VHALF.layout)
+            vzbuf = gl.allocate_shared_memory(dt, [NST, TPS * BT * 4], VCEN.layout)
+            # the same bytes by tile (tile sub of slot st: TPS st + sub)
+            ktile = kbuf._reinterpret(gl.int32, [NST * TPS, BT, KW_], KC.layout)
+            vtile = vbuf._reinterpret(gl.int32, [NST * TPS, BT, VW_], VC.layout)
+            khtile = khbuf._reinterpret(dt, [NST * TPS, 1, D], KHALF.layout)
+            kztile = kzbuf._reinterpret(dt, [NST * TPS, 1, D], KCEN.layout)
+            vhtile = vhbuf._reinterpret(dt, [NST * TPS, BT * 4], VHALF.layout)
+            vztile = vzbuf._reinterpret(dt, [NST * TPS, BT * 4], VCEN.layout)
             bars = gl.allocate_shared_memory(gl.int64, [NST, 1], mbarrier.MBarrierLayout())
             for i in gl.static_range(NST):
                 mbarrier.init(bars.index(i), count=1)
-            NBYTES: gl.constexpr = BT * (KW_ + VW_) * 4 + (2 if QZROWS else 4) * D + 16 * BT   # QZROWS: no centers
+            # QZROWS: no centers
+            NBYTES: gl.constexpr = TPS * (BT * (KW_ + VW_) * 4 + (2 if QZROWS else 4) * D + 16 * BT)
             row0 = bh * T
             grow0 = bh * NG_K
             for i in gl.static_range(NST):
                 _issue(KC, VC, KHALF, KCEN, VHALF, VCEN, kbuf.index(i), vbuf.index(i), khbuf.index(i),
-                       kzbuf.index(i), vhbuf.index(i), vzbuf.index(i), bars.index(i), row0, grow0, start + i * BT, S,
-                       i < n_iter, NBYTES, not QZROWS)
+                       kzbuf.index(i), vhbuf.index(i), vzbuf.index(i), bars.index(i), row0, grow0,
+                       start + i * TPS * BT, S, i * TPS < n_iter, NBYTES, not QZROWS)
             L4: gl.constexpr = _stats4_layout(BT)
         else:
             bh64 = bh.to(gl.int64)
@@ -1466,10 +1477,13 @@ if HAVE_GLUON:
                 kwords, vwords = _smem_codes(kbuf.index(st), vbuf.index(st), KW, VW, VW3, L4, BT, KBITS, VBITS, KP,
                                              WL)
             elif TMA:
-                st = it % NST
-                mbarrier.wait(bars.index(st), (it // NST) & 1)
-                kwords, kh, kcen, vwords, vh, vcen = _smem_tile(kbuf.index(st), vbuf.index(st), khbuf.index(st),
-                                                                kzbuf.index(st), vhbuf.index(st), vzbuf.index(st),
+                slot = it // TPS
+                sub = it - slot * TPS   # this tile's place in its slot
+                st = slot % NST
+                mbarrier.wait(bars.index(st), (slot // NST) & 1)   # (again for sub > 0: already complete)
+                r = st * TPS + sub
+                kwords, kh, kcen, vwords, vh, vcen = _smem_tile(ktile.index(r), vtile.index(r), khtile.index(r),
+                                                                kztile.index(r), vhtile.index(r), vztile.index(r),
                                                                 KW, KS, VW, VW3, L4, BT, D, KBITS, VBITS, KP, WL)
                 if not WT:   # statistics past the slice may be unwritten memory
                     vvalid = gl.expand_dims((t0 + vt) < stop, 1)
@@ -1564,10 +1578,11 @@ if HAVE_GLUON:
             if TMA and INNER:  # the ring slot just read takes the tile NST ahead
                 _issue_codes(KC, VC, kbuf, vbuf, bars.index(st), st, row0 + t0 + NST * BT, it + NST < n_iter,
                              BT * (KW_ + VW_) * 4)
-            elif TMA:  # the ring slot just read takes the tile NST ahead (its registers are consumed by now)
-                _issue(KC, VC, KHALF, KCEN, VHALF, VCEN, kbuf.index(st), vbuf.index(st), khbuf.index(st),
-                       kzbuf.index(st), vhbuf.index(st), vzbuf.index(st), bars.index(st), row0, grow0,
-                       t0 + NST * BT, S, it + NST < n_iter, NBYTES, not QZROWS)
+            elif TMA:  # a slot whose last tile was just read takes the slot NST ahead (its registers are consumed)
+                if sub == TPS - 1:
+                    _issue(KC, VC, KHALF, KCEN, VHALF, VCEN, kbuf.index(st), vbuf.index(st), khbuf.index(st),
+                           kzbuf.index(st), vhbuf.index(st), vzbuf.index(st), bars.index(st), row0, grow0,
+                           t0 + (NST * TPS - TPS + 1) * BT, S, (slot + NST) * TPS < n_iter, NBYTES, not QZROWS)
 
         if VZ:
             acc = acc + _rows128(accz, mma)
@@ -1576,9 +1591,9 @@ if HAVE_GLUON:
     @gluon.jit
     def _issue(KC, VC, KHALF, KCEN, VHALF, VCEN, kb, vb, khb, kzb, vhb, vzb, bar, row0, grow0, t0, S: gl.constexpr,
                pred, NBYTES: gl.constexpr, KZ: gl.constexpr = True):
-        """Start the copies of the tile at t0 into one ring slot (codes [BT, W] rows, the Key group's statistics
-        row, its centers too with KZ, the Values' [BT * 4] statistics); `bar` completes when all NBYTES have
-        landed."""
+        """Start the copies of the tiles from t0 into one ring slot (codes [TPS BT, W] rows, the Key groups'
+        statistics rows [TPS, 128], their centers too with KZ, the Values' [TPS BT * 4] statistics: the boxes of
+        `descriptors`); `bar` completes when all NBYTES have landed."""
         mbarrier.expect(bar, NBYTES, pred=pred)
         tma.async_copy_global_to_shared(KC, [row0 + t0, 0], bar, kb, pred=pred)
         tma.async_copy_global_to_shared(VC, [row0 + t0, 0], bar, vb, pred=pred)
@@ -2155,6 +2170,9 @@ VALUE_ZERO_APART = True  # KIVI's Values in bf16: s * code in the registers, the
                          # (kivi-2, kivi-4, xquant-1.38 at batch x context >= 64k, bool mask, H200, bench/RESULTS.md
                          # session 27); 4 / 4 / 6 more registers (153 / 162 / 157 at 2 / 4 / 1 bits, TMA build,
                          # before `WIDEN_IN_LANES`: 151 / 160 / 153 with it)
+RING_TILES = {1: 2, 2: 2, 4: 1}   # tiles per slot of KIVI's TMA ring (`_kivi_decode_kernel` TPS), by the wider
+# side's bits: one set of copies per slot. At 4 bits two tiles a slot take 20 KB of shared memory (11 programs per SM
+# instead of 12, offline sm_90 compile)
 WHOLE_TILES = True  # KIVI's and InnerQ's launches skip the per-tile position masks where `whole_tiles` holds (WT)
 WIDEN_IN_LANES = True   # the TMA ring's Value statistics (and 1-bit Value words) widened over a lane bit (`_widen`
                         # LANES; `_kivi_decode_kernel` / `_post_decode_kernel` WL): 739 -> 693 SASS instructions per
@@ -2183,11 +2201,12 @@ POST_TMA = True   # calibquant's launches take the TMA path too (where `USE_TMA`
                   # bench/RESULTS.md session 23)
 
 
-def descriptors(kp: dict, vp: dict, kbits: int, vbits: int) -> list:
+def descriptors(kp: dict, vp: dict, kbits: int, vbits: int, tps: int = 1) -> list:
     """Host TMA descriptors of the store, in the kernel's argument order (KC, KCEN, KHALF, VC, VCEN, VHALF): codes
     as [rows, words per token] (a block: one tile's rows), the Keys' statistics as [group rows, 128] (one row), the
     Values' as flat [T * 4] (one tile's 128 entries, 8 bytes a token: a box must start 16-byte aligned, so tiles
-    must start at even rows; `_use_tma` takes plain loads for an odd sink or cache length)."""
+    must start at even rows; `_use_tma` takes plain loads for an odd sink or cache length); each box holds tps
+    tiles (a ring slot of `_kivi_decode_kernel` TPS; at most 2: a box has at most 256 entries a dimension)."""
     import torch
 
     def desc(t, block, bits):
@@ -2195,10 +2214,13 @@ def descriptors(kp: dict, vp: dict, kbits: int, vbits: int) -> list:
         return TensorDescriptor.from_tensor(t, block, layout)
 
     sbits = 16 if kp["half"].dtype in (torch.float16, torch.bfloat16) else 32
-    return [desc(kp["codes"].view(-1, 4 * kbits), [KIVI_BT, 4 * kbits], 32),
-            desc(kp["cen"].view(-1, D), [1, D], sbits), desc(kp["half"].view(-1, D), [1, D], sbits),
-            desc(vp["codes"].view(-1, 4 * vbits), [KIVI_BT, 4 * vbits], 32),
-            desc(vp["cen"].view(-1), [KIVI_BT * 4], sbits), desc(vp["half"].view(-1), [KIVI_BT * 4], sbits)]
+    if not 1 <= tps * KIVI_BT * 4 <= 256 or KIVI_BT * tps > 256:
+        raise ValueError(f"a TMA box holds at most 256 entries a dimension: {tps} tiles of {KIVI_BT} tokens do not fit")
+    return [desc(kp["codes"].view(-1, 4 * kbits), [tps * KIVI_BT, 4 * kbits], 32),
+            desc(kp["cen"].view(-1, D), [tps, D], sbits), desc(kp["half"].view(-1, D), [tps, D], sbits),
+            desc(vp["codes"].view(-1, 4 * vbits), [tps * KIVI_BT, 4 * vbits], 32),
+            desc(vp["cen"].view(-1), [tps * KIVI_BT * 4], sbits),
+            desc(vp["half"].view(-1), [tps * KIVI_BT * 4], sbits)]
 
 
 def row_descriptors(kp: dict, vp: dict, words: int, bt: int, vwords: int | None = None) -> list:
@@ -2307,8 +2329,9 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
     ka_hi, ka_lo = split_scale(2.0 / (2 ** kbits - 1), bf16)
     va_hi, va_lo = split_scale(2.0 / (2 ** vbits - 1), bf16)
     use_tma = _use_tma(query, sink, T, use_tma)
+    tps = RING_TILES.get(max(kbits, vbits), 1) if use_tma and KIVI_BT == 32 else 1
     if use_tma:
-        stores = descriptors(kp, vp, kbits, vbits)
+        stores = descriptors(kp, vp, kbits, vbits, tps)
     return _kivi_decode_kernel, (
         query, query.stride(0), query.stride(1), *stores, positions, amask, smb, m_buf, l_buf, acc_buf,
         float(scale), T, ng_k, nsplit, *extra), dict(
@@ -2316,7 +2339,7 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
         IS_BF16=bf16, BT=KIVI_BT, KBITS=kbits, VBITS=vbits, KA_HI=ka_hi, KA_LO=ka_lo, VA_HI=va_hi, VA_LO=va_lo,
         NWIN=nwin, TMA=use_tma, NST=NSTAGES, PDL=pdl, KPOST=KEY_POST, QZROWS=KEY_POST and QZ_ROWS and use_tma, QZ_N=QZ_N,
         VZ=VALUE_ZERO_APART and bf16, WL=WIDEN_IN_LANES, WT=WHOLE_TILES and whole_tiles(recent, 32, tpg_v, KIVI_BT),
-        num_warps=1)
+        TPS=tps, num_warps=1)
 
 
 def window_inside(kind: str | None, kc: dict, vc: dict, tau) -> bool:
@@ -2406,7 +2429,7 @@ def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mas
     tma = _use_tma(query, sink, T, use_tma, kind)
     key = (kind, inner_flags(kp, vp) if kind == "inner" else None, dev.index, query.dtype, amask.dtype, mask_kind, kbits, vbits, H, rep, sink, recent, tpg_v, nwin,
            tma, NSTAGES, phase, rope is not None, tuple(nout), LUT_BT, LUT_MAXNREG, LUT_NO_MASK_AS_BOOL, SYM8_BT, KIVI_BT, pdl,
-           KEY_POST, QZ_ROWS, QZ_N, VALUE_ZERO_APART, WIDEN_IN_LANES, None if exact is None else tuple(exact[s]["ring"].shape[2] for s in ("k", "v")),
+           KEY_POST, QZ_ROWS, QZ_N, VALUE_ZERO_APART, WIDEN_IN_LANES, WHOLE_TILES, tuple(sorted(RING_TILES.items())), None if exact is None else tuple(exact[s]["ring"].shape[2] for s in ("k", "v")),
            tuple(sorted(POST_MAXNREG.items())), tuple(sorted(POST_WCOST.items())))
     if key not in _RESIDENT:
         one = torch.empty(1, dtype=torch.float32, device=dev)   # stand-ins: partial buffers, temperatures, logits

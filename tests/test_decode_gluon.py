@@ -192,6 +192,36 @@ def test_row_descriptors_take_each_sides_width():
     assert list(vd.shape) == [576, 16] and list(vd.block_shape) == [16, 16]   # one width for both sides
 
 
+@pytest.mark.skipif(not dag.HAVE_TMA, reason="Gluon's TMA descriptors")
+@pytest.mark.parametrize("kb,vb", [(2, 2), (4, 4), (2, 1)])
+def test_kivi_ring_slots_hold_ring_tiles_tiles(kb, vb, monkeypatch):
+    """KIVI's TMA ring (`RING_TILES`): each box of `descriptors` holds tps tiles (codes [tps 32, words], the Key
+    groups' statistics rows [tps, 128], the Values' [tps 32 * 4]), a box at most 256 entries a dimension (tps 3
+    refused); `_plan` builds the kernel with TPS equal to its descriptors' tiles (by the wider side's bits), and 1
+    on plain loads."""
+    dt = torch.bfloat16
+    kp = dict(codes=torch.zeros(2, 2, 64, 4 * kb, dtype=torch.int32), cen=torch.zeros(2, 2, 2, 128, dtype=dt),
+              half=torch.zeros(2, 2, 2, 128, dtype=dt))
+    vp = dict(codes=torch.zeros(2, 2, 64, 4 * vb, dtype=torch.int32), cen=torch.zeros(2, 2, 64, 4, dtype=dt),
+              half=torch.zeros(2, 2, 64, 4, dtype=dt))
+    for tps in (1, 2):
+        boxes = [list(d.block_shape) for d in dag.descriptors(kp, vp, kb, vb, tps)]
+        assert boxes == [[32 * tps, 4 * kb], [tps, 128], [tps, 128], [32 * tps, 4 * vb], [128 * tps], [128 * tps]]
+    with pytest.raises(ValueError, match="256 entries"):
+        dag.descriptors(kp, vp, kb, vb, 3)
+    q = torch.zeros(2, 4, 1, 128, dtype=dt)
+    one = torch.zeros(64, dtype=torch.float32)
+    common = dict(positions=torch.zeros(1, dtype=torch.long), amask=q, smb=0, mask_kind=1, m_buf=one, l_buf=one,
+                  acc_buf=one, scale=1.0, T=64, ng_k=2, nsplit=3, nwin=4, H=2, rep=2, sink=0, recent=128, tpg_v=1,
+                  kbits=kb, vbits=vb, kind="kivi", phase=0, temp=None, rope=None)
+    monkeypatch.setattr(dag, "_ring_device", lambda query, use_tma: True)   # as an sm_90 GPU inside graph capture
+    fn, args, consts = dag._plan(q, kp, vp, use_tma=True, **common)
+    tps = dag.RING_TILES.get(max(kb, vb), 1)
+    assert consts["TMA"] and consts["TPS"] == tps and list(args[3].block_shape) == [32 * tps, 4 * kb]
+    monkeypatch.setattr(dag, "_ring_device", lambda query, use_tma: False)
+    assert dag._plan(q, kp, vp, use_tma=True, **common)[2]["TPS"] == 1
+
+
 def test_programs_per_sm_follows_the_occupancy_rules():
     """The Gluon launch's slice count rests on this: one-warp programs per SM from registers, shared memory and the
     blocks-per-SM limit, as Nsight Compute reported them on an H100 (bench/RESULTS.md, session 11: 157 and 168
@@ -232,7 +262,8 @@ SCRIPT = textwrap.dedent('''
                       half=torch.zeros(2, 2, 2, 128, dtype=dt))
             vp = dict(codes=torch.zeros(2, 2, 64, 4 * vb, dtype=torch.int32), cen=torch.zeros(2, 2, 64, 4, dtype=dt),
                       half=torch.zeros(2, 2, 64, 4, dtype=dt))
-            stores = dict(zip(stores, map(mangle_type, dag.descriptors(kp, vp, kb, vb))))
+            tps = dag.RING_TILES.get(max(kb, vb), 1)
+            stores = dict(zip(stores, map(mangle_type, dag.descriptors(kp, vp, kb, vb, tps))))
         sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", **stores, POS="*i64", AMASK="*i1" if mask == 1 else ty,
                    stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32", OUT_ACC="*fp32", scale="fp32", T="i32",
                    NG_K="i32", NSPLIT="i32", KMASK=ty, VMASK=ty, KNORM=ty,   # InnerQ's buffers: the query, unread
@@ -241,7 +272,8 @@ SCRIPT = textwrap.dedent('''
         cx = dict(H=8, REP=4, S=0, R=128, TPG_K=32, TPG_V=1, MASK_KIND=mask, IS_BF16=bf16, BT=32, KBITS=kb,
                   VBITS=vb, KA_HI=ka[0], KA_LO=ka[1], VA_HI=va[0], VA_LO=va[1], NWIN=3, TMA=tma, NST=2,
                   PDL=tma, KPOST=post, QZROWS=post and tma and dag.QZ_ROWS, QZ_N=dag.QZ_N,
-                  VZ=dag.VALUE_ZERO_APART and bf16, WL=dag.WIDEN_IN_LANES, WT=dag.WHOLE_TILES)   # as `_plan` builds it (an
+                  VZ=dag.VALUE_ZERO_APART and bf16, WL=dag.WIDEN_IN_LANES, WT=dag.WHOLE_TILES,
+                  TPS=dag.RING_TILES.get(max(kb, vb), 1) if tma else 1)   # as `_plan` builds it (an
         # offline compile leaves a constexpr it is not given falsy, not at its default)
         b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 12, 13, 14, 22, 23) + (() if tma else (3, 4, 5, 6, 7, 8)))
         out.append((bf16, mask, kb, vb, tma, post, b.shared, b.stack == b.local == 0, b.sass.count("HMMA"),
@@ -957,10 +989,12 @@ def test_post_scaled_keys_large_fp16_operands_on_gpu(layout, q_size, k_size):
     _large_operands(layout, torch.float16, q_size, k_size, 6, "_kivi_decode_kernel", 3e-3, premise)
 
 
-def _outputs_by_flag(layout, case, dtype, seed, flag, constexpr, monkeypatch, tma=True, **kw):
+def _outputs_by_flag(layout, case, dtype, seed, flag, constexpr, monkeypatch, tma=True, values=(False, True),
+                     consts=None, **kw):
     """The Gluon launch's output on one store (the TMA ring forced, or with tma False plain loads; a bool mask) with
-    the module flag `flag` off, then on; each time the layout's kernel ran and every Gluon launch was built with
-    that TMA setting and the constexpr `constexpr` equal to the flag (the builds compared are the ones meant)."""
+    the module flag `flag` at values[0] (off), then values[1] (on); each time the layout's kernel ran and every Gluon
+    launch was built with that TMA setting and the constexpr `constexpr` equal to consts[i] (default: the value; the
+    builds compared are the ones meant)."""
     B, H, rep, T, n0, sink, magnitude = case
     cfg, ms, lay, k, v, p = _store(layout, B, H, T, n0, dtype, "cuda", seed=seed, sink=sink, magnitude=magnitude)
     names, tensors = lay.attend_tensors()
@@ -977,8 +1011,8 @@ def _outputs_by_flag(layout, case, dtype, seed, flag, constexpr, monkeypatch, tm
     monkeypatch.setattr(dag, "_plan", spy)
     monkeypatch.setattr(dag, "USE_TMA", tma)
     outs = []
-    for on in (False, True):
-        monkeypatch.setattr(dag, flag, on)
+    for value, on in zip(values, consts or values):
+        monkeypatch.setattr(dag, flag, value)
         built.clear()
         outs.append(da.decode_attention(q, bufs, k, v, p, am, 128 ** -0.5, False, cfg, lay.spec, ms.geo,
                                         gluon=True, **kw))
@@ -1034,6 +1068,24 @@ def test_whole_tiles_bit_equal_on_gpu(dtype, layout, case, tma, monkeypatch):
     be the builds compared."""
     B, n0 = case[0], case[4]
     outs = _outputs_by_flag(layout, case, dtype, B * 13 + n0, "WHOLE_TILES", "WT", monkeypatch, tma=tma)
+    assert torch.isfinite(outs[0]).all()
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() < (9, 0) or not dag.HAVE_TMA,
+                    reason="the ring builds: sm_90+ and Gluon's TMA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["kivi-2", "kivi-4", "k2v1", "k1v1"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[7], CASES[9]])
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_two_tile_ring_slots_bit_equal_on_gpu(dtype, layout, case, num_splits, monkeypatch):
+    """`RING_TILES` (KIVI's TMA ring): two tiles a slot, one set of copies per slot, read tile by tile, give the
+    same output as one tile a slot (the same values reach the same instructions), at every width (4 bits forced to
+    two tiles too); slices of odd and even tile counts (one slice over the region, three, the default), an even
+    sink, GQA 8, small statistics. The launches are checked to be the builds compared."""
+    B, n0 = case[0], case[4]
+    outs = _outputs_by_flag(layout, case, dtype, B * 17 + n0, "RING_TILES", "TPS", monkeypatch,
+                            values=({1: 1, 2: 1, 4: 1}, {1: 2, 2: 2, 4: 2}), consts=(1, 2), num_splits=num_splits)
     assert torch.isfinite(outs[0]).all()
     assert torch.equal(outs[0], outs[1])
 
