@@ -58,7 +58,10 @@ H100, no faster with 1-bit Values (bench/RESULTS.md, session 10). Used at every 
 statistics ([BT, 4]: one per token and 32-channel group) are read in `_stats4_layout` (lane bit 2 holds them twice)
 and widened to the [BT, 8] statistics layout over that lane bit (`_widen`, `WIDEN_IN_LANES`); the register join it
 replaced became per-lane byte selects and shuffles (kivi-2 4.7-7.3% faster, kivi-4 3.0-3.5%, calibquant-1 2.5-5.3%,
-session 27). Otherwise (and for an odd sink or cache length, where a Value-statistics
+session 27). A slot holds RING_TILES tiles (TPS: 2 at 1 and 2 bits, 1 at 4, where two would cost a program per SM),
+filled by one set of copies, whose issue block (barriers, elect, the descriptors' addresses that ptxas recomputes
+in the loop: 86 SASS instructions) then runs every other tile: xquant-1.38 0.7-4.5% faster, kivi-2 -2.6% to +1.6%
+(session 28). Otherwise (and for an odd sink or cache length, where a Value-statistics
 box would start misaligned) every lane loads its words from global memory. kvquant's kernel takes the same ring for
 its codes alone (64-byte rows: any sink or length), its statistics, outliers and RoPE table rows by plain loads:
 10.8-14.7% faster at batch x context >= 64k with a bool mask, 9.6-13.0% without, on an H100 (bench/RESULTS.md,
@@ -88,6 +91,9 @@ Math (one program = one KV head of one sequence and one slice of the quantized r
     comes from one more mma per tile (z as its A rows, `_zero_rows`) into a [16, 8] accumulator added to the rows of
     acc^T once per slice: 785 -> 739 SASS instructions per 32-token tile at 2 bits (TMA build), 1.2-2.6% faster at
     batch x context >= 64k (H200, bench/RESULTS.md session 27). fp16 keeps the `add`: its -1024 s overflows from s = 64.
+    WT (KIVI's and InnerQ's layouts with a recent window, `WHOLE_TILES`): every slice is whole 32-token tiles
+    (`whole_tiles`), so no position is compared with the slice's end: 683 -> 633 SASS instructions per tile at 2 bits,
+    kivi-2 3.9-4.7% faster, xquant-1.38 5.0-7.5% (H200, session 28).
     Scale and offset are rounded to the cache dtype before the multiply-add (one rounding of the value after
     it): values can differ from the reference's fp32 dequantization by about one unit in the last place; at 2
     bits fp16 scales below 2^-12 lose bits in the division by 4 (at most 3 * 2^-23 absolute). Post-scaled Keys
@@ -115,7 +121,8 @@ window launch (partial-result slots per row: NSPLIT + NWIN); PDL the window laun
 (VA_*) the level spacing 2 / (2^B - 1) of each side in two terms of the cache dtype;
 TMA the shared-memory ring of NST slots; KPOST post-scaled Keys (`KEY_POST`), POST_E and U their fp16 range
 factors; QZROWS / QZ_N the Keys' q . z per QZ_N groups (`QZ_ROWS`); VZ the Values' offsets by their own mma
-(`VALUE_ZERO_APART`); WL the ring's Value statistics widened over a lane bit (`WIDEN_IN_LANES`).
+(`VALUE_ZERO_APART`); WL the ring's Value statistics widened over a lane bit (`WIDEN_IN_LANES`); WT no tile crosses
+its slice's end (`WHOLE_TILES`, `whole_tiles`); TPS tiles per ring slot (`RING_TILES`).
 """
 from __future__ import annotations
 
