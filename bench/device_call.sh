@@ -14,7 +14,7 @@ for sel in "$@"; do
   if [[ "$sel" == tests/*" -k "* ]]; then target="${sel%% -k *}"; filter="${sel#* -k }"
   elif [[ "$sel" == tests/* ]]; then target="$sel"; filter=""
   else target=tests/test_decode_gluon.py; filter="$sel"; fi
-  (timeout ${TEST_TIMEOUT:-0} python -m pytest -q -p no:logging -p no:cacheprovider $target -k "$filter" > $OUT/t$i.log 2>&1; echo "== [$sel] $(tail -1 $OUT/t$i.log)") &
+  (timeout ${TEST_TIMEOUT:-0} python -m pytest -q -rA -p no:logging -p no:cacheprovider $target -k "$filter" > $OUT/t$i.log 2>&1; echo "== [$sel] $(tail -1 $OUT/t$i.log)") &
   i=$((i+1))
 done
 wait

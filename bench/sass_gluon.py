@@ -8,7 +8,7 @@ calibquant's kernel (both phases).
 
     python bench/sass_gluon.py        (without TRITON_INTERPRET; ptxas and cuobjdump from the triton wheel)
 
-A constexpr whose kernel default is on (WL) is passed as `_plan` passes it: an offline compile leaves one it is not
+Every constexpr with a kernel default (WL, WT, TPS) is passed as `_plan` passes it: an offline compile leaves one it is not
 given falsy, not at the kernel's default (session 27: WL omitted compiled the register join that the launch no
 longer uses). calibquant's rows are its plain-load builds (outside CUDA graphs); its ring builds are in
 `bench/debug/post_tma_sass.py`.
@@ -59,7 +59,7 @@ def main():
             a = dag.split_scale(2 / (2 ** bits - 1), False)
             cx = dict(H=8, REP=4, S=0, R=128, TPG_K=32, TPG_V=1, MASK_KIND=1, IS_BF16=False, BT=32, KBITS=bits,
                       VBITS=bits, KA_HI=a[0], KA_LO=a[1], VA_HI=a[0], VA_LO=a[1], NWIN=3, TMA=False, NST=2,
-                      PDL=True, KPOST=post, WL=dag.WIDEN_IN_LANES, WT=dag.WHOLE_TILES)
+                      PDL=True, KPOST=post, WL=dag.WIDEN_IN_LANES, WT=dag.WHOLE_TILES, TPS=1)
             b = compile_sm90(dag._kivi_decode_kernel, kivi, cx, (0, 3, 4, 5, 6, 7, 8, 12, 13, 14))
             ops = main_loop(b.sass)
             print(f"KIVI layout {bits}-bit, Keys {'post-scaled' if post else 'dequantized'}: {b.regs} registers, "
@@ -76,7 +76,7 @@ def main():
         vp = dict(z, cen=torch.zeros(2, 2, 64, 4, dtype=torch.bfloat16), half=torch.zeros(2, 2, 64, 4,
                                                                                            dtype=torch.bfloat16))
         stores = dict(zip(("KC", "KCEN", "KHALF", "VC", "VCEN", "VHALF"),
-                          map(mangle_type, dag.descriptors(kp, vp, bits, bits))))
+                          map(mangle_type, dag.descriptors(kp, vp, bits, bits, dag.RING_TILES.get(bits, 1)))))
         sig = {n: (t.replace("fp16", "bf16") if isinstance(t, str) else t) for n, t in kivi.items()}
         sig.update(stores)
         a = dag.split_scale(2 / (2 ** bits - 1), True)
@@ -84,7 +84,7 @@ def main():
             cx = dict(H=8, REP=4, S=0, R=128, TPG_K=32, TPG_V=1, MASK_KIND=1, IS_BF16=True, BT=32, KBITS=bits,
                       VBITS=bits, KA_HI=a[0], KA_LO=a[1], VA_HI=a[0], VA_LO=a[1], NWIN=3, TMA=True, NST=dag.NSTAGES,
                       PDL=True, KPOST=True, QZROWS=qz, QZ_N=dag.QZ_N, VZ=dag.VALUE_ZERO_APART, WL=dag.WIDEN_IN_LANES,
-                      WT=dag.WHOLE_TILES)
+                      WT=dag.WHOLE_TILES, TPS=dag.RING_TILES.get(bits, 1))
             b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 12, 13, 14, 22, 23))
             # main_loop spans the mbarrier wait's retry branch here: its HMMA are the tile's, the refill's not
             print(f"KIVI layout {bits}-bit, bf16, TMA, q . z {'per QZ_N groups' if qz else 'per tile'}: {b.regs} "
@@ -94,7 +94,7 @@ def main():
     inner = dict(kivi, KMASK="*u8", VMASK="*u8", KNORM="*fp32")
     cx = dict(H=8, REP=4, S=32, R=96, TPG_K=1, TPG_V=32, MASK_KIND=1, IS_BF16=False, BT=32, KBITS=2, VBITS=2,
               KA_HI=1.0, KA_LO=0.0, VA_HI=1.0, VA_LO=0.0, NWIN=3, TMA=False, NST=2, PDL=True, INNER=True, KHYB=True,
-              VHYB=True, NORM=True, WL=dag.WIDEN_IN_LANES, WT=dag.WHOLE_TILES)
+              VHYB=True, NORM=True, WL=dag.WIDEN_IN_LANES, WT=dag.WHOLE_TILES, TPS=1)
     b = compile_sm90(dag._kivi_decode_kernel, inner, cx, (0, 3, 4, 5, 6, 7, 8, 12, 13, 14))
     ops = main_loop(b.sass)
     print(f"InnerQ layout 2-bit hybrid: {b.regs} registers, stack {b.stack} B, loop {sum(ops.values())} "

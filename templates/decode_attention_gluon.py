@@ -91,7 +91,7 @@ Math (one program = one KV head of one sequence and one slice of the quantized r
     comes from one more mma per tile (z as its A rows, `_zero_rows`) into a [16, 8] accumulator added to the rows of
     acc^T once per slice: 785 -> 739 SASS instructions per 32-token tile at 2 bits (TMA build), 1.2-2.6% faster at
     batch x context >= 64k (H200, bench/RESULTS.md session 27). fp16 keeps the `add`: its -1024 s overflows from s = 64.
-    WT (KIVI's and InnerQ's layouts with a recent window, `WHOLE_TILES`): every slice is whole 32-token tiles
+    WT (KIVI's and InnerQ's layouts with a recent window, `WHOLE_TILES`): every slice is whole BT-token tiles
     (`whole_tiles`), so no position is compared with the slice's end: 683 -> 633 SASS instructions per tile at 2 bits,
     kivi-2 3.9-4.7% faster, xquant-1.38 5.0-7.5% (H200, session 28).
     Scale and offset are rounded to the cache dtype before the multiply-add (one rounding of the value after
@@ -1158,7 +1158,9 @@ if HAVE_GLUON:
     @gluon.jit
     def _slice(POS, split, NSPLIT, S: gl.constexpr, R: gl.constexpr, TPG_K: gl.constexpr, TPG_V: gl.constexpr,
                BT: gl.constexpr, PDL: gl.constexpr, WCOST: gl.constexpr, NWIN: gl.constexpr):
-        """(start, stop, tiles) of this program's slice of [S, qend), as `_decode_kernel` computes it (WCOST 0). PDL
+        """(start, stop, tiles) of this program's slice of [S, qend), as `_decode_kernel` computes it (WCOST 0; a
+        Python mirror, `_slice_mirror` in tests/test_decode_gluon.py, checks `whole_tiles` against it: keep them in
+        step). PDL
         (sm_90+: `decode_attention._use_pdl`) first lets the launch that follows start: the window launch, which
         reads nothing this launch writes and waits for it before it ends, or (calibquant with its windows inside)
         the attention pass or the final reduction, which wait for it before they read.
@@ -1293,6 +1295,7 @@ if HAVE_GLUON:
         NA: gl.constexpr = 32 // KP                    # Key asm blocks per lane and token
         D: gl.constexpr = D_
         gl.static_assert((not WT) or _whole_tiles(R, TPG_K, TPG_V, BT), "WT: no tile may cross its slice's stop")
+        gl.static_assert((TPS == 1) or (TMA and not INNER), "TPS: KIVI's ring (InnerQ's fills a tile a slot)")
 
         start, stop, n_iter = _slice(POS, split, NSPLIT, S, R, TPG_K, TPG_V, BT, PDL, 0, 0)   # this program's slice
 
@@ -2210,10 +2213,11 @@ POST_TMA = True   # calibquant's launches take the TMA path too (where `USE_TMA`
 
 def descriptors(kp: dict, vp: dict, kbits: int, vbits: int, tps: int = 1) -> list:
     """Host TMA descriptors of the store, in the kernel's argument order (KC, KCEN, KHALF, VC, VCEN, VHALF): codes
-    as [rows, words per token] (a block: one tile's rows), the Keys' statistics as [group rows, 128] (one row), the
-    Values' as flat [T * 4] (one tile's 128 entries, 8 bytes a token: a box must start 16-byte aligned, so tiles
-    must start at even rows; `_use_tma` takes plain loads for an odd sink or cache length); each box holds tps
-    tiles (a ring slot of `_kivi_decode_kernel` TPS; at most 2: a box has at most 256 entries a dimension)."""
+    as [rows, words per token] (a box: tps tiles' rows), the Keys' statistics as [group rows, 128] (tps rows: one per
+    32-token tile), the Values' as flat [T * 4] (tps tiles' 128 entries, 8 bytes a token: a box must start 16-byte
+    aligned, so tiles must start at even rows; `_use_tma` takes plain loads for an odd sink or cache length). tps:
+    the tiles of a ring slot of `_kivi_decode_kernel` (TPS); at most 2 (a box has at most 256 entries a dimension),
+    and 1 with 16-token tiles (two of them share a Key statistics row)."""
     import torch
 
     def desc(t, block, bits):
@@ -2223,6 +2227,8 @@ def descriptors(kp: dict, vp: dict, kbits: int, vbits: int, tps: int = 1) -> lis
     sbits = 16 if kp["half"].dtype in (torch.float16, torch.bfloat16) else 32
     if not 1 <= tps * KIVI_BT * 4 <= 256 or KIVI_BT * tps > 256:
         raise ValueError(f"a TMA box holds at most 256 entries a dimension: {tps} tiles of {KIVI_BT} tokens do not fit")
+    if tps > 1 and KIVI_BT != 32:
+        raise ValueError(f"{tps} tiles a ring slot need 32-token tiles (one Key statistics row each), not {KIVI_BT}")
     return [desc(kp["codes"].view(-1, 4 * kbits), [tps * KIVI_BT, 4 * kbits], 32),
             desc(kp["cen"].view(-1, D), [tps, D], sbits), desc(kp["half"].view(-1, D), [tps, D], sbits),
             desc(vp["codes"].view(-1, 4 * vbits), [tps * KIVI_BT, 4 * vbits], 32),

@@ -23,10 +23,11 @@ from kvq_compile.templates import decode_attention_gluon as dag  # noqa: E402
 CUDA = torch.cuda.is_available()
 
 
-def kivi_layout(key_bits: int, value_bits: int) -> KVQConfig:
-    """KIVI's layout at other widths: what xquant's layers store (2-bit Keys with 1-bit Values, 1 / 1)."""
+def kivi_layout(key_bits: int, value_bits: int, recent: int = 128) -> KVQConfig:
+    """KIVI's layout at other widths: what xquant's layers store (2-bit Keys with 1-bit Values, 1 / 1); recent 0:
+    no exact recent window (a slice's last tile can then be partial: `whole_tiles` does not hold)."""
     return KVQConfig(key=QuantizerSpec(bits=key_bits, axis=Axis.CHANNEL, group_size=32),
-                     value=QuantizerSpec(bits=value_bits, axis=Axis.TOKEN, group_size=32), recent=128)
+                     value=QuantizerSpec(bits=value_bits, axis=Axis.TOKEN, group_size=32), recent=recent)
 
 
 def kvquant_after_rope() -> KVQConfig:
@@ -74,7 +75,8 @@ LAYOUTS = {"kivi-2": lambda: KVQConfig.preset("kivi-2"), "kivi-4": lambda: KVQCo
            "innerq-k4v1": lambda: innerq_layout(4, 1, "asym", "asym", False),
            "innerq-k1v4h": lambda: innerq_layout(1, 4, "asym", "hybrid", True),
            "innerq-k2v2": lambda: innerq_layout(2, 2, "asym", "asym", True),
-           "innerq-k4hv2": lambda: innerq_layout(4, 2, "hybrid", "asym", False)}
+           "innerq-k4hv2": lambda: innerq_layout(4, 2, "hybrid", "asym", False),
+           "kivi-2-r0": lambda: kivi_layout(2, 2, recent=0)}
 TEMPLATE_ONLY = {"innerq-k2sv2": lambda: innerq_layout(2, 2, "sym", "hybrid", True)}   # symmetric Keys
 
 
@@ -216,8 +218,14 @@ def test_kivi_ring_slots_hold_ring_tiles_tiles(kb, vb, monkeypatch):
                   kbits=kb, vbits=vb, kind="kivi", phase=0, temp=None, rope=None)
     monkeypatch.setattr(dag, "_ring_device", lambda query, use_tma: True)   # as an sm_90 GPU inside graph capture
     fn, args, consts = dag._plan(q, kp, vp, use_tma=True, **common)
-    tps = dag.RING_TILES.get(max(kb, vb), 1)
+    tps = {(2, 2): 2, (4, 4): 1, (2, 1): 2}[kb, vb]   # two tiles a slot at 1 and 2 bits, one at 4
     assert consts["TMA"] and consts["TPS"] == tps and list(args[3].block_shape) == [32 * tps, 4 * kb]
+    monkeypatch.setattr(dag, "KIVI_BT", 16)   # 16-token tiles share a Key statistics row: one tile a slot
+    fn, args, consts = dag._plan(q, kp, vp, use_tma=True, **common)
+    assert consts["TPS"] == 1 and list(args[3].block_shape) == [16, 4 * kb]
+    with pytest.raises(ValueError, match="32-token tiles"):
+        dag.descriptors(kp, vp, kb, vb, 2)
+    monkeypatch.setattr(dag, "KIVI_BT", 32)
     monkeypatch.setattr(dag, "_ring_device", lambda query, use_tma: False)
     assert dag._plan(q, kp, vp, use_tma=True, **common)[2]["TPS"] == 1
 
@@ -322,7 +330,7 @@ SCRIPT = textwrap.dedent('''
         ka, va = (dag.split_scale(2 / (2 ** n - (2 if hyb else 1)), bf16) for n in (kb, vb))
         cx = dict(H=8, REP=4, S=32, R=96, TPG_K=1, TPG_V=32, MASK_KIND=mask, IS_BF16=bf16, BT=32, KBITS=kb, VBITS=vb,
                   KA_HI=ka[0], KA_LO=ka[1], VA_HI=va[0], VA_LO=va[1], NWIN=3, TMA=False, NST=2, PDL=True, INNER=True,
-                  KHYB=hyb, VHYB=hyb, NORM=norm, WL=dag.WIDEN_IN_LANES, WT=dag.WHOLE_TILES)
+                  KHYB=hyb, VHYB=hyb, NORM=norm, WL=dag.WIDEN_IN_LANES, WT=dag.WHOLE_TILES, TPS=1)
         b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 3, 4, 5, 6, 7, 8, 12, 13, 14))
         out.append(("inner", bf16, b.shared, b.stack == b.local == 0, b.sass.count("HMMA"), b.sass.count("STS"),
                     b.sass.count("LDS"), b.sass.count("MOVM"), loop(b)))
@@ -363,7 +371,7 @@ SCRIPT = textwrap.dedent('''
         ka, va = (dag.split_scale(2 / (2 ** n - (2 if hyb else 1)), bf16) for n in (kb, vb))
         cx = dict(H=8, REP=4, S=32, R=96, TPG_K=1, TPG_V=32, MASK_KIND=mask, IS_BF16=bf16, BT=32, KBITS=kb, VBITS=vb,
                   KA_HI=ka[0], KA_LO=ka[1], VA_HI=va[0], VA_LO=va[1], NWIN=3, TMA=True, NST=dag.NSTAGES, PDL=True,
-                  INNER=True, KHYB=hyb, VHYB=hyb, NORM=norm, WL=dag.WIDEN_IN_LANES, WT=dag.WHOLE_TILES)
+                  INNER=True, KHYB=hyb, VHYB=hyb, NORM=norm, WL=dag.WIDEN_IN_LANES, WT=dag.WHOLE_TILES, TPS=1)
         b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 4, 5, 7, 8, 12, 13, 14))
         out.append(("inner-tma", bf16, kb, vb, b.shared, b.stack == b.local == 0, b.sass.count("UTMALDG"),
                     b.sass.count("STS"), b.sass.count("LDS"), b.regs, loop(b)))
@@ -1059,15 +1067,16 @@ def test_widened_statistics_bit_equal_on_gpu(dtype, layout, case, monkeypatch):
                     reason="the ring builds: sm_90+ and Gluon's TMA")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["kivi-2", "kivi-4", "k1v1", "innerq-2", "innerq-k4v1"])
-@pytest.mark.parametrize("case,tma", [(CASES[0], True), (CASES[7], True), (CASES[3], True), (CASES[1], False),
-                                      (CASES[6], False)])
-def test_whole_tiles_bit_equal_on_gpu(dtype, layout, case, tma, monkeypatch):
+@pytest.mark.parametrize("case,tma,num_splits", [(CASES[0], True, None), (CASES[7], True, None), (CASES[3], True, 7),
+                                                 (CASES[5], True, None), (CASES[1], False, None), (CASES[6], False, 7)])
+def test_whole_tiles_bit_equal_on_gpu(dtype, layout, case, tma, num_splits, monkeypatch):
     """`WHOLE_TILES`: where no tile crosses its slice's stop (`whole_tiles`: KIVI's and InnerQ's layouts with a
     recent window) the kernel drops its per-tile position masks; they were all true, so the output is bit-equal with
-    it off. The TMA ring and plain loads (an odd sink, GQA 3), the default slice counts; the launches are checked to
-    be the builds compared."""
+    it off. The TMA ring and plain loads (an odd sink, GQA 3), the default slice counts and 7 (short and empty
+    slices), nothing quantized yet (CASES[5]); the launches are checked to be the builds compared."""
     B, n0 = case[0], case[4]
-    outs = _outputs_by_flag(layout, case, dtype, B * 13 + n0, "WHOLE_TILES", "WT", monkeypatch, tma=tma)
+    outs = _outputs_by_flag(layout, case, dtype, B * 13 + n0, "WHOLE_TILES", "WT", monkeypatch, tma=tma,
+                            num_splits=num_splits)
     assert torch.isfinite(outs[0]).all()
     assert torch.equal(outs[0], outs[1])
 
@@ -1075,14 +1084,21 @@ def test_whole_tiles_bit_equal_on_gpu(dtype, layout, case, tma, monkeypatch):
 @pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() < (9, 0) or not dag.HAVE_TMA,
                     reason="the ring builds: sm_90+ and Gluon's TMA")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("layout", ["kivi-2", "kivi-4", "k2v1", "k1v1"])
-@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[7], CASES[9]])
+@pytest.mark.parametrize("layout,case", [(lay, c) for lay in ("kivi-2", "kivi-4", "k2v1", "k1v1",
+                                                                "kivi-2" + DEQUANTIZED_KEYS, "k2v1" + DEQUANTIZED_KEYS)
+                                           for c in (CASES[0], CASES[3], CASES[7], CASES[9])]
+                         + [("kivi-2-r0", (2, 2, 4, 640, 607, None, 1.0)), ("kivi-2-r0", CASES[0])])
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
 def test_two_tile_ring_slots_bit_equal_on_gpu(dtype, layout, case, num_splits, monkeypatch):
     """`RING_TILES` (KIVI's TMA ring): two tiles a slot, one set of copies per slot, read tile by tile, give the
     same output as one tile a slot (the same values reach the same instructions), at every width (4 bits forced to
     two tiles too); slices of odd and even tile counts (one slice over the region, three, the default), an even
-    sink, GQA 8, small statistics. The launches are checked to be the builds compared."""
+    sink, GQA 8, small statistics; dequantized Keys (`KEY_POST` off: their centers through the ring too) and a
+    layout without a recent window (608 tokens: the region ends inside a tile, so WT is off and the second tile of
+    the last slot lies past the end). The launches are checked to be the builds compared."""
+    if layout.endswith(DEQUANTIZED_KEYS):
+        layout = layout.removesuffix(DEQUANTIZED_KEYS)
+        monkeypatch.setattr(dag, "KEY_POST", False)
     B, n0 = case[0], case[4]
     outs = _outputs_by_flag(layout, case, dtype, B * 17 + n0, "RING_TILES", "TPS", monkeypatch,
                             values=({1: 1, 2: 1, 4: 1}, {1: 2, 2: 2, 4: 2}), consts=(1, 2), num_splits=num_splits)
@@ -1201,16 +1217,20 @@ def test_whole_tiles_only_where_no_tile_crosses_its_stop(monkeypatch):
     """`whole_tiles` (the kernel's WT: no position masks per tile) holds only where every non-empty slice is whole
     32-token tiles, at every position, slice count and sink: KIVI's layouts (Keys filled 32 tokens at a time, Values
     1 or 32) and InnerQ's (1, 32) with a recent window. Without one (R = 0), or with both sides filled a token at a
-    time (calibquant, kvquant), a slice can end inside a tile, and it does not hold. `_plan` passes it for KIVI's
-    layout (and `WHOLE_TILES` off turns it off)."""
+    time (calibquant, kvquant), a slice can end inside a tile, and it does not hold (exactly so over that grid; over
+    16-token tiles and fill boundaries of 16 and 64 too, it never holds where a slice is ragged). `_plan` passes it
+    for KIVI's layout (and `WHOLE_TILES` off turns it off)."""
+
+    def ragged(S, R, tpg_k, tpg_v, bt):
+        return any(stop > start and (stop - start) % bt != 0
+                   for L, nsplit in itertools.product(range(1, 420, 7), (1, 2, 3, 5, 16)) for split in range(nsplit)
+                   for start, stop in [_slice_mirror(L, split, nsplit, S, R, tpg_k, tpg_v, bt)])
+
+    for S, R, tpg_k, tpg_v in itertools.product((0, 1, 33, 34), (0, 1, 96, 128), (1, 32), (1, 32)):   # exact here
+        assert dag.whole_tiles(R, tpg_k, tpg_v, 32) == (not ragged(S, R, tpg_k, tpg_v, 32)), (S, R, tpg_k, tpg_v)
+    for S, R, tpg_k, tpg_v, bt in itertools.product((0, 33), (0, 96), (1, 16, 32, 64), (1, 16, 32, 64), (16, 32)):
+        assert not (dag.whole_tiles(R, tpg_k, tpg_v, bt) and ragged(S, R, tpg_k, tpg_v, bt)), (S, R, tpg_k, tpg_v, bt)
     bt = dag.KIVI_BT
-    for S, R, tpg_k, tpg_v in itertools.product((0, 1, 33, 34), (0, 1, 96, 128), (1, 32), (1, 32)):
-        ragged = False
-        for L, nsplit in itertools.product(range(1, 420, 7), (1, 2, 3, 5, 16)):
-            for split in range(nsplit):
-                start, stop = _slice_mirror(L, split, nsplit, S, R, tpg_k, tpg_v, bt)
-                ragged |= stop > start and (stop - start) % bt != 0
-        assert dag.whole_tiles(R, tpg_k, tpg_v, bt) == (not ragged), (S, R, tpg_k, tpg_v)
     assert dag.whole_tiles(128, 32, 1, bt) and dag.whole_tiles(96, 1, 32, bt) and not dag.whole_tiles(128, 1, 1, bt)
     q = torch.zeros(2, 8, 1, 128, dtype=torch.bfloat16)
     side = dict(codes=torch.zeros(4, dtype=torch.int32), cen=q, half=q)
