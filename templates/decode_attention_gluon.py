@@ -2183,7 +2183,6 @@ VALUE_ZERO_APART = True  # KIVI's Values in bf16: s * code in the registers, the
 RING_TILES = {1: 2, 2: 2, 4: 1}   # tiles per slot of KIVI's TMA ring (`_kivi_decode_kernel` TPS), by the wider
 # side's bits: one set of copies per slot. At 4 bits two tiles a slot take 20 KB of shared memory (11 programs per SM
 # instead of 12, offline sm_90 compile)
-KIVI_MAXNREG = {}   # register caps of KIVI's ring builds by (Key bits, Value bits): 128 gives 16 programs per SM
 WHOLE_TILES = True  # KIVI's and InnerQ's launches skip the per-tile position masks where `whole_tiles` holds (WT)
 WIDEN_IN_LANES = True   # the TMA ring's Value statistics (and 1-bit Value words) widened over a lane bit (`_widen`
                         # LANES; `_kivi_decode_kernel` / `_post_decode_kernel` WL): 739 -> 693 SASS instructions per
@@ -2353,8 +2352,7 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
         IS_BF16=bf16, BT=KIVI_BT, KBITS=kbits, VBITS=vbits, KA_HI=ka_hi, KA_LO=ka_lo, VA_HI=va_hi, VA_LO=va_lo,
         NWIN=nwin, TMA=use_tma, NST=NSTAGES, PDL=pdl, KPOST=KEY_POST, QZROWS=KEY_POST and QZ_ROWS and use_tma, QZ_N=QZ_N,
         VZ=VALUE_ZERO_APART and bf16, WL=WIDEN_IN_LANES, WT=WHOLE_TILES and whole_tiles(recent, 32, tpg_v, KIVI_BT),
-        TPS=tps, num_warps=1, **({"maxnreg": KIVI_MAXNREG[kbits, vbits]} if use_tma and (kbits, vbits) in KIVI_MAXNREG
-                                 else {}))
+        TPS=tps, num_warps=1)
 
 
 def window_inside(kind: str | None, kc: dict, vc: dict, tau) -> bool:
@@ -2444,7 +2442,7 @@ def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mas
     tma = _use_tma(query, sink, T, use_tma, kind)
     key = (kind, inner_flags(kp, vp) if kind == "inner" else None, dev.index, query.dtype, amask.dtype, mask_kind, kbits, vbits, H, rep, sink, recent, tpg_v, nwin,
            tma, NSTAGES, phase, rope is not None, tuple(nout), LUT_BT, LUT_MAXNREG, LUT_NO_MASK_AS_BOOL, SYM8_BT, KIVI_BT, pdl,
-           KEY_POST, QZ_ROWS, QZ_N, VALUE_ZERO_APART, WIDEN_IN_LANES, WHOLE_TILES, tuple(sorted(RING_TILES.items())), tuple(sorted(KIVI_MAXNREG.items())), None if exact is None else tuple(exact[s]["ring"].shape[2] for s in ("k", "v")),
+           KEY_POST, QZ_ROWS, QZ_N, VALUE_ZERO_APART, WIDEN_IN_LANES, WHOLE_TILES, tuple(sorted(RING_TILES.items())), None if exact is None else tuple(exact[s]["ring"].shape[2] for s in ("k", "v")),
            tuple(sorted(POST_MAXNREG.items())), tuple(sorted(POST_WCOST.items())))
     if key not in _RESIDENT:
         one = torch.empty(1, dtype=torch.float32, device=dev)   # stand-ins: partial buffers, temperatures, logits
