@@ -59,7 +59,7 @@ def main():
             a = dag.split_scale(2 / (2 ** bits - 1), False)
             cx = dict(H=8, REP=4, S=0, R=128, TPG_K=32, TPG_V=1, MASK_KIND=1, IS_BF16=False, BT=32, KBITS=bits,
                       VBITS=bits, KA_HI=a[0], KA_LO=a[1], VA_HI=a[0], VA_LO=a[1], NWIN=3, TMA=False, NST=2,
-                      PDL=True, KPOST=post, WL=dag.WIDEN_IN_LANES, WT=dag.WHOLE_TILES, TPS=1, SR=dag.SKIP_UNIT_RESCALE)
+                      PDL=True, KPOST=post, WL=dag.WIDEN_IN_LANES, WT=dag.WHOLE_TILES, TPS=1)
             b = compile_sm90(dag._kivi_decode_kernel, kivi, cx, (0, 3, 4, 5, 6, 7, 8, 12, 13, 14))
             ops = main_loop(b.sass)
             print(f"KIVI layout {bits}-bit, Keys {'post-scaled' if post else 'dequantized'}: {b.regs} registers, "
@@ -84,8 +84,7 @@ def main():
             cx = dict(H=8, REP=4, S=0, R=128, TPG_K=32, TPG_V=1, MASK_KIND=1, IS_BF16=True, BT=32, KBITS=bits,
                       VBITS=bits, KA_HI=a[0], KA_LO=a[1], VA_HI=a[0], VA_LO=a[1], NWIN=3, TMA=True, NST=dag.NSTAGES,
                       PDL=True, KPOST=True, QZROWS=qz, QZ_N=dag.QZ_N, VZ=dag.VALUE_ZERO_APART, WL=dag.WIDEN_IN_LANES,
-                      WT=dag.WHOLE_TILES, TPS=dag.RING_TILES.get(bits, 1),
-                      SR=dag.SKIP_UNIT_RESCALE)
+                      WT=dag.WHOLE_TILES, TPS=dag.RING_TILES.get(bits, 1))
             b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 12, 13, 14, 22, 23))
             # main_loop spans the mbarrier wait's retry branch here: its HMMA are the tile's, the refill's not
             print(f"KIVI layout {bits}-bit, bf16, TMA, q . z {'per QZ_N groups' if qz else 'per tile'}: {b.regs} "
@@ -95,7 +94,7 @@ def main():
     inner = dict(kivi, KMASK="*u8", VMASK="*u8", KNORM="*fp32")
     cx = dict(H=8, REP=4, S=32, R=96, TPG_K=1, TPG_V=32, MASK_KIND=1, IS_BF16=False, BT=32, KBITS=2, VBITS=2,
               KA_HI=1.0, KA_LO=0.0, VA_HI=1.0, VA_LO=0.0, NWIN=3, TMA=False, NST=2, PDL=True, INNER=True, KHYB=True,
-              VHYB=True, NORM=True, WL=dag.WIDEN_IN_LANES, WT=dag.WHOLE_TILES, TPS=1, SR=False)
+              VHYB=True, NORM=True, WL=dag.WIDEN_IN_LANES, WT=dag.WHOLE_TILES, TPS=1)
     b = compile_sm90(dag._kivi_decode_kernel, inner, cx, (0, 3, 4, 5, 6, 7, 8, 12, 13, 14))
     ops = main_loop(b.sass)
     print(f"InnerQ layout 2-bit hybrid: {b.regs} registers, stack {b.stack} B, loop {sum(ops.values())} "

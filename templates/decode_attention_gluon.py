@@ -1249,7 +1249,7 @@ if HAVE_GLUON:
             PDL: gl.constexpr, INNER: gl.constexpr = False, KHYB: gl.constexpr = False,
             VHYB: gl.constexpr = False, NORM: gl.constexpr = False, KPOST: gl.constexpr = False,
             QZROWS: gl.constexpr = False, QZ_N: gl.constexpr = 8, VZ: gl.constexpr = False,
-            WL: gl.constexpr = True, WT: gl.constexpr = False, TPS: gl.constexpr = 1, SR: gl.constexpr = False):
+            WL: gl.constexpr = True, WT: gl.constexpr = False, TPS: gl.constexpr = 1):
         """KIVI's layout, or with INNER InnerQ's (Keys per token in groups of 32 channels, Values per channel in
         groups of 32 tokens: the same packed words, the statistics the other way round, the codes alone through the
         ring where TMA). NG_K: the
@@ -1556,11 +1556,6 @@ if HAVE_GLUON:
             s, allowed = _mask_scores(s, trow, tcol, t0, stop, AMASK, b.to(gl.int64) * stride_mb, REP, MASK_KIND,
                                         WT)
             p, alpha8, m8, lacc = _softmax_step(s, allowed, m8, lacc)
-            if SR:  # a tile that raises no column's running max has alpha 1 in every column: no rescale (bit-equal)
-                if gl.max(gl.where(alpha8 != 1.0, 1, 0), 0) != 0:
-                    acc = acc * gl.expand_dims(alpha8, 0)
-                    if VZ:
-                        accz = accz * gl.expand_dims(alpha8, 0)
 
             if INNER:
                 vfh = vhyb * vfac
@@ -1587,14 +1582,9 @@ if HAVE_GLUON:
             vv = vv.permute([0, 2, 3, 1]).reshape([BT, 128]).permute([1, 0])          # v^T [128 (n = 8j + w), BT]
             vv = gl.convert_layout(vv, a_l)
             pT = _p_transposed(p.to(dt), b_l, BT, IS_BF16)
-            if SR:   # rescaled above where needed
-                acc = mma_v2(vv, pT, acc)
-                if VZ:
-                    accz = mma_v2(_zero_rows(vz, a_l, BT), pT, accz)
-            else:
-                acc = mma_v2(vv, pT, acc * gl.expand_dims(alpha8, 0))
-                if VZ:  # the offsets' share: z_rows @ p^T
-                    accz = mma_v2(_zero_rows(vz, a_l, BT), pT, accz * gl.expand_dims(alpha8, 0))
+            acc = mma_v2(vv, pT, acc * gl.expand_dims(alpha8, 0))
+            if VZ:  # the offsets' share: z_rows @ p^T
+                accz = mma_v2(_zero_rows(vz, a_l, BT), pT, accz * gl.expand_dims(alpha8, 0))
             if TMA and INNER:  # the ring slot just read takes the tile NST ahead
                 _issue_codes(KC, VC, kbuf, vbuf, bars.index(st), st, row0 + t0 + NST * BT, it + NST < n_iter,
                              BT * (KW_ + VW_) * 4)
@@ -2190,8 +2180,6 @@ VALUE_ZERO_APART = True  # KIVI's Values in bf16: s * code in the registers, the
                          # (kivi-2, kivi-4, xquant-1.38 at batch x context >= 64k, bool mask, H200, bench/RESULTS.md
                          # session 27); 4 / 4 / 6 more registers (153 / 162 / 157 at 2 / 4 / 1 bits, TMA build,
                          # before `WIDEN_IN_LANES`: 151 / 160 / 153 with it)
-SKIP_UNIT_RESCALE = True   # KIVI's launch skips the accumulator's rescale in a tile whose alpha is 1 (SR; not
-# InnerQ's: 134 -> 159 registers there, offline sm_90)
 RING_TILES = {1: 2, 2: 2, 4: 1}   # tiles per slot of KIVI's TMA ring (`_kivi_decode_kernel` TPS), by the wider
 # side's bits: one set of copies per slot. At 4 bits two tiles a slot take 20 KB of shared memory (11 programs per SM
 # instead of 12, offline sm_90 compile)
@@ -2350,7 +2338,7 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
             H=H, REP=rep, S=sink, R=recent, TPG_K=1, TPG_V=32, MASK_KIND=mask_kind, IS_BF16=bf16, BT=KIVI_BT,
             KBITS=kbits, VBITS=vbits, KA_HI=ka_hi, KA_LO=ka_lo, VA_HI=va_hi, VA_LO=va_lo, NWIN=nwin, TMA=tma_on,
             NST=NSTAGES, PDL=pdl, INNER=True, KHYB=khyb, VHYB=vhyb, NORM=norm, WL=WIDEN_IN_LANES,
-            WT=WHOLE_TILES and whole_tiles(recent, 1, 32, KIVI_BT), SR=False, num_warps=1)
+            WT=WHOLE_TILES and whole_tiles(recent, 1, 32, KIVI_BT), num_warps=1)
     ka_hi, ka_lo = split_scale(2.0 / (2 ** kbits - 1), bf16)
     va_hi, va_lo = split_scale(2.0 / (2 ** vbits - 1), bf16)
     use_tma = _use_tma(query, sink, T, use_tma)
@@ -2364,7 +2352,7 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
         IS_BF16=bf16, BT=KIVI_BT, KBITS=kbits, VBITS=vbits, KA_HI=ka_hi, KA_LO=ka_lo, VA_HI=va_hi, VA_LO=va_lo,
         NWIN=nwin, TMA=use_tma, NST=NSTAGES, PDL=pdl, KPOST=KEY_POST, QZROWS=KEY_POST and QZ_ROWS and use_tma, QZ_N=QZ_N,
         VZ=VALUE_ZERO_APART and bf16, WL=WIDEN_IN_LANES, WT=WHOLE_TILES and whole_tiles(recent, 32, tpg_v, KIVI_BT),
-        TPS=tps, SR=SKIP_UNIT_RESCALE, num_warps=1)
+        TPS=tps, num_warps=1)
 
 
 def window_inside(kind: str | None, kc: dict, vc: dict, tau) -> bool:
@@ -2454,7 +2442,7 @@ def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mas
     tma = _use_tma(query, sink, T, use_tma, kind)
     key = (kind, inner_flags(kp, vp) if kind == "inner" else None, dev.index, query.dtype, amask.dtype, mask_kind, kbits, vbits, H, rep, sink, recent, tpg_v, nwin,
            tma, NSTAGES, phase, rope is not None, tuple(nout), LUT_BT, LUT_MAXNREG, LUT_NO_MASK_AS_BOOL, SYM8_BT, KIVI_BT, pdl,
-           KEY_POST, QZ_ROWS, QZ_N, VALUE_ZERO_APART, WIDEN_IN_LANES, WHOLE_TILES, tuple(sorted(RING_TILES.items())), SKIP_UNIT_RESCALE, None if exact is None else tuple(exact[s]["ring"].shape[2] for s in ("k", "v")),
+           KEY_POST, QZ_ROWS, QZ_N, VALUE_ZERO_APART, WIDEN_IN_LANES, WHOLE_TILES, tuple(sorted(RING_TILES.items())), None if exact is None else tuple(exact[s]["ring"].shape[2] for s in ("k", "v")),
            tuple(sorted(POST_MAXNREG.items())), tuple(sorted(POST_WCOST.items())))
     if key not in _RESIDENT:
         one = torch.empty(1, dtype=torch.float32, device=dev)   # stand-ins: partial buffers, temperatures, logits

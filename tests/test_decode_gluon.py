@@ -281,7 +281,7 @@ SCRIPT = textwrap.dedent('''
                   VBITS=vb, KA_HI=ka[0], KA_LO=ka[1], VA_HI=va[0], VA_LO=va[1], NWIN=3, TMA=tma, NST=2,
                   PDL=tma, KPOST=post, QZROWS=post and tma and dag.QZ_ROWS, QZ_N=dag.QZ_N,
                   VZ=dag.VALUE_ZERO_APART and bf16, WL=dag.WIDEN_IN_LANES, WT=dag.WHOLE_TILES,
-                  TPS=dag.RING_TILES.get(max(kb, vb), 1) if tma else 1, SR=dag.SKIP_UNIT_RESCALE)   # as `_plan` (an
+                  TPS=dag.RING_TILES.get(max(kb, vb), 1) if tma else 1)   # as `_plan` builds it (an
         # offline compile leaves a constexpr it is not given falsy, not at its default)
         b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 12, 13, 14, 22, 23) + (() if tma else (3, 4, 5, 6, 7, 8)))
         out.append((bf16, mask, kb, vb, tma, post, b.shared, b.stack == b.local == 0, b.sass.count("HMMA"),
@@ -330,7 +330,7 @@ SCRIPT = textwrap.dedent('''
         ka, va = (dag.split_scale(2 / (2 ** n - (2 if hyb else 1)), bf16) for n in (kb, vb))
         cx = dict(H=8, REP=4, S=32, R=96, TPG_K=1, TPG_V=32, MASK_KIND=mask, IS_BF16=bf16, BT=32, KBITS=kb, VBITS=vb,
                   KA_HI=ka[0], KA_LO=ka[1], VA_HI=va[0], VA_LO=va[1], NWIN=3, TMA=False, NST=2, PDL=True, INNER=True,
-                  KHYB=hyb, VHYB=hyb, NORM=norm, WL=dag.WIDEN_IN_LANES, WT=dag.WHOLE_TILES, TPS=1, SR=False)
+                  KHYB=hyb, VHYB=hyb, NORM=norm, WL=dag.WIDEN_IN_LANES, WT=dag.WHOLE_TILES, TPS=1)
         b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 3, 4, 5, 6, 7, 8, 12, 13, 14))
         out.append(("inner", bf16, b.shared, b.stack == b.local == 0, b.sass.count("HMMA"), b.sass.count("STS"),
                     b.sass.count("LDS"), b.sass.count("MOVM"), loop(b)))
@@ -371,8 +371,7 @@ SCRIPT = textwrap.dedent('''
         ka, va = (dag.split_scale(2 / (2 ** n - (2 if hyb else 1)), bf16) for n in (kb, vb))
         cx = dict(H=8, REP=4, S=32, R=96, TPG_K=1, TPG_V=32, MASK_KIND=mask, IS_BF16=bf16, BT=32, KBITS=kb, VBITS=vb,
                   KA_HI=ka[0], KA_LO=ka[1], VA_HI=va[0], VA_LO=va[1], NWIN=3, TMA=True, NST=dag.NSTAGES, PDL=True,
-                  INNER=True, KHYB=hyb, VHYB=hyb, NORM=norm, WL=dag.WIDEN_IN_LANES, WT=dag.WHOLE_TILES, TPS=1,
-                  SR=False)
+                  INNER=True, KHYB=hyb, VHYB=hyb, NORM=norm, WL=dag.WIDEN_IN_LANES, WT=dag.WHOLE_TILES, TPS=1)
         b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 4, 5, 7, 8, 12, 13, 14))
         out.append(("inner-tma", bf16, kb, vb, b.shared, b.stack == b.local == 0, b.sass.count("UTMALDG"),
                     b.sass.count("STS"), b.sass.count("LDS"), b.regs, loop(b)))
@@ -1103,24 +1102,6 @@ def test_two_tile_ring_slots_bit_equal_on_gpu(dtype, layout, case, num_splits, m
     B, n0 = case[0], case[4]
     outs = _outputs_by_flag(layout, case, dtype, B * 17 + n0, "RING_TILES", "TPS", monkeypatch,
                             values=({1: 1, 2: 1, 4: 1}, {1: 2, 2: 2, 4: 2}), consts=(1, 2), num_splits=num_splits)
-    assert torch.isfinite(outs[0]).all()
-    assert torch.equal(outs[0], outs[1])
-
-
-@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() < (9, 0) or not dag.HAVE_TMA,
-                    reason="the ring builds: sm_90+ and Gluon's TMA")
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("layout", ["kivi-2", "kivi-4", "k2v1", "k1v1"])
-@pytest.mark.parametrize("case,tma,num_splits", [(CASES[0], True, None), (CASES[3], True, 1), (CASES[9], True, None),
-                                                 (CASES[1], False, None)])
-def test_unit_rescale_skipped_bit_equal_on_gpu(dtype, layout, case, tma, num_splits, monkeypatch):
-    """`SKIP_UNIT_RESCALE`: a tile that raises no query head's running max has alpha = exp2(0) = 1 in every column, so
-    skipping the accumulator's multiply by it changes nothing: the output is bit-equal with it off. One slice over
-    the region (most tiles skip), GQA 8 and 3, small statistics, the ring and plain loads; the launches are
-    checked to be the builds compared."""
-    B, n0 = case[0], case[4]
-    outs = _outputs_by_flag(layout, case, dtype, B * 19 + n0, "SKIP_UNIT_RESCALE", "SR", monkeypatch, tma=tma,
-                            num_splits=num_splits)
     assert torch.isfinite(outs[0]).all()
     assert torch.equal(outs[0], outs[1])
 
