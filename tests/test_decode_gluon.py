@@ -196,7 +196,7 @@ def test_row_descriptors_take_each_sides_width():
 
 @pytest.mark.skipif(not dag.HAVE_TMA, reason="Gluon's TMA descriptors")
 @pytest.mark.parametrize("kb,vb", [(2, 2), (4, 4), (2, 1)])
-def test_kivi_ring_slots_hold_ring_tiles_tiles(kb, vb, monkeypatch):
+def test_kivi_ring_boxes_hold_a_slots_tiles(kb, vb, monkeypatch):
     """KIVI's TMA ring (`RING_TILES`): each box of `descriptors` holds tps tiles (codes [tps 32, words], the Key
     groups' statistics rows [tps, 128], the Values' [tps 32 * 4]), a box at most 256 entries a dimension (tps 3
     refused); `_plan` builds the kernel with TPS equal to its descriptors' tiles (by the wider side's bits), and 1
