@@ -3,7 +3,9 @@ SASS instructions (the longest backward branch), by opcode. kvquant's kernel at 
 168-register cap and without, and with one outlier per token (kvquant-4-1%); int8's kernel at 16- and 32-token
 tiles, fp16 and bf16; the KIVI-layout kernel at 2 and 4 bits (fp16, bool mask, plain loads) with its Keys
 post-scaled (the default) and dequantized, and its TMA build (bf16, the Values' offsets by their own mma where
-`VALUE_ZERO_APART`) with q . z per tile or per QZ_N Key groups (`QZ_ROWS`); InnerQ's layout in the same kernel;
+`VALUE_ZERO_APART`) with q . z per tile or per QZ_N Key groups (`QZ_ROWS`), with the instructions it runs per
+tile (`ring_tile`: the QZ refill left out, a slot's copies counted once per `RING_TILES` tiles); InnerQ's layout in
+the same kernel;
 calibquant's kernel (both phases).
 
     python bench/sass_gluon.py        (without TRITON_INTERPRET; ptxas and cuobjdump from the triton wheel)
@@ -19,7 +21,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from sm90_sass import compile_sm90, main_loop  # noqa: E402
+from sm90_sass import compile_sm90, main_loop, ring_tile  # noqa: E402
 
 from kvq_compile.templates import decode_attention_gluon as dag  # noqa: E402
 
@@ -87,9 +89,11 @@ def main():
                       WT=dag.WHOLE_TILES, TPS=dag.RING_TILES.get(bits, 1))
             b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 12, 13, 14, 22, 23))
             # main_loop spans the mbarrier wait's retry branch here: its HMMA are the tile's, the refill's not
+            run, ops = ring_tile(b.sass, cx["TPS"], refill=qz)
             print(f"KIVI layout {bits}-bit, bf16, TMA, q . z {'per QZ_N groups' if qz else 'per tile'}: {b.regs} "
-                  f"registers, stack {b.stack} B, HMMA per tile {main_loop(b.sass)['HMMA']} (in the code "
-                  f"{b.sass.count('HMMA')}), TMA copies {b.sass.count('UTMALDG')}", flush=True)
+                  f"registers, stack {b.stack} B, shared {b.shared} B, HMMA per tile {main_loop(b.sass)['HMMA']} (in "
+                  f"the code {b.sass.count('HMMA')}), TMA copies {b.sass.count('UTMALDG')}, about {run:.0f} "
+                  f"instructions run per tile ({cx['TPS']} a ring slot): {dict(ops.most_common(10))}", flush=True)
     # InnerQ's layout (innerq-2: 2-bit hybrid groups on both sides, the Key norm) in the same kernel
     inner = dict(kivi, KMASK="*u8", VMASK="*u8", KNORM="*fp32")
     cx = dict(H=8, REP=4, S=32, R=96, TPG_K=1, TPG_V=32, MASK_KIND=1, IS_BF16=False, BT=32, KBITS=2, VBITS=2,

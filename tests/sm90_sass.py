@@ -55,3 +55,36 @@ def main_loop(sass: str, last: bool = False) -> collections.Counter:
         ins = re.sub(r"/\*.*?\*/", "", ln).split(";")[0].split()
         ops[(ins[1] if ins[0].startswith("@") else ins[0]).split(".")[0]] += 1
     return ops
+
+
+def ring_tile(sass: str, tps: int = 1, refill: bool = False) -> tuple[float, collections.Counter]:
+    """(instructions run per tile, opcodes of the loop's code) of a TMA ring build's tile loop: the predicated
+    backward branch spanning over 4 KB of code (the mbarrier wait's retry branch is shorter), with refill without
+    the block that its first forward branch skips near the loop's top (`_kivi_decode_kernel`'s QZ_ROWS refill, run
+    once per QZ_N Key groups), and with a block that a forward branch skips over the TMA copies counted once per tps
+    tiles (a ring slot of tps tiles is refilled after its last one). An estimate: other branches count whole."""
+    lines = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)]
+    addr = [int(re.match(r"\s+/\*([0-9a-f]{4})\*/", ln).group(1), 16) for ln in lines]
+    lo = hi = None
+    for i, ln in enumerate(lines):
+        m = re.search(r"@!?U?P\d+\s+BRA\s.*?0x([0-9a-f]+)", ln)
+        if m and addr[i] - int(m.group(1), 16) > 0x1000:
+            lo, hi = int(m.group(1), 16), addr[i]
+            break
+    if lo is None:
+        raise ValueError("no tile loop (a predicated backward branch over 4 KB of code) in this SASS")
+    body = [(a, ln) for a, ln in zip(addr, lines) if lo <= a <= hi]
+    forward = [(a, int(m.group(1), 16)) for a, ln in body   # within the loop (not the wait's retry branch)
+               for m in [re.search(r"BRA\s.*?0x([0-9a-f]+)", ln)] if m and a < int(m.group(1), 16) <= hi]
+    start = lo
+    if refill and forward and forward[0][0] - lo < 40 * 16:   # the refill block at the loop's top
+        start = forward[0][1]
+    issue = [(a, t) for a, t in forward if any(a < b < t and "UTMALDG" in ln for b, ln in body)]
+    ops, run = collections.Counter(), 0.0
+    for a, ln in body:
+        if a < start:
+            continue
+        ins = re.sub(r"/\*.*?\*/", "", ln).split(";")[0].split()
+        ops[(ins[1] if ins[0].startswith("@") else ins[0]).split(".")[0]] += 1
+        run += 1.0 / tps if any(f < a < t for f, t in issue) else 1.0
+    return run, ops
