@@ -156,6 +156,26 @@ def gpu_ms_per_step(model, ids, steps: int = 8, new: int | None = None, **kw) ->
     return busy / 1e3 / steps, summed / 1e3 / steps
 
 
+KERNEL_GROUPS = (   # (group, name pattern) of a decode step's CUDA kernels, first match wins (`kernel_groups`)
+    ("GEMMs", r"nvjet|gemm|cublas|cutlass|splitK|sm90_xmma|ampere_"),
+    ("decode attention", r"_kivi_decode_kernel|_post_decode_kernel|_lut_decode_kernel|_sym8_decode_kernel|"
+                         r"_decode_kernel|_combine_kernel|_temperature_kernel|flash|attention"),
+    ("append", r"_append_kernel"),
+)
+
+
+def kernel_groups(rows, steps: int) -> dict:
+    """ms per decode step of each `KERNEL_GROUPS` group (and "other") from (kernel name, self device time in us)
+    rows of `steps` profiled steps."""
+    import re
+
+    out = {g: 0.0 for g, _ in KERNEL_GROUPS} | {"other": 0.0}
+    for name, us in rows:
+        group = next((g for g, pat in KERNEL_GROUPS if re.search(pat, name)), "other")
+        out[group] += us / 1e3 / steps
+    return out
+
+
 def profile_step(model, preset, B: int = 8, P: int = 2048):
     """Top CUDA kernels of 8 kvq decode steps at (B, P), after warm-up (decode steps only: `profiled_decode`)."""
     from transformers import CompileConfig
@@ -171,6 +191,10 @@ def profile_step(model, preset, B: int = 8, P: int = 2048):
     prof = profiled_decode(model, ids, 8, **kw)
     print(f"{preset} B={B} P={P}: kernels of 8 decode steps")
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=70))
+    groups = kernel_groups([(e.key, e.self_device_time_total) for e in prof.key_averages()
+                            if e.self_device_time_total > 0], 8)
+    print("per decode step (self device time, ms): " + ", ".join(f"{g} {ms:.3f}" for g, ms in groups.items())
+          + f"; total {sum(groups.values()):.3f}")
 
 
 def per_shape(args, shapes: list) -> None:
@@ -218,7 +242,8 @@ def main():
     ap.add_argument("--opaque", default="", help="presets also run with kvq::attend not lowered (default launch)")
     ap.add_argument("--kvqcache", default="", help="presets also run through KVQCache (no fp16 cache at all)")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--profile", default=None, help="presets whose decode steps are profiled (top kernels)")
+    ap.add_argument("--profile", default=None,
+                    help="presets whose decode steps are profiled (top kernels, and ms per step by group)")
     ap.add_argument("--profile-shape", default="8x2048", help="(batch)x(prompt) of the profiled steps")
     ap.add_argument("--gpu-time", action="store_true",
                     help="also the GPU time of a decode step (kernels of 8 profiled steps), for compiled runs")
