@@ -1002,6 +1002,17 @@ def test_post_scaled_keys_large_fp16_operands_on_gpu(layout, q_size, k_size):
     _large_operands(layout, torch.float16, q_size, k_size, 6, "_kivi_decode_kernel", 3e-3, premise)
 
 
+RING_GPU = pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() < (9, 0) or not dag.HAVE_TMA,
+                              reason="the TMA ring builds: sm_90+ and Gluon's TMA")
+
+
+def _bit_equal_by_flag(*args, **kw):
+    """`_outputs_by_flag`'s two outputs: finite, and bit-equal (a flag that must not change a bit)."""
+    outs = _outputs_by_flag(*args, **kw)
+    assert torch.isfinite(outs[0]).all()
+    assert torch.equal(outs[0], outs[1])
+
+
 def _outputs_by_flag(layout, case, dtype, seed, flag, constexpr, monkeypatch, tma=True, values=(False, True),
                      consts=None, **kw):
     """The Gluon launch's output on one store (the TMA ring forced, or with tma False plain loads; a bool mask) with
@@ -1035,8 +1046,7 @@ def _outputs_by_flag(layout, case, dtype, seed, flag, constexpr, monkeypatch, tm
     return outs
 
 
-@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() < (9, 0) or not dag.HAVE_TMA,
-                    reason="QZ_ROWS runs on the TMA ring: sm_90+ and Gluon's TMA")
+@RING_GPU
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["kivi-2", "k2v1", "kivi-4", "k1v1"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[7], CASES[9]])
@@ -1047,13 +1057,10 @@ def test_post_scaled_keys_qz_rows_bit_equal_on_gpu(dtype, layout, case, num_spli
     be the builds compared. One slice over the whole region (num_splits 1) crosses several QZ_N-group refills, an
     even sink counts groups from 34, small statistics take fp16 scales near the subnormal range."""
     B, n0 = case[0], case[4]
-    outs = _outputs_by_flag(layout, case, dtype, B * 7 + n0, "QZ_ROWS", "QZROWS", monkeypatch, num_splits=num_splits)
-    assert torch.isfinite(outs[0]).all()
-    assert torch.equal(outs[0], outs[1])
+    _bit_equal_by_flag(layout, case, dtype, B * 7 + n0, "QZ_ROWS", "QZROWS", monkeypatch, num_splits=num_splits)
 
 
-@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() < (9, 0) or not dag.HAVE_TMA,
-                    reason="the widening runs on the TMA ring: sm_90+ and Gluon's TMA")
+@RING_GPU
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["kivi-2", "kivi-4", "k1v1", "innerq-k4v1", "calibquant-1"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[7], CASES[9]])
@@ -1063,13 +1070,10 @@ def test_widened_statistics_bit_equal_on_gpu(dtype, layout, case, monkeypatch):
     instructions, so the output is bit-equal with it off. KIVI's layout at 2, 4 and 1 bits, InnerQ's 1-bit Values,
     calibquant's attention pass; the launches are checked to be the builds compared."""
     B, n0 = case[0], case[4]
-    outs = _outputs_by_flag(layout, case, dtype, B * 11 + n0, "WIDEN_IN_LANES", "WL", monkeypatch)
-    assert torch.isfinite(outs[0]).all()
-    assert torch.equal(outs[0], outs[1])
+    _bit_equal_by_flag(layout, case, dtype, B * 11 + n0, "WIDEN_IN_LANES", "WL", monkeypatch)
 
 
-@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() < (9, 0) or not dag.HAVE_TMA,
-                    reason="the ring builds: sm_90+ and Gluon's TMA")
+@RING_GPU
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["kivi-2", "kivi-4", "k1v1", "innerq-2", "innerq-k4v1"])
 @pytest.mark.parametrize("case,tma,num_splits", [(CASES[0], True, None), (CASES[7], True, None), (CASES[3], True, 7),
@@ -1080,14 +1084,11 @@ def test_whole_tiles_bit_equal_on_gpu(dtype, layout, case, tma, num_splits, monk
     it off. The TMA ring and plain loads (an odd sink, GQA 3), the default slice counts and 7 (short and empty
     slices), nothing quantized yet (CASES[5]); the launches are checked to be the builds compared."""
     B, n0 = case[0], case[4]
-    outs = _outputs_by_flag(layout, case, dtype, B * 13 + n0, "WHOLE_TILES", "WT", monkeypatch, tma=tma,
-                            num_splits=num_splits)
-    assert torch.isfinite(outs[0]).all()
-    assert torch.equal(outs[0], outs[1])
+    _bit_equal_by_flag(layout, case, dtype, B * 13 + n0, "WHOLE_TILES", "WT", monkeypatch, tma=tma,
+                       num_splits=num_splits)
 
 
-@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() < (9, 0) or not dag.HAVE_TMA,
-                    reason="the ring builds: sm_90+ and Gluon's TMA")
+@RING_GPU
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("layout,case", [(lay, c) for lay in ("kivi-2", "kivi-4", "k2v1", "k1v1",
                                                                 "kivi-2" + DEQUANTIZED_KEYS, "k2v1" + DEQUANTIZED_KEYS)
@@ -1105,10 +1106,8 @@ def test_two_tile_ring_slots_bit_equal_on_gpu(dtype, layout, case, num_splits, m
         layout = layout.removesuffix(DEQUANTIZED_KEYS)
         monkeypatch.setattr(dag, "KEY_POST", False)
     B, n0 = case[0], case[4]
-    outs = _outputs_by_flag(layout, case, dtype, B * 17 + n0, "RING_TILES", "TPS", monkeypatch,
-                            values=({1: 1, 2: 1, 4: 1}, {1: 2, 2: 2, 4: 2}), consts=(1, 2), num_splits=num_splits)
-    assert torch.isfinite(outs[0]).all()
-    assert torch.equal(outs[0], outs[1])
+    _bit_equal_by_flag(layout, case, dtype, B * 17 + n0, "RING_TILES", "TPS", monkeypatch,
+                       values=({1: 1, 2: 1, 4: 1}, {1: 2, 2: 2, 4: 2}), consts=(1, 2), num_splits=num_splits)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
