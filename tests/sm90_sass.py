@@ -39,22 +39,29 @@ def compile_sm90(fn, sig: dict, cx: dict, pointers, arch: int = 90, **options) -
     return Sm90Build(n["REG"], n["STACK"], n["LOCAL"], k.metadata.shared, sass)
 
 
+def _instructions(sass: str) -> tuple[list, list]:
+    """(the SASS instruction lines, their addresses)."""
+    lines = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)]
+    return lines, [int(re.match(r"\s+/\*([0-9a-f]{4})\*/", ln).group(1), 16) for ln in lines]
+
+
+def _opcode(line: str) -> str:
+    """An instruction line's opcode without its modifiers or predicate (HMMA.16816.F32 -> HMMA)."""
+    ins = re.sub(r"/\*.*?\*/", "", line).split(";")[0].split()
+    return (ins[1] if ins[0].startswith("@") else ins[0]).split(".")[0]
+
+
 def main_loop(sass: str, last: bool = False) -> collections.Counter:
     """Opcodes of the longest loop (last: of the last one in the code) : the instructions from a backward branch's
     target to the branch."""
-    lines = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)]
-    addr = [int(re.match(r"\s+/\*([0-9a-f]{4})\*/", ln).group(1), 16) for ln in lines]
+    lines, addr = _instructions(sass)
     best = []
     for i, ln in enumerate(lines):
         m = re.search(r"BRA\s.*?0x([0-9a-f]+)", ln)
         if m and int(m.group(1), 16) < addr[i] and int(m.group(1), 16) in addr:
             body = lines[addr.index(int(m.group(1), 16)):i + 1]
             best = body if (last or len(body) > len(best)) else best
-    ops = collections.Counter()
-    for ln in best:
-        ins = re.sub(r"/\*.*?\*/", "", ln).split(";")[0].split()
-        ops[(ins[1] if ins[0].startswith("@") else ins[0]).split(".")[0]] += 1
-    return ops
+    return collections.Counter(_opcode(ln) for ln in best)
 
 
 def ring_tile(sass: str, tps: int = 1, refill: bool = False) -> tuple[float, collections.Counter]:
@@ -63,8 +70,7 @@ def ring_tile(sass: str, tps: int = 1, refill: bool = False) -> tuple[float, col
     the block that its first forward branch skips near the loop's top (`_kivi_decode_kernel`'s QZ_ROWS refill, run
     once per QZ_N Key groups), and with a block that a forward branch skips over the TMA copies counted once per tps
     tiles (a ring slot of tps tiles is refilled after its last one). An estimate: other branches count whole."""
-    lines = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)]
-    addr = [int(re.match(r"\s+/\*([0-9a-f]{4})\*/", ln).group(1), 16) for ln in lines]
+    lines, addr = _instructions(sass)
     lo = hi = None
     for i, ln in enumerate(lines):
         m = re.search(r"@!?U?P\d+\s+BRA\s.*?0x([0-9a-f]+)", ln)
@@ -84,7 +90,6 @@ def ring_tile(sass: str, tps: int = 1, refill: bool = False) -> tuple[float, col
     for a, ln in body:
         if a < start:
             continue
-        ins = re.sub(r"/\*.*?\*/", "", ln).split(";")[0].split()
-        ops[(ins[1] if ins[0].startswith("@") else ins[0]).split(".")[0]] += 1
+        ops[_opcode(ln)] += 1
         run += 1.0 / tps if any(f < a < t for f, t in issue) else 1.0
     return run, ops
