@@ -61,7 +61,10 @@ replaced became per-lane byte selects and shuffles (kivi-2 4.7-7.3% faster, kivi
 session 27). A slot holds RING_TILES tiles (TPS: 2 at 1 and 2 bits, 1 at 4, where two would cost a program per SM),
 filled by one set of copies, whose issue block (barriers, elect, the descriptors' addresses that ptxas recomputes
 in the loop: 86 SASS instructions) then runs every other tile: xquant-1.38 0.7-4.5% faster, kivi-2 -2.6% to +1.6%
-(session 28). Otherwise (and for an odd sink or cache length, where a Value-statistics
+(session 28). With two tiles a slot (post-scaled Keys, whole tiles) the online softmax takes one step per slot
+(`PAIR_SOFTMAX`): both tiles' logits, one max and one rescale, then both tiles' Values; 568 instructions a tile
+against 595 (offline sm_90, kivi-2), 1.5-4.6% faster at batch x context >= 128k, 1.5-3.6% slower at batch 1
+(session 29). Otherwise (and for an odd sink or cache length, where a Value-statistics
 box would start misaligned) every lane loads its words from global memory. kvquant's kernel takes the same ring for
 its codes alone (64-byte rows: any sink or length), its statistics, outliers and RoPE table rows by plain loads:
 10.8-14.7% faster at batch x context >= 64k with a bool mask, 9.6-13.0% without, on an H100 (bench/RESULTS.md,
@@ -122,7 +125,8 @@ window launch (partial-result slots per row: NSPLIT + NWIN); PDL the window laun
 TMA the shared-memory ring of NST slots; KPOST post-scaled Keys (`KEY_POST`), POST_E and U their fp16 range
 factors; QZROWS / QZ_N the Keys' q . z per QZ_N groups (`QZ_ROWS`); VZ the Values' offsets by their own mma
 (`VALUE_ZERO_APART`); WL the ring's Value statistics widened over a lane bit (`WIDEN_IN_LANES`); WT no tile crosses
-its slice's end (`WHOLE_TILES`, `whole_tiles`); TPS tiles per ring slot (`RING_TILES`).
+its slice's end (`WHOLE_TILES`, `whole_tiles`); TPS tiles per ring slot (`RING_TILES`); PAIR one softmax step
+per slot (`PAIR_SOFTMAX`, `pair_flags`).
 """
 from __future__ import annotations
 
@@ -761,6 +765,17 @@ if HAVE_GLUON:
         return p, alpha, m_new, lacc * gl.expand_dims(alpha, 0) + p
 
     @gluon.jit
+    def _softmax_pair(s_a, s_b, m8, lacc):
+        """`_softmax_step` over two tiles at once (a ring slot), their logits masked already (-inf): one max over
+        both, one alpha; (p_a, p_b, alpha, new max, new per-lane partial sums)."""
+        m_new = gl.maximum(m8, gl.max(gl.maximum(s_a, s_b), 0))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p_a = gl.exp2(s_a - gl.expand_dims(m_use, 0))
+        p_b = gl.exp2(s_b - gl.expand_dims(m_use, 0))
+        alpha = gl.exp2(m8 - m_use)
+        return p_a, p_b, alpha, m_new, lacc * gl.expand_dims(alpha, 0) + p_a + p_b
+
+    @gluon.jit
     def _softmax_state(BT: gl.constexpr, mma: gl.constexpr):
         """(positions, heads of a transposed [BT, 8] logits tile, running max -inf, partial sums 0, accumulator 0)."""
         trow = gl.arange(0, BT, layout=gl.SliceLayout(1, mma))
@@ -1249,7 +1264,7 @@ if HAVE_GLUON:
             PDL: gl.constexpr, INNER: gl.constexpr = False, KHYB: gl.constexpr = False,
             VHYB: gl.constexpr = False, NORM: gl.constexpr = False, KPOST: gl.constexpr = False,
             QZROWS: gl.constexpr = False, QZ_N: gl.constexpr = 8, VZ: gl.constexpr = False,
-            WL: gl.constexpr = True, WT: gl.constexpr = False, TPS: gl.constexpr = 1):
+            WL: gl.constexpr = True, WT: gl.constexpr = False, TPS: gl.constexpr = 1, PAIR: gl.constexpr = False):
         """KIVI's layout, or with INNER InnerQ's (Keys per token in groups of 32 channels, Values per channel in
         groups of 32 tokens: the same packed words, the statistics the other way round, the codes alone through the
         ring where TMA). NG_K: the
@@ -1281,7 +1296,11 @@ if HAVE_GLUON:
         WT (`WHOLE_TILES`, where `whole_tiles` holds): no tile crosses its slice's stop, so the tile's positions are
         not compared with it (loads, statistics and logits unmasked by position).
         TPS (`RING_TILES`, KIVI's ring): tiles per ring slot, filled by one set of copies (the descriptors' boxes
-        hold TPS tiles: `descriptors` tps), so the copies' issue cost is paid once per TPS tiles."""
+        hold TPS tiles: `descriptors` tps), so the copies' issue cost is paid once per TPS tiles.
+        PAIR (`PAIR_SOFTMAX`, `pair_flags`: the ring with TPS 2, KPOST and WT): one online-softmax step per slot, over
+        both tiles' logits (`_softmax_pair`); where the slice ends after the slot's first tile, the second one's
+        logits are -inf and its Value statistics zero (finite Values times p = 0). Not bit-equal with a step per
+        tile: p rounds to the cache dtype against the slot's max."""
         gl.static_assert(KPOST or not QZROWS, "QZROWS computes the post-scaled Keys' q . z")
         gl.static_assert(not (VZ and (INNER or not IS_BF16)), "VZ: KIVI's Values in bf16")
         bh = gl.program_id(0)
@@ -1345,6 +1364,7 @@ if HAVE_GLUON:
         if VBITS == 4:   # a whole word per chunk
             voff = gl.expand_dims(gl.expand_dims(vt, 1) * VW_ + gl.expand_dims(vw * 2, 0), 2) + \
                 gl.expand_dims(gl.expand_dims(jh, 0), 0)                                     # [BT, 8, 2]
+            vshift = 0   # (unused: nothing to shift)
         else:            # both chunks of w in one word, at bit 16 * VBITS * w % 32 + 8 * VBITS * jh
             voff = gl.expand_dims(vt, 1) * VW_ + gl.expand_dims(vw * 16 * VBITS // 32, 0)    # [BT, 8]
             if VBITS == 2:
@@ -1370,8 +1390,8 @@ if HAVE_GLUON:
         else:
             vhi = gl.full([BT, 8], VA_HI, dt, VW)
             vlo = gl.full([BT, 8], VA_LO, dt, VW)
-            if VZ:
-                vnegm = gl.full([BT, 8], -128.0, dt, VW)   # -M: bf16's magic number (`_value_asm`)
+            vnegm = gl.full([BT, 8], -128.0, dt, VW)   # -M: bf16's magic number (`_value_asm`; VZ)
+            if VZ:  # the offsets' share of the output, apart (`_kivi_values_t`)
                 accz = gl.zeros([16, 8], gl.float32, mma)
 
         if TMA and INNER:  # InnerQ: a ring of the tiles' code rows only (`INNER_TMA`); statistics by plain loads
@@ -1455,7 +1475,6 @@ if HAVE_GLUON:
             negm = gl.full([16, 128], -128.0, dt, a_l)
             if QZROWS:  # q . z of QZ_N Key groups per mma (`_qz_rows`), read back per tile from shared memory
                 gl.static_assert(QZ_N <= 16, "a refill's groups are the rows of one m16 mma")
-                acc16 = gl.zeros([16, 8], gl.float32, mma)
                 zsm = gl.allocate_shared_memory(gl.float32, [16, 8], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
                 zrows = zsm._reinterpret(gl.float32, [16, 8], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))  # by row
                 zbase = bh.to(gl.int64) * NG_K * D
@@ -1467,132 +1486,159 @@ if HAVE_GLUON:
             cinv = 1.0 / up
         trow, tcol, m8, lacc, acc = _softmax_state(BT, mma)
 
-        for it in range(0, n_iter):
-            t0 = start + it * BT
-            if QZROWS:  # first, while few registers are live: the next QZ_N Key groups' q . z where this tile needs them
-                grel = (t0 - S) // 32 - gbase
-                if grel >= QZ_N:
-                    gbase = gbase + grel
-                    grel = grel * 0
-                    czr = _qz_rows(KHROWS, KCROWS, zbase, gbase, NG_K, qT, KP, IS_BF16, a_l, mma, QZ_N)
-                    gl.thread_barrier()   # every lane has read the rows it replaces
-                    zsm.store(czr)
-                    gl.thread_barrier()
-            if TMA and INNER:  # the statistics' loads first: in flight while the codes' slot fills
-                kh, kcen, khyb, vh, vcen, vhyb = _load_inner_stats(KHALF, KCEN, KMASK, VHALF, VCEN, VMASK, ks_base,
-                                                                   vs_base, t0, stop, S, ksoff, kt, vchan, D, KHYB,
-                                                                   VHYB, WT)
-                st = it % NST
-                mbarrier.wait(bars.index(st), (it // NST) & 1)
-                kwords, vwords = _smem_codes(kbuf.index(st), vbuf.index(st), KW, VW, VW3, L4, BT, KBITS, VBITS, KP,
-                                             WL)
-            elif TMA:
-                slot = it // TPS
-                sub = it - slot * TPS   # this tile's place in its slot
+        if PAIR:  # two tiles (one ring slot) per online-softmax step: one max, one rescale per 64 tokens
+            gl.static_assert(TMA and (not INNER) and KPOST and (TPS == 2) and WT, "PAIR: KIVI's ring, 2 tiles a slot")
+            gl.static_assert((not QZROWS) or (QZ_N % 2 == 0), "PAIR: refills on a slot's first tile need an even QZ_N")
+            for it in range(0, n_iter, 2):
+                t0 = start + it * BT
+                if QZROWS:  # refills fall on a slot's first tile (QZ_N even, a slot's tiles in one step)
+                    grel = (t0 - S) // 32 - gbase
+                    if grel >= QZ_N:
+                        gbase = gbase + grel
+                        grel = grel * 0
+                        czr = _qz_rows(KHROWS, KCROWS, zbase, gbase, NG_K, qT, KP, IS_BF16, a_l, mma, QZ_N)
+                        gl.thread_barrier()
+                        zsm.store(czr)
+                        gl.thread_barrier()
+                slot = it // 2
                 st = slot % NST
-                mbarrier.wait(bars.index(st), (slot // NST) & 1)   # (again for sub > 0: already complete)
-                r = st * TPS + sub
-                kwords, kh, kcen, vwords, vh, vcen = _smem_tile(ktile.index(r), vtile.index(r), khtile.index(r),
-                                                                kztile.index(r), vhtile.index(r), vztile.index(r),
-                                                                KW, KS, VW, VW3, L4, BT, D, KBITS, VBITS, KP, WL)
-                if not WT:   # statistics past the slice may be unwritten memory
-                    vvalid = gl.expand_dims((t0 + vt) < stop, 1)
-                    vh = gl.where(vvalid, vh, 0.0)
-                    vcen = gl.where(vvalid, vcen, 0.0)
-            elif INNER:
-                kwords, vwords, kh, kcen, khyb, vh, vcen, vhyb = _load_inner_tile(
-                    kc_base, KHALF, KCEN, KMASK, vc_base, VHALF, VCEN, VMASK, ks_base, vs_base, t0, stop, S, koff,
-                    ksoff, kt, voff, vchan, vt, BT, D, KW_, VW_, VBITS, KHYB, VHYB, WT)
-            else:
-                kwords, kh, kcen, vwords, vh, vcen = _load_tile(kc_base, KHALF, KCEN, vc_base, VHALF, VCEN, ks_base,
-                                                                vs_base, t0, stop, S, koff, schan, kt, voff, vsoff,
-                                                                vt, BT, D, KW_, VW_, VBITS, WT)
-            if KBITS == 1:
-                kwords = kwords >> kshift
-            if INNER:  # [4, BT] -> [1, 4, 1, BT]: one scale and offset per token and lane group
-                ks, kz = _scale_offset(kh, kcen, (khyb * KA_HI).to(dt), (khyb * KA_LO).to(dt), IS_BF16)
-                wb, _ = gl.broadcast(gl.expand_dims(kwords, 2), kdummy)                  # [NA, 4, KP, BT]
-                wb, ks4 = gl.broadcast(wb, gl.expand_dims(gl.expand_dims(ks, 0), 2))
-                wb, kz4 = gl.broadcast(wb, gl.expand_dims(gl.expand_dims(kz, 0), 2))
-                kv = _unpack(wb, ks4, kz4, "kt", KBITS, KP, IS_BF16)
-            elif KPOST:
-                if not QZROWS:
-                    kz = _offset(kh, kcen, IS_BF16)
-                wb, _ = gl.broadcast(gl.expand_dims(kwords, 2), kdummy)                  # [NA, 4, KP, BT]
-                kv = _unpack_kq(wb, KBITS, KP, IS_BF16)
-            else:
-                ks, kz = _scale_offset(kh, kcen, khi, klo, IS_BF16)
-                wb, ks4 = gl.broadcast(gl.expand_dims(kwords, 2), gl.expand_dims(ks, 3))
-                wb, kz4 = gl.broadcast(wb, gl.expand_dims(kz, 3))
-                kv = _unpack(wb, ks4, kz4, "k", KBITS, KP, IS_BF16)
-            kvT = gl.convert_layout(_kred_t(kv, KP, BT), a_l)   # [BT, 128]
-            if KPOST:  # logits^T = e @ q'^T, q'^T = (q a 2^(E - b))^T * half, from q . z (bf16: - 128 sum q')
-                hk = gl.convert_layout(_kred(_sigma(kh, KP), KP), gl.SliceLayout(1, b_l))
-                if not IS_BF16:  # q a 2^E <= 2^8 times a half-range of 256 or more would pass 65504: such a tile
-                    # takes q a 2^(E - b - g) (exact), g from the exponent of its largest half-range (so that
-                    # hmax 2^-g < 256: q' <= 2^8 * 255.875 = 65504), its initial accumulator 2^-g, its logits 2^g;
-                    # integer ops on the float's bits, and 16 multiplies of q^T (the half-ranges' registers repeat)
-                    hbits = gl.max(hk, 0).to(gl.float32).to(gl.int32, bitcast=True)   # hmax < 2^(e - 126)
-                    g = gl.maximum(((hbits >> 23) & 255) - 134, 0)
-                    tg = ((127 - g) << 23).to(gl.float32, bitcast=True)              # 2^-g
-                    qa2, hk2 = gl.broadcast(qaT * tg.to(dt), gl.expand_dims(hk, 1))
+                mbarrier.wait(bars.index(st), (slot // NST) & 1)
+                has_b = (it + 1) < n_iter   # an odd tile count: the slot's second tile lies past the slice
+                for sub in gl.static_range(2):
+                    kwords, kh, kcen = _smem_keys(ktile.index(2 * st + sub), khtile.index(2 * st + sub),
+                                                  kztile.index(2 * st + sub), KW, KS, BT, KBITS, KP)
+                    if KBITS == 1:
+                        kwords = kwords >> kshift
+                    if QZROWS:
+                        s = _post_logits(kwords, kh, zrows.index(grel + sub), qT, qaT, negm, kdummy, sscale, cinv,
+                                         a_l, b_l, mma, BT, KBITS, KP, IS_BF16, QZROWS)
+                    else:
+                        s = _post_logits(kwords, kh, _offset(kh, kcen, IS_BF16), qT, qaT, negm, kdummy, sscale, cinv,
+                                         a_l, b_l, mma, BT, KBITS, KP, IS_BF16, QZROWS)
+                    s, allowed = _mask_scores(s, trow, tcol, t0 + sub * BT, stop, AMASK, b.to(gl.int64) * stride_mb,
+                                              REP, MASK_KIND, WT)
+                    if sub == 0:
+                        s_a = gl.where(allowed, s, float("-inf"))
+                    else:
+                        s_b = gl.where(allowed & has_b, s, float("-inf"))
+                p_a, p_b, alpha8, m8, lacc = _softmax_pair(s_a, s_b, m8, lacc)
+                acc = acc * gl.expand_dims(alpha8, 0)
+                if VZ:
+                    accz = accz * gl.expand_dims(alpha8, 0)
+                for sub in gl.static_range(2):
+                    vwords, vh, vcen = _smem_values(vtile.index(2 * st + sub), vhtile.index(2 * st + sub),
+                                                    vztile.index(2 * st + sub), VW, VW3, L4, BT, VBITS, WL)
+                    if sub == 0:
+                        p = p_a
+                    else:   # past the slice: p = 0 there, and finite Values (the statistics may be any bytes)
+                        p = p_b
+                        vh = gl.where(has_b, vh, 0.0)
+                        vcen = gl.where(has_b, vcen, 0.0)
+                    vv, vz = _kivi_values_t(vwords, vh, vcen, vhi, vlo, vnegm, vshift, jdummy, a_l, BT, VBITS, IS_BF16, VZ)
+                    pT = _p_transposed(p.to(dt), b_l, BT, IS_BF16)
+                    acc = mma_v2(vv, pT, acc)
+                    if VZ:
+                        accz = mma_v2(_zero_rows(vz, a_l, BT), pT, accz)
+                _issue(KC, VC, KHALF, KCEN, VHALF, VCEN, kbuf.index(st), vbuf.index(st), khbuf.index(st),
+                       kzbuf.index(st), vhbuf.index(st), vzbuf.index(st), bars.index(st), row0, grow0,
+                       t0 + NST * 2 * BT, S, (slot + NST) * 2 < n_iter, NBYTES, not QZROWS)
+        else:
+            for it in range(0, n_iter):
+                t0 = start + it * BT
+                if QZROWS:  # first, while few registers are live: the next QZ_N Key groups' q . z where this tile
+                    # needs them
+                    grel = (t0 - S) // 32 - gbase
+                    if grel >= QZ_N:
+                        gbase = gbase + grel
+                        grel = grel * 0
+                        czr = _qz_rows(KHROWS, KCROWS, zbase, gbase, NG_K, qT, KP, IS_BF16, a_l, mma, QZ_N)
+                        gl.thread_barrier()   # every lane has read the rows it replaces
+                        zsm.store(czr)
+                        gl.thread_barrier()
+                if TMA and INNER:  # the statistics' loads first: in flight while the codes' slot fills
+                    kh, kcen, khyb, vh, vcen, vhyb = _load_inner_stats(KHALF, KCEN, KMASK, VHALF, VCEN, VMASK,
+                                                                       ks_base, vs_base, t0, stop, S, ksoff, kt, vchan,
+                                                                       D, KHYB, VHYB, WT)
+                    st = it % NST
+                    mbarrier.wait(bars.index(st), (it // NST) & 1)
+                    kwords = _smem_key_codes(kbuf.index(st), KW, BT, KBITS, KP)
+                    vwords = _smem_value_codes(vbuf.index(st), VW, VW3, L4, BT, VBITS, WL)
+                elif TMA:
+                    slot = it // TPS
+                    sub = it - slot * TPS   # this tile's place in its slot
+                    st = slot % NST
+                    mbarrier.wait(bars.index(st), (slot // NST) & 1)   # (again for sub > 0: already complete)
+                    r = st * TPS + sub
+                    kwords, kh, kcen = _smem_keys(ktile.index(r), khtile.index(r), kztile.index(r), KW, KS, BT, KBITS,
+                                                  KP)
+                    vwords, vh, vcen = _smem_values(vtile.index(r), vhtile.index(r), vztile.index(r), VW, VW3, L4, BT,
+                                                    VBITS, WL)
+                    if not WT:   # statistics past the slice may be unwritten memory
+                        vvalid = gl.expand_dims((t0 + vt) < stop, 1)
+                        vh = gl.where(vvalid, vh, 0.0)
+                        vcen = gl.where(vvalid, vcen, 0.0)
+                elif INNER:
+                    kwords, vwords, kh, kcen, khyb, vh, vcen, vhyb = _load_inner_tile(
+                        kc_base, KHALF, KCEN, KMASK, vc_base, VHALF, VCEN, VMASK, ks_base, vs_base, t0, stop, S, koff,
+                        ksoff, kt, voff, vchan, vt, BT, D, KW_, VW_, VBITS, KHYB, VHYB, WT)
                 else:
-                    qa2, hk2 = gl.broadcast(qaT, gl.expand_dims(hk, 1))
-                qp = _mul(qa2, hk2, IS_BF16)
-                if QZROWS:
-                    c, _ = gl.broadcast(gl.expand_dims(zrows.index(grel).load(gl.SliceLayout(0, mma)), 0), acc16)
+                    kwords, kh, kcen, vwords, vh, vcen = _load_tile(kc_base, KHALF, KCEN, vc_base, VHALF, VCEN,
+                                                                    ks_base, vs_base, t0, stop, S, koff, schan, kt,
+                                                                    voff, vsoff, vt, BT, D, KW_, VW_, VBITS, WT)
+                if KBITS == 1:
+                    kwords = kwords >> kshift
+                if INNER:  # [4, BT] -> [1, 4, 1, BT]: one scale and offset per token and lane group
+                    ks, kz = _scale_offset(kh, kcen, (khyb * KA_HI).to(dt), (khyb * KA_LO).to(dt), IS_BF16)
+                    wb, _ = gl.broadcast(gl.expand_dims(kwords, 2), kdummy)                  # [NA, 4, KP, BT]
+                    wb, ks4 = gl.broadcast(wb, gl.expand_dims(gl.expand_dims(ks, 0), 2))
+                    wb, kz4 = gl.broadcast(wb, gl.expand_dims(gl.expand_dims(kz, 0), 2))
+                    kv = _unpack(wb, ks4, kz4, "kt", KBITS, KP, IS_BF16)
+                    s = mma_v2(gl.convert_layout(_kred_t(kv, KP, BT), a_l), qT,
+                               gl.zeros([BT, 8], gl.float32, mma)) * qscale
+                elif KPOST:
+                    if QZROWS:
+                        s = _post_logits(kwords, kh, zrows.index(grel), qT, qaT, negm, kdummy, sscale, cinv, a_l, b_l,
+                                         mma, BT, KBITS, KP, IS_BF16, QZROWS)
+                    else:
+                        s = _post_logits(kwords, kh, _offset(kh, kcen, IS_BF16), qT, qaT, negm, kdummy, sscale, cinv,
+                                         a_l, b_l, mma, BT, KBITS, KP, IS_BF16, QZROWS)
                 else:
-                    zk = gl.convert_layout(_kred(_sigma(kz, KP), KP), gl.SliceLayout(0, a_l))
-                    za, _ = gl.broadcast(gl.expand_dims(zk, 0), negm)
-                    c = mma_v2(za, qT, gl.zeros([16, 8], gl.float32, mma))
-                if IS_BF16:
-                    c = mma_v2(negm, qp, c)
-                    s = mma_v2(kvT, qp, _rows(c, BT, mma)) * sscale
-                else:
-                    c = c * (cinv * tg)
-                    s = mma_v2(kvT, qp, _rows(c, BT, mma)) * (sscale / tg)
-            else:
-                s = mma_v2(kvT, qT, gl.zeros([BT, 8], gl.float32, mma)) * qscale
-            s, allowed = _mask_scores(s, trow, tcol, t0, stop, AMASK, b.to(gl.int64) * stride_mb, REP, MASK_KIND,
-                                        WT)
-            p, alpha8, m8, lacc = _softmax_step(s, allowed, m8, lacc)
+                    ks, kz = _scale_offset(kh, kcen, khi, klo, IS_BF16)
+                    wb, ks4 = gl.broadcast(gl.expand_dims(kwords, 2), gl.expand_dims(ks, 3))
+                    wb, kz4 = gl.broadcast(wb, gl.expand_dims(kz, 3))
+                    kv = _unpack(wb, ks4, kz4, "k", KBITS, KP, IS_BF16)
+                    s = mma_v2(gl.convert_layout(_kred_t(kv, KP, BT), a_l), qT,
+                               gl.zeros([BT, 8], gl.float32, mma)) * qscale
+                s, allowed = _mask_scores(s, trow, tcol, t0, stop, AMASK, b.to(gl.int64) * stride_mb, REP, MASK_KIND,
+                                          WT)
+                p, alpha8, m8, lacc = _softmax_step(s, allowed, m8, lacc)
 
-            if INNER:
-                vfh = vhyb * vfac
-                vs, vz = _scale_offset(vh, vcen, (vfh * VA_HI).to(dt), (vfh * VA_LO).to(dt), IS_BF16)
-            else:
-                vs, vz = _scale_offset(vh, vcen, vhi, vlo, IS_BF16)
-            if VBITS == 4:
-                vw3 = vwords
-            else:
-                vw3 = vwords >> vshift                                                  # [BT, 8, 2]
-            wv, _ = gl.broadcast(gl.expand_dims(vw3, 3), jdummy)                      # [BT, 8, 2, 8]
-            if INNER:  # [8, 2, 8] -> [1, 8, 2, 8]: one scale and offset per channel
-                wv, vs4 = gl.broadcast(wv, gl.expand_dims(vs, 0))
-                wv, vz4 = gl.broadcast(wv, gl.expand_dims(vz, 0))
-                vv = _unpack(wv, vs4, vz4, "vc", VBITS, 16, IS_BF16)
-            else:
-                wv, vs4 = gl.broadcast(wv, gl.expand_dims(gl.expand_dims(vs, 2), 3))
-                if VZ:  # s * code alone: the fma's addend is -M s (exact)
-                    wv, vz4 = gl.broadcast(wv, gl.expand_dims(gl.expand_dims(_mul(vs, vnegm, IS_BF16), 2), 3))
-                    vv = _unpack(wv, vs4, vz4, "vz", VBITS, 16, IS_BF16)
+                if INNER:  # [8, 2, 8] -> [1, 8, 2, 8]: one scale and offset per channel
+                    vfh = vhyb * vfac
+                    vs, vz = _scale_offset(vh, vcen, (vfh * VA_HI).to(dt), (vfh * VA_LO).to(dt), IS_BF16)
+                    if VBITS == 4:
+                        vw3 = vwords
+                    else:
+                        vw3 = vwords >> vshift                                              # [BT, 8, 2]
+                    wv, _ = gl.broadcast(gl.expand_dims(vw3, 3), jdummy)                  # [BT, 8, 2, 8]
+                    wv, vs4 = gl.broadcast(wv, gl.expand_dims(vs, 0))
+                    wv, vz4 = gl.broadcast(wv, gl.expand_dims(vz, 0))
+                    vv = _unpack(wv, vs4, vz4, "vc", VBITS, 16, IS_BF16)
+                    vv = gl.convert_layout(vv.permute([0, 2, 3, 1]).reshape([BT, 128]).permute([1, 0]), a_l)
                 else:
-                    wv, vz4 = gl.broadcast(wv, gl.expand_dims(gl.expand_dims(vz, 2), 3))
-                    vv = _unpack(wv, vs4, vz4, "v", VBITS, 16, IS_BF16)
-            vv = vv.permute([0, 2, 3, 1]).reshape([BT, 128]).permute([1, 0])          # v^T [128 (n = 8j + w), BT]
-            vv = gl.convert_layout(vv, a_l)
-            pT = _p_transposed(p.to(dt), b_l, BT, IS_BF16)
-            acc = mma_v2(vv, pT, acc * gl.expand_dims(alpha8, 0))
-            if VZ:  # the offsets' share: z_rows @ p^T
-                accz = mma_v2(_zero_rows(vz, a_l, BT), pT, accz * gl.expand_dims(alpha8, 0))
-            if TMA and INNER:  # the ring slot just read takes the tile NST ahead
-                _issue_codes(KC, VC, kbuf, vbuf, bars.index(st), st, row0 + t0 + NST * BT, it + NST < n_iter,
-                             BT * (KW_ + VW_) * 4)
-            elif TMA:  # a slot whose last tile was just read takes the slot NST ahead (its registers are consumed)
-                if sub == TPS - 1:
-                    _issue(KC, VC, KHALF, KCEN, VHALF, VCEN, kbuf.index(st), vbuf.index(st), khbuf.index(st),
-                           kzbuf.index(st), vhbuf.index(st), vzbuf.index(st), bars.index(st), row0, grow0,
-                           t0 + (NST * TPS - TPS + 1) * BT, S, (slot + NST) * TPS < n_iter, NBYTES, not QZROWS)
+                    vv, vz = _kivi_values_t(vwords, vh, vcen, vhi, vlo, vnegm, vshift, jdummy, a_l, BT, VBITS, IS_BF16, VZ)
+                pT = _p_transposed(p.to(dt), b_l, BT, IS_BF16)
+                acc = mma_v2(vv, pT, acc * gl.expand_dims(alpha8, 0))
+                if VZ:  # the offsets' share: z_rows @ p^T
+                    accz = mma_v2(_zero_rows(vz, a_l, BT), pT, accz * gl.expand_dims(alpha8, 0))
+                if TMA and INNER:  # the ring slot just read takes the tile NST ahead
+                    _issue_codes(KC, VC, kbuf, vbuf, bars.index(st), st, row0 + t0 + NST * BT, it + NST < n_iter,
+                                 BT * (KW_ + VW_) * 4)
+                elif TMA:  # a slot whose last tile was just read takes the slot NST ahead (its registers are consumed)
+                    if sub == TPS - 1:
+                        _issue(KC, VC, KHALF, KCEN, VHALF, VCEN, kbuf.index(st), vbuf.index(st), khbuf.index(st),
+                               kzbuf.index(st), vhbuf.index(st), vzbuf.index(st), bars.index(st), row0, grow0,
+                               t0 + (NST * TPS - TPS + 1) * BT, S, (slot + NST) * TPS < n_iter, NBYTES, not QZROWS)
 
         if VZ:
             acc = acc + _rows128(accz, mma)
@@ -1629,25 +1675,31 @@ if HAVE_GLUON:
         return y
 
     @gluon.jit
-    def _smem_tile(kb, vb, khb, kzb, vhb, vzb, KW: gl.constexpr, KS: gl.constexpr, VW: gl.constexpr,
-                   VW3: gl.constexpr, L4: gl.constexpr, BT: gl.constexpr, D: gl.constexpr, KBITS: gl.constexpr,
-                   VBITS: gl.constexpr, KP: gl.constexpr, LANES: gl.constexpr = True):
-        """One ring slot into registers, in the layouts `_load_tile` returns (Key words at 1 bit unshifted); with
-        QZROWS the slot holds no Key centers (`_issue` KZ): their registers are then unused. LANES: `_widen`'s."""
+    def _smem_keys(kb, khb, kzb, KW: gl.constexpr, KS: gl.constexpr, BT: gl.constexpr, KBITS: gl.constexpr,
+                   KP: gl.constexpr):
+        """One ring tile's Key words (at 1 bit unshifted), half-ranges and centers in registers, in the layouts
+        `_load_tile` returns; with QZROWS the slot holds no Key centers (`_issue` KZ): their registers are then
+        unused (and their loads dropped)."""
         flat3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
-        flat2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-        kwords, vwords = _smem_codes(kb, vb, KW, VW, VW3, L4, BT, KBITS, VBITS, KP, LANES)
+        kwords = _smem_key_codes(kb, KW, BT, KBITS, KP)
         kh = khb._reinterpret(khb.dtype, [4, 32 // KP, KP], flat3).permute([1, 0, 2]).load(KS)
         kcen = kzb._reinterpret(kzb.dtype, [4, 32 // KP, KP], flat3).permute([1, 0, 2]).load(KS)
-        vh = _widen(vhb._reinterpret(vhb.dtype, [BT, 4], flat2).load(L4), VW, BT, LANES)
-        vcen = _widen(vzb._reinterpret(vzb.dtype, [BT, 4], flat2).load(L4), VW, BT, LANES)
-        return kwords, kh, kcen, vwords, vh, vcen
+        return kwords, kh, kcen
 
     @gluon.jit
-    def _smem_codes(kb, vb, KW: gl.constexpr, VW: gl.constexpr, VW3: gl.constexpr, L4: gl.constexpr,
-                    BT: gl.constexpr, KBITS: gl.constexpr, VBITS: gl.constexpr, KP: gl.constexpr,
-                    LANES: gl.constexpr = True):
-        """One ring slot's code rows into registers (`_smem_tile`'s words; InnerQ's codes-only ring)."""
+    def _smem_values(vb, vhb, vzb, VW: gl.constexpr, VW3: gl.constexpr, L4: gl.constexpr, BT: gl.constexpr,
+                     VBITS: gl.constexpr, LANES: gl.constexpr = True):
+        """One ring tile's Value words, half-ranges and centers in registers (`_load_tile`'s layouts). LANES:
+        `_widen`'s."""
+        flat2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+        vwords = _smem_value_codes(vb, VW, VW3, L4, BT, VBITS, LANES)
+        vh = _widen(vhb._reinterpret(vhb.dtype, [BT, 4], flat2).load(L4), VW, BT, LANES)
+        vcen = _widen(vzb._reinterpret(vzb.dtype, [BT, 4], flat2).load(L4), VW, BT, LANES)
+        return vwords, vh, vcen
+
+    @gluon.jit
+    def _smem_key_codes(kb, KW: gl.constexpr, BT: gl.constexpr, KBITS: gl.constexpr, KP: gl.constexpr):
+        """A ring tile's Key code rows into registers (also InnerQ's codes-only ring)."""
         flat3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
         flat2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
         if KBITS == 1:   # word b of each token; the block a is its half (shifted by the caller)
@@ -1655,13 +1707,80 @@ if HAVE_GLUON:
                 gl.SliceLayout(0, KW)), 0)
         else:            # word a + (KBITS / KBW) b, i.e. [BT, 4 (b), NA (a)]
             kwords = kb._reinterpret(gl.int32, [BT, 4, 32 // KP], flat3).permute([2, 1, 0]).load(KW)
+        return kwords
+
+    @gluon.jit
+    def _smem_value_codes(vb, VW: gl.constexpr, VW3: gl.constexpr, L4: gl.constexpr, BT: gl.constexpr,
+                          VBITS: gl.constexpr, LANES: gl.constexpr = True):
+        """A ring tile's Value code rows into registers (also InnerQ's codes-only ring)."""
+        flat3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
+        flat2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
         if VBITS == 4:
             vwords = vb._reinterpret(gl.int32, [BT, 8, 2], flat3).load(VW3)
         elif VBITS == 2:
             vwords = gl.expand_dims(vb._reinterpret(gl.int32, [BT, 8], flat2).load(VW), 2)
         else:
             vwords = gl.expand_dims(_widen(vb._reinterpret(gl.int32, [BT, 4], flat2).load(L4), VW, BT, LANES), 2)
-        return kwords, vwords
+        return vwords
+
+    @gluon.jit
+    def _post_logits(kwords, kh, zsrc, qT, qaT, negm, kdummy, sscale, cinv, a_l: gl.constexpr, b_l: gl.constexpr,
+                     mma: gl.constexpr, BT: gl.constexpr, KBITS: gl.constexpr, KP: gl.constexpr,
+                     IS_BF16: gl.constexpr, QZROWS: gl.constexpr):
+        """Base-2 logits^T [BT, 8] of one tile of post-scaled KIVI Keys (`_kivi_decode_kernel` KPOST):
+        e @ q'^T, q'^T = (q a 2^(E - b))^T * half (qaT: (q a 2^(E - b))^T), from q . z: zsrc is, with QZROWS, the
+        shared-memory row of the tile's Key group (`_qz_rows`), else its offsets z [NA, 4, KP]; bf16 adds
+        -128 sum q' (negm: the codes' magic number)."""
+        wb, _ = gl.broadcast(gl.expand_dims(kwords, 2), kdummy)                  # [NA, 4, KP, BT]
+        kv = _unpack_kq(wb, KBITS, KP, IS_BF16)
+        kvT = gl.convert_layout(_kred_t(kv, KP, BT), a_l)   # [BT, 128]
+        hk = gl.convert_layout(_kred(_sigma(kh, KP), KP), gl.SliceLayout(1, b_l))
+        if not IS_BF16:  # q a 2^E <= 2^8 times a half-range of 256 or more would pass 65504: such a tile
+            # takes q a 2^(E - b - g) (exact), g from the exponent of its largest half-range (so that
+            # hmax 2^-g < 256: q' <= 2^8 * 255.875 = 65504), its initial accumulator 2^-g, its logits 2^g;
+            # integer ops on the float's bits, and 16 multiplies of q^T (the half-ranges' registers repeat)
+            hbits = gl.max(hk, 0).to(gl.float32).to(gl.int32, bitcast=True)   # hmax < 2^(e - 126)
+            g = gl.maximum(((hbits >> 23) & 255) - 134, 0)
+            tg = ((127 - g) << 23).to(gl.float32, bitcast=True)              # 2^-g
+            qa2, hk2 = gl.broadcast(qaT * tg.to(qaT.dtype), gl.expand_dims(hk, 1))
+        else:
+            qa2, hk2 = gl.broadcast(qaT, gl.expand_dims(hk, 1))
+        qp = _mul(qa2, hk2, IS_BF16)
+        if QZROWS:
+            c, _ = gl.broadcast(gl.expand_dims(zsrc.load(gl.SliceLayout(0, mma)), 0),
+                                gl.zeros([16, 8], gl.float32, mma))
+        else:
+            zk = gl.convert_layout(_kred(_sigma(zsrc, KP), KP), gl.SliceLayout(0, a_l))
+            za, _ = gl.broadcast(gl.expand_dims(zk, 0), negm)
+            c = mma_v2(za, qT, gl.zeros([16, 8], gl.float32, mma))
+        if IS_BF16:
+            c = mma_v2(negm, qp, c)
+            s = mma_v2(kvT, qp, _rows(c, BT, mma)) * sscale
+        else:
+            c = c * (cinv * tg)
+            s = mma_v2(kvT, qp, _rows(c, BT, mma)) * (sscale / tg)
+        return s
+
+    @gluon.jit
+    def _kivi_values_t(vwords, vh, vcen, vhi, vlo, vnegm, vshift, jdummy, a_l: gl.constexpr, BT: gl.constexpr,
+                       VBITS: gl.constexpr, IS_BF16: gl.constexpr, VZ: gl.constexpr):
+        """(v^T [128 (n = 8j + w), BT] in the A layout a_l, the offsets z [BT, 8]) of one KIVI Value tile (per-token
+        groups); with VZ, v^T holds s * code alone (the fma's addend -M s, exact; vnegm: -M) and the caller adds z's
+        share (`_zero_rows`)."""
+        vs, vz = _scale_offset(vh, vcen, vhi, vlo, IS_BF16)
+        if VBITS == 4:
+            vw3 = vwords
+        else:
+            vw3 = vwords >> vshift                                                  # [BT, 8, 2]
+        wv, _ = gl.broadcast(gl.expand_dims(vw3, 3), jdummy)                      # [BT, 8, 2, 8]
+        wv, vs4 = gl.broadcast(wv, gl.expand_dims(gl.expand_dims(vs, 2), 3))
+        if VZ:
+            wv, vz4 = gl.broadcast(wv, gl.expand_dims(gl.expand_dims(_mul(vs, vnegm, IS_BF16), 2), 3))
+            vv = _unpack(wv, vs4, vz4, "vz", VBITS, 16, IS_BF16)
+        else:
+            wv, vz4 = gl.broadcast(wv, gl.expand_dims(gl.expand_dims(vz, 2), 3))
+            vv = _unpack(wv, vs4, vz4, "v", VBITS, 16, IS_BF16)
+        return gl.convert_layout(vv.permute([0, 2, 3, 1]).reshape([BT, 128]).permute([1, 0]), a_l), vz
 
     @gluon.jit
     def _load_tile(kc_base, KHALF, KCEN, vc_base, VHALF, VCEN, ks_base, vs_base, t0, stop, S: gl.constexpr, koff,
@@ -2180,6 +2299,9 @@ VALUE_ZERO_APART = True  # KIVI's Values in bf16: s * code in the registers, the
                          # (kivi-2, kivi-4, xquant-1.38 at batch x context >= 64k, bool mask, H200, bench/RESULTS.md
                          # session 27); 4 / 4 / 6 more registers (153 / 162 / 157 at 2 / 4 / 1 bits, TMA build,
                          # before `WIDEN_IN_LANES`: 151 / 160 / 153 with it)
+PAIR_SOFTMAX = True   # KIVI's ring with two tiles a slot: one online-softmax step per slot (PAIR): kivi-2 and
+# xquant-1.38 1.5-4.6% faster at batch x context >= 128k, 1.5-3.6% slower at (1, 65536) (H200, bool mask, session 29;
+# slices of whole slots, so that only the last one ends inside a slot, were slower: ptxas added 22 moves a slot)
 RING_TILES = {1: 2, 2: 2, 4: 1}   # tiles per slot of KIVI's TMA ring (`_kivi_decode_kernel` TPS), by the wider
 # side's bits: one set of copies per slot. At 4 bits two tiles a slot take 20 KB of shared memory (11 programs per SM
 # instead of 12, offline sm_90 compile)
@@ -2345,14 +2467,21 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
     tps = RING_TILES.get(max(kbits, vbits), 1) if use_tma and KIVI_BT == 32 else 1
     if use_tma:
         stores = descriptors(kp, vp, kbits, vbits, tps)
+    wt = WHOLE_TILES and whole_tiles(recent, 32, tpg_v, KIVI_BT)
     return _kivi_decode_kernel, (
         query, query.stride(0), query.stride(1), *stores, positions, amask, smb, m_buf, l_buf, acc_buf,
         float(scale), T, ng_k, nsplit, *extra), dict(
         H=H, REP=rep, S=sink, R=recent, TPG_K=32, TPG_V=tpg_v, MASK_KIND=mask_kind,
         IS_BF16=bf16, BT=KIVI_BT, KBITS=kbits, VBITS=vbits, KA_HI=ka_hi, KA_LO=ka_lo, VA_HI=va_hi, VA_LO=va_lo,
         NWIN=nwin, TMA=use_tma, NST=NSTAGES, PDL=pdl, KPOST=KEY_POST, QZROWS=KEY_POST and QZ_ROWS and use_tma, QZ_N=QZ_N,
-        VZ=VALUE_ZERO_APART and bf16, WL=WIDEN_IN_LANES, WT=WHOLE_TILES and whole_tiles(recent, 32, tpg_v, KIVI_BT),
-        TPS=tps, num_warps=1)
+        VZ=VALUE_ZERO_APART and bf16, WL=WIDEN_IN_LANES, WT=wt, TPS=tps, **pair_flags(tps, KEY_POST, wt),
+        num_warps=1)
+
+
+def pair_flags(tps: int, key_post: bool, wt: bool) -> dict:
+    """The KIVI kernel's PAIR constexpr as `_plan` passes it, from its TPS, KPOST and WT (offline builds take it
+    from here too): one online-softmax step per two-tile ring slot."""
+    return dict(PAIR=bool(PAIR_SOFTMAX and tps == 2 and key_post and wt))
 
 
 def window_inside(kind: str | None, kc: dict, vc: dict, tau) -> bool:
@@ -2442,7 +2571,7 @@ def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mas
     tma = _use_tma(query, sink, T, use_tma, kind)
     key = (kind, inner_flags(kp, vp) if kind == "inner" else None, dev.index, query.dtype, amask.dtype, mask_kind, kbits, vbits, H, rep, sink, recent, tpg_v, nwin,
            tma, NSTAGES, phase, rope is not None, tuple(nout), LUT_BT, LUT_MAXNREG, LUT_NO_MASK_AS_BOOL, SYM8_BT, KIVI_BT, pdl,
-           KEY_POST, QZ_ROWS, QZ_N, VALUE_ZERO_APART, WIDEN_IN_LANES, WHOLE_TILES, tuple(sorted(RING_TILES.items())), None if exact is None else tuple(exact[s]["ring"].shape[2] for s in ("k", "v")),
+           KEY_POST, QZ_ROWS, QZ_N, VALUE_ZERO_APART, WIDEN_IN_LANES, WHOLE_TILES, tuple(sorted(RING_TILES.items())), PAIR_SOFTMAX, None if exact is None else tuple(exact[s]["ring"].shape[2] for s in ("k", "v")),
            tuple(sorted(POST_MAXNREG.items())), tuple(sorted(POST_WCOST.items())))
     if key not in _RESIDENT:
         one = torch.empty(1, dtype=torch.float32, device=dev)   # stand-ins: partial buffers, temperatures, logits

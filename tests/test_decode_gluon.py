@@ -281,13 +281,15 @@ SCRIPT = textwrap.dedent('''
                   VBITS=vb, KA_HI=ka[0], KA_LO=ka[1], VA_HI=va[0], VA_LO=va[1], NWIN=3, TMA=tma, NST=2,
                   PDL=tma, KPOST=post, QZROWS=post and tma and dag.QZ_ROWS, QZ_N=dag.QZ_N,
                   VZ=dag.VALUE_ZERO_APART and bf16, WL=dag.WIDEN_IN_LANES, WT=dag.WHOLE_TILES,
-                  TPS=dag.RING_TILES.get(max(kb, vb), 1) if tma else 1)   # as `_plan` builds it (an
-        # offline compile leaves a constexpr it is not given falsy, not at its default)
+                  TPS=dag.RING_TILES.get(max(kb, vb), 1) if tma else 1)
+        cx.update(dag.pair_flags(cx["TPS"], post, cx["WT"]))   # as `_plan` (an offline compile leaves a constexpr
+        # it is not given falsy, not at its default)
         b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 12, 13, 14, 22, 23) + (() if tma else (3, 4, 5, 6, 7, 8)))
         out.append((bf16, mask, kb, vb, tma, post, b.shared, b.stack == b.local == 0, b.sass.count("HMMA"),
                     b.sass.count("STS"), b.sass.count("LDS"), b.sass.count("UTMALDG"), b.sass.count("MOVM"),
                     b.sass.count("HFMA2"), loop(b), len(re.findall(r"PRMT R\\d+, R\\d+, R\\d+", b.sass)),
-                    ring_tile(b.sass, cx["TPS"], refill=cx["QZROWS"])[0] if tma else 0))
+                    (ring_tile(b.sass, 1, refill=cx["QZROWS"])[0] / 2 if cx["PAIR"] else
+                     ring_tile(b.sass, cx["TPS"], refill=cx["QZROWS"])[0]) if tma else 0))
     for bf16, mask, phase in ((True, 1, 2), (False, 2, 1), (False, 0, 0)):   # calibquant's kernel
         ty = "*bf16" if bf16 else "*fp16"
         sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KCEN=ty, KHALF=ty, VC="*i32", VCEN=ty,
@@ -448,10 +450,11 @@ def test_compiles_for_sm90_into_registers_only():
             # over a lane bit (`WIDEN_IN_LANES`): no byte select by a lane-dependent selector (a register join took 16)
             assert shared > 0 and sts == (2 if qz else 0) and lds > 0 and tma_loads == (5 if qz else 6) * 3, rows
             assert sel == 0 or not dag.WIDEN_IN_LANES, rows
-            # instructions run per tile (`ring_tile`): 595 for this build (bf16, 2 bits, bool mask; session 28: the
-            # position masks dropped, `WHOLE_TILES`, and two tiles a ring slot, `RING_TILES`); 633 with one tile a
-            # slot, 683 with the masks: a regression of either fails here
-            assert run <= 605 or not (bf16 and kb == vb == 2 and post), rows
+            # instructions run per tile (`ring_tile`): 568 for this build (bf16, 2 bits, bool mask; session 29: one
+            # softmax step per slot, `PAIR_SOFTMAX`), 595 without (session 28: the position masks dropped,
+            # `WHOLE_TILES`, and two tiles a ring slot, `RING_TILES`); 633 with one tile a slot, 683 with the masks:
+            # a regression of any fails here
+            assert run <= (575 if dag.PAIR_SOFTMAX else 605) or not (bf16 and kb == vb == 2 and post), rows
         else:
             assert shared == 0 and sts == 0 and lds == 0 and tma_loads == 0, rows
         assert no_local, rows
@@ -460,8 +463,10 @@ def test_compiles_for_sm90_into_registers_only():
         # HFMA2 (and their scales') remain, 88 against 168. With QZROWS q . z takes 8 HMMA per QZ_N groups, out of
         # the tile's path (`loop` spans the mbarrier wait's retry branch there: its HMMA and MOVM counts only). bf16's
         # Values leave their offsets to 2 more HMMA per tile (VZ), their `add` per register drops out
-        if qz:
-            assert loop[:2] == (32 + 8 * bf16 + vz, 4) and hmma == 40 + 8 * bf16 + vz, rows
+        if qz:   # PAIR: the loop runs a ring slot (two tiles) a trip, and holds their code twice
+            pair = 2 if dag.PAIR_SOFTMAX and dag.RING_TILES.get(max(kb, vb), 1) == 2 else 1
+            assert loop[:2] == ((32 + 8 * bf16 + vz) * pair, 4 * pair), rows
+            assert hmma == (32 + 8 * bf16 + vz) * pair + 8, rows
         else:
             assert loop[:3] == ((40 + 8 * bf16 + vz, 4, 88) if post else (32 + vz, 4, 168)), rows
         if not tma:   # HADD2: the `add` of -M per register, 64 per dequantized side and tile (a few others)
@@ -1084,6 +1089,7 @@ def test_whole_tiles_bit_equal_on_gpu(dtype, layout, case, tma, num_splits, monk
     it off. The TMA ring and plain loads (an odd sink, GQA 3), the default slice counts and 7 (short and empty
     slices), nothing quantized yet (CASES[5]); the launches are checked to be the builds compared."""
     B, n0 = case[0], case[4]
+    monkeypatch.setattr(dag, "PAIR_SOFTMAX", False)   # it needs WT (and is not bit-equal: its own test)
     _bit_equal_by_flag(layout, case, dtype, B * 13 + n0, "WHOLE_TILES", "WT", monkeypatch, tma=tma,
                        num_splits=num_splits)
 
@@ -1105,9 +1111,27 @@ def test_two_tile_ring_slots_bit_equal_on_gpu(dtype, layout, case, num_splits, m
     if layout.endswith(DEQUANTIZED_KEYS):
         layout = layout.removesuffix(DEQUANTIZED_KEYS)
         monkeypatch.setattr(dag, "KEY_POST", False)
+    monkeypatch.setattr(dag, "PAIR_SOFTMAX", False)   # one softmax step per slot is not bit-equal (its own test)
     B, n0 = case[0], case[4]
     _bit_equal_by_flag(layout, case, dtype, B * 17 + n0, "RING_TILES", "TPS", monkeypatch,
                        values=({1: 1, 2: 1, 4: 1}, {1: 2, 2: 2, 4: 2}), consts=(1, 2), num_splits=num_splits)
+
+
+@RING_GPU
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["kivi-2", "k2v1", "k1v1"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[7], CASES[9]])
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_pair_softmax_matches_per_tile_on_gpu(dtype, layout, case, num_splits, monkeypatch):
+    """`PAIR_SOFTMAX`: one online-softmax step per ring slot (two tiles) against one per tile: the same attention up
+    to rounding (p rounds to the cache dtype against the pair's max instead of the tile's), with odd tile counts per
+    slice (the second tile masked) and several slices."""
+    B, n0 = case[0], case[4]
+    outs = _outputs_by_flag(layout, case, dtype, B * 23 + n0, "PAIR_SOFTMAX", "PAIR", monkeypatch,
+                            num_splits=num_splits)
+    assert torch.isfinite(outs[1]).all()
+    err = ((outs[1].float() - outs[0].float()).norm() / outs[0].float().norm()).item()
+    assert err < (4e-3 if dtype == torch.bfloat16 else 5e-4), err
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
