@@ -241,6 +241,11 @@ def main():
                     help="of eager, hf-compiled, quanto-2, quanto-4 (HF QuantizedCache: needs optimum-quanto); '' for none")
     ap.add_argument("--opaque", default="", help="presets also run with kvq::attend not lowered (default launch)")
     ap.add_argument("--kvqcache", default="", help="presets also run through KVQCache (no fp16 cache at all)")
+    ap.add_argument("--frozen", default="",
+                    help="presets also run with Inductor's freezing (the weights constants, so that its patterns "
+                         "may concatenate same-input GEMMs' weights). Session 29, H200: GPU time per step unchanged "
+                         "(2.25 against 2.23 ms at (32, 4096)), 0.4-0.9 GiB more peak memory, and wall-clock 4x "
+                         "slower (its CUDA graphs were skipped): not recommended")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", default=None,
                     help="presets whose decode steps are profiled (top kernels, and ms per step by group)")
@@ -269,18 +274,22 @@ def main():
         runs = [(b, None) for b in args.baselines.split(",") if b] + [("kvq", p) for p in args.presets.split(",") if p]
         runs += [("kvq-opaque", p) for p in args.opaque.split(",") if p]
         runs += [("kvqcache", p) for p in args.kvqcache.split(",") if p]
+        runs += [("kvq-frozen", p) for p in args.frozen.split(",") if p]
         for kind, preset in runs:
             torch._dynamo.reset()
             torch.cuda.empty_cache()
             kw = {}
             if kind == "hf-compiled":
                 kw = dict(cache_implementation="static", compile_config=CompileConfig())
-            elif kind in ("kvq", "kvq-opaque"):  # opaque: kvq::attend not lowered (untuned CUDA kernel)
+            elif kind in ("kvq", "kvq-opaque", "kvq-frozen"):  # opaque: kvq::attend not lowered (untuned kernel)
                 lowering.DEVICES.clear()
                 lowering.DEVICES.update(set() if kind == "kvq-opaque" else {"cuda"})
                 lowering.SELECTED.clear()
-                kw = dict(cache_implementation="static",
-                          compile_config=CompileConfig(backend=kvq_backend(preset), fullgraph=True))
+                cc = CompileConfig(backend=kvq_backend(preset), fullgraph=True)
+                if kind == "kvq-frozen":   # reduce-overhead's CUDA graphs as an option: mode and options exclude
+                    cc = CompileConfig(backend=kvq_backend(preset), fullgraph=True, mode=None,
+                                       options={"triton.cudagraphs": True, "freezing": True})
+                kw = dict(cache_implementation="static", compile_config=cc)
             elif kind == "kvqcache":  # the HF-native path: a Cache made of the packed store alone
                 from kvq_compile.hf import KVQCache
 
@@ -296,7 +305,7 @@ def main():
                 step, _ = timed_generate(model, ids, args.new, **kw)
                 peak = torch.cuda.max_memory_allocated()
                 gpu = gpu_summed = None
-                if args.gpu_time and kind in ("hf-compiled", "kvq", "kvq-opaque"):  # (a used KVQCache is full)
+                if args.gpu_time and kind in ("hf-compiled", "kvq", "kvq-opaque", "kvq-frozen"):  # (a used KVQCache is full)
                     gpu, gpu_summed = gpu_ms_per_step(model, ids, new=args.new, **kw)
             except Exception as e:  # noqa: BLE001  report and go on
                 print(f"{kind} {preset} B={B} P={P}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
@@ -305,7 +314,7 @@ def main():
             if lowering.SELECTED and kind == "kvq":
                 picks = collections.Counter(str(c) for _, c in lowering.SELECTED)
                 print(f"  autotuned kvq::attend launches: {dict(picks)}", flush=True)
-            roof = roofline_tok_s(model, preset if kind in ("kvq", "kvq-opaque", "kvqcache") else None, args.layers,
+            roof = roofline_tok_s(model, preset if kind in ("kvq", "kvq-opaque", "kvqcache", "kvq-frozen") else None, args.layers,
                                   B, P + args.new // 2, bw)
             row = dict(kind=kind, preset=preset, batch=B, prompt=P, tok_s=tps, ms_step=1e3 * step,
                        peak_gib=peak / 2**30, roofline_tok_s=roof, frac_roofline=tps / roof, gpu_ms_step=gpu,
