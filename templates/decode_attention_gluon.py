@@ -63,8 +63,8 @@ filled by one set of copies, whose issue block (barriers, elect, the descriptors
 in the loop: 86 SASS instructions) then runs every other tile: xquant-1.38 0.7-4.5% faster, kivi-2 -2.6% to +1.6%
 (session 28). With two tiles a slot (post-scaled Keys, whole tiles) the online softmax takes one step per slot
 (`PAIR_SOFTMAX`): both tiles' logits, one max and one rescale, then both tiles' Values; 568 instructions a tile
-against 595 (offline sm_90, kivi-2), 1.5-4.6% faster at batch x context >= 128k, 1.5-3.6% slower at batch 1
-(session 29). Otherwise (and for an odd sink or cache length, where a Value-statistics
+against 595 (offline sm_90, kivi-2; 558 in slices of whole slots), 3.0-4.9% faster at batch x context >= 512k,
+0.9% slower at batch 1 (session 29). Otherwise (and for an odd sink or cache length, where a Value-statistics
 box would start misaligned) every lane loads its words from global memory. kvquant's kernel takes the same ring for
 its codes alone (64-byte rows: any sink or length), its statistics, outliers and RoPE table rows by plain loads:
 10.8-14.7% faster at batch x context >= 64k with a bool mask, 9.6-13.0% without, on an H100 (bench/RESULTS.md,
@@ -1172,7 +1172,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _slice(POS, split, NSPLIT, S: gl.constexpr, R: gl.constexpr, TPG_K: gl.constexpr, TPG_V: gl.constexpr,
-               BT: gl.constexpr, PDL: gl.constexpr, WCOST: gl.constexpr, NWIN: gl.constexpr):
+               BT: gl.constexpr, PDL: gl.constexpr, WCOST: gl.constexpr, NWIN: gl.constexpr, UNIT: gl.constexpr = 1):
         """(start, stop, tiles) of this program's slice of [S, qend), as `_decode_kernel` computes it (WCOST 0; a
         Python mirror, `_slice_mirror` in tests/test_decode_gluon.py, checks `whole_tiles` against it: keep them in
         step). PDL
@@ -1183,7 +1183,9 @@ if HAVE_GLUON:
         (tile wt of the NWIN to program wt mod NSPLIT, `_window_partials`) take shorter slices. Every program gets
         per = ceil((tiles + WCOST NWIN) / NSPLIT) units of work (at least WCOST times the most window tiles a
         program takes, so that no slice is negative), each of its own window tiles counting WCOST units and the rest
-        its share of the quantized region's tiles, in order (`bench/debug/slice_wcost_check.py` mirrors it)."""
+        its share of the quantized region's tiles, in order (`bench/debug/slice_wcost_check.py` mirrors it).
+        UNIT (WCOST 0): slices of a multiple of UNIT tiles (KIVI's PAIR: whole ring slots; only a row's last slice
+        can end inside one)."""
         if PDL:
             gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
                                       is_pure=False, pack=1)
@@ -1204,7 +1206,7 @@ if HAVE_GLUON:
             start = S + gl.minimum(lo, tiles) * BT
             stop = gl.minimum(S + gl.minimum(hi, tiles) * BT, qend)
         else:
-            per = gl.cdiv(gl.cdiv(qlen, NSPLIT), BT) * BT
+            per = gl.cdiv(gl.cdiv(qlen, NSPLIT), BT * UNIT) * (BT * UNIT)
             start = S + split * per
             stop = gl.minimum(start + per, qend)
         return start, stop, gl.cdiv(gl.maximum(stop - start, 0), BT)
@@ -1298,9 +1300,9 @@ if HAVE_GLUON:
         TPS (`RING_TILES`, KIVI's ring): tiles per ring slot, filled by one set of copies (the descriptors' boxes
         hold TPS tiles: `descriptors` tps), so the copies' issue cost is paid once per TPS tiles.
         PAIR (`PAIR_SOFTMAX`, `pair_flags`: the ring with TPS 2, KPOST and WT): one online-softmax step per slot, over
-        both tiles' logits (`_softmax_pair`); where the slice ends after the slot's first tile, the second one's
-        logits are -inf and its Value statistics zero (finite Values times p = 0). Not bit-equal with a step per
-        tile: p rounds to the cache dtype against the slot's max."""
+        both tiles' logits (`_softmax_pair`), in slices of whole slots (`_slice` UNIT 2); where a row's last slice
+        ends after a slot's first tile, the second one's logits are -inf (its Values finite: p V = 0). Not bit-equal
+        with a step per tile: p rounds to the cache dtype against the slot's max."""
         gl.static_assert(KPOST or not QZROWS, "QZROWS computes the post-scaled Keys' q . z")
         gl.static_assert(not (VZ and (INNER or not IS_BF16)), "VZ: KIVI's Values in bf16")
         bh = gl.program_id(0)
@@ -1316,7 +1318,8 @@ if HAVE_GLUON:
         gl.static_assert((not WT) or _whole_tiles(R, TPG_K, TPG_V, BT), "WT: no tile may cross its slice's stop")
         gl.static_assert((TPS == 1) or (TMA and not INNER), "TPS: KIVI's ring (InnerQ's fills a tile a slot)")
 
-        start, stop, n_iter = _slice(POS, split, NSPLIT, S, R, TPG_K, TPG_V, BT, PDL, 0, 0)   # this program's slice
+        start, stop, n_iter = _slice(POS, split, NSPLIT, S, R, TPG_K, TPG_V, BT, PDL, 0, 0,   # this program's slice
+                                     2 if PAIR else 1)
 
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -1503,7 +1506,9 @@ if HAVE_GLUON:
                 slot = it // 2
                 st = slot % NST
                 mbarrier.wait(bars.index(st), (slot // NST) & 1)
-                has_b = (it + 1) < n_iter   # an odd tile count: the slot's second tile lies past the slice
+                has_b = (it + 1) < n_iter   # an odd tile count (a row's last slice): the slot's second tile lies
+                # past the slice. Its logits are masked (p = 0); its Value statistics are finite as they are (the
+                # store's buffers are zeros until written, past the cache's end the copies fill zeros), so p V = 0
                 for sub in gl.static_range(2):
                     kwords, kh, kcen = _smem_keys(ktile.index(2 * st + sub), khtile.index(2 * st + sub),
                                                   kztile.index(2 * st + sub), KW, KS, BT, KBITS, KP)
@@ -1530,10 +1535,8 @@ if HAVE_GLUON:
                                                     vztile.index(2 * st + sub), VW, VW3, L4, BT, VBITS, WL)
                     if sub == 0:
                         p = p_a
-                    else:   # past the slice: p = 0 there, and finite Values (the statistics may be any bytes)
+                    else:
                         p = p_b
-                        vh = gl.where(has_b, vh, 0.0)
-                        vcen = gl.where(has_b, vcen, 0.0)
                     vv, vz = _kivi_values_t(vwords, vh, vcen, vhi, vlo, vnegm, vshift, jdummy, a_l, BT, VBITS, IS_BF16, VZ)
                     pT = _p_transposed(p.to(dt), b_l, BT, IS_BF16)
                     acc = mma_v2(vv, pT, acc)
@@ -2299,9 +2302,9 @@ VALUE_ZERO_APART = True  # KIVI's Values in bf16: s * code in the registers, the
                          # (kivi-2, kivi-4, xquant-1.38 at batch x context >= 64k, bool mask, H200, bench/RESULTS.md
                          # session 27); 4 / 4 / 6 more registers (153 / 162 / 157 at 2 / 4 / 1 bits, TMA build,
                          # before `WIDEN_IN_LANES`: 151 / 160 / 153 with it)
-PAIR_SOFTMAX = True   # KIVI's ring with two tiles a slot: one online-softmax step per slot (PAIR): kivi-2 and
-# xquant-1.38 1.5-4.6% faster at batch x context >= 128k, 1.5-3.6% slower at (1, 65536) (H200, bool mask, session 29;
-# slices of whole slots, so that only the last one ends inside a slot, were slower: ptxas added 22 moves a slot)
+PAIR_SOFTMAX = True   # KIVI's ring with two tiles a slot: one online-softmax step per slot (PAIR), in slices of
+# whole slots: kivi-2 3.0-4.9% faster at batch x context >= 512k, 0.9% slower at (1, 65536) (H200, bool mask, session
+# 29, call 5; 558 SASS instructions a tile against 595)
 RING_TILES = {1: 2, 2: 2, 4: 1}   # tiles per slot of KIVI's TMA ring (`_kivi_decode_kernel` TPS), by the wider
 # side's bits: one set of copies per slot. At 4 bits two tiles a slot take 20 KB of shared memory (11 programs per SM
 # instead of 12, offline sm_90 compile)
