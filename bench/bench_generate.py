@@ -311,7 +311,7 @@ def main():
                 print(f"{kind} {preset} B={B} P={P}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
             tps = B / step
-            if lowering.SELECTED and kind == "kvq":
+            if lowering.SELECTED and kind in ("kvq", "kvq-frozen"):
                 picks = collections.Counter(str(c) for _, c in lowering.SELECTED)
                 print(f"  autotuned kvq::attend launches: {dict(picks)}", flush=True)
             roof = roofline_tok_s(model, preset if kind in ("kvq", "kvq-opaque", "kvqcache", "kvq-frozen") else None, args.layers,

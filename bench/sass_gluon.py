@@ -87,14 +87,15 @@ def main():
                       VBITS=bits, KA_HI=a[0], KA_LO=a[1], VA_HI=a[0], VA_LO=a[1], NWIN=3, TMA=True, NST=dag.NSTAGES,
                       PDL=True, KPOST=True, QZROWS=qz, QZ_N=dag.QZ_N, VZ=dag.VALUE_ZERO_APART, WL=dag.WIDEN_IN_LANES,
                       WT=dag.WHOLE_TILES, TPS=dag.RING_TILES.get(bits, 1),
-                      **dag.pair_flags(dag.RING_TILES.get(bits, 1), True, dag.WHOLE_TILES))
+                      **dag.pair_flags(dag.RING_TILES.get(bits, 1), True, dag.WHOLE_TILES, 128, qz))
             b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 12, 13, 14, 22, 23))
             # main_loop spans the mbarrier wait's retry branch here: its HMMA are the tile's, the refill's not
             run, ops = ring_tile(b.sass, 1 if cx["PAIR"] else cx["TPS"], refill=qz)
             run = run / 2 if cx["PAIR"] else run   # PAIR: the loop runs a slot (two tiles) a trip
             print(f"KIVI layout {bits}-bit, bf16, TMA, q . z {'per QZ_N groups' if qz else 'per tile'}: {b.regs} "
-                  f"registers, stack {b.stack} B, shared {b.shared} B, HMMA per tile {main_loop(b.sass)['HMMA']} (in "
-                  f"the code {b.sass.count('HMMA')}), TMA copies {b.sass.count('UTMALDG')}, about {run:.0f} "
+                  f"registers, stack {b.stack} B, shared {b.shared} B, HMMA per loop trip "
+                  f"{main_loop(b.sass)['HMMA']} (in the code {b.sass.count('HMMA')}), TMA copies "
+                  f"{b.sass.count('UTMALDG')}, about {run:.0f} "
                   f"instructions run per tile ({cx['TPS']} a ring slot): {dict(ops.most_common(10))}", flush=True)
     # InnerQ's layout (innerq-2: 2-bit hybrid groups on both sides, the Key norm) in the same kernel
     inner = dict(kivi, KMASK="*u8", VMASK="*u8", KNORM="*fp32")

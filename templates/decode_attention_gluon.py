@@ -62,9 +62,9 @@ session 27). A slot holds RING_TILES tiles (TPS: 2 at 1 and 2 bits, 1 at 4, wher
 filled by one set of copies, whose issue block (barriers, elect, the descriptors' addresses that ptxas recomputes
 in the loop: 86 SASS instructions) then runs every other tile: xquant-1.38 0.7-4.5% faster, kivi-2 -2.6% to +1.6%
 (session 28). With two tiles a slot (post-scaled Keys, whole tiles) the online softmax takes one step per slot
-(`PAIR_SOFTMAX`): both tiles' logits, one max and one rescale, then both tiles' Values; 568 instructions a tile
-against 595 (offline sm_90, kivi-2; 558 in slices of whole slots), 3.0-4.9% faster at batch x context >= 512k,
-0.9% slower at batch 1 (session 29). Otherwise (and for an odd sink or cache length, where a Value-statistics
+(`PAIR_SOFTMAX`): both tiles' logits, one max and one rescale, then both tiles' Values, in slices of whole slots;
+558 instructions a tile against 595 (offline sm_90, kivi-2), 3.0-4.9% faster at batch x context >= 512k, 0.9% slower
+at batch 1 (session 29). Otherwise (and for an odd sink or cache length, where a Value-statistics
 box would start misaligned) every lane loads its words from global memory. kvquant's kernel takes the same ring for
 its codes alone (64-byte rows: any sink or length), its statistics, outliers and RoPE table rows by plain loads:
 10.8-14.7% faster at batch x context >= 64k with a bool mask, 9.6-13.0% without, on an H100 (bench/RESULTS.md,
@@ -1492,6 +1492,7 @@ if HAVE_GLUON:
         if PAIR:  # two tiles (one ring slot) per online-softmax step: one max, one rescale per 64 tokens
             gl.static_assert(TMA and (not INNER) and KPOST and (TPS == 2) and WT, "PAIR: KIVI's ring, 2 tiles a slot")
             gl.static_assert((not QZROWS) or (QZ_N % 2 == 0), "PAIR: refills on a slot's first tile need an even QZ_N")
+            gl.static_assert(R >= BT, "PAIR: a masked second tile must lie below the current position")
             for it in range(0, n_iter, 2):
                 t0 = start + it * BT
                 if QZROWS:  # refills fall on a slot's first tile (QZ_N even, a slot's tiles in one step)
@@ -1507,8 +1508,9 @@ if HAVE_GLUON:
                 st = slot % NST
                 mbarrier.wait(bars.index(st), (slot // NST) & 1)
                 has_b = (it + 1) < n_iter   # an odd tile count (a row's last slice): the slot's second tile lies
-                # past the slice. Its logits are masked (p = 0); its Value statistics are finite as they are (the
-                # store's buffers are zeros until written, past the cache's end the copies fill zeros), so p V = 0
+                # past the slice, in [qend, qend + BT) of this row (R >= BT: below p0 + 1 <= T, so its mask row and
+                # codes are this row's). Its logits are masked (p = 0); its Value statistics are read as they are:
+                # zeros (the store's buffers start zeroed) or a token quantized earlier (finite), so p V = 0
                 for sub in gl.static_range(2):
                     kwords, kh, kcen = _smem_keys(ktile.index(2 * st + sub), khtile.index(2 * st + sub),
                                                   kztile.index(2 * st + sub), KW, KS, BT, KBITS, KP)
@@ -1537,7 +1539,8 @@ if HAVE_GLUON:
                         p = p_a
                     else:
                         p = p_b
-                    vv, vz = _kivi_values_t(vwords, vh, vcen, vhi, vlo, vnegm, vshift, jdummy, a_l, BT, VBITS, IS_BF16, VZ)
+                    vv, vz = _kivi_values_t(vwords, vh, vcen, vhi, vlo, vnegm, vshift, jdummy, a_l, BT, VBITS,
+                                            IS_BF16, VZ)
                     pT = _p_transposed(p.to(dt), b_l, BT, IS_BF16)
                     acc = mma_v2(vv, pT, acc)
                     if VZ:
@@ -1576,7 +1579,7 @@ if HAVE_GLUON:
                                                   KP)
                     vwords, vh, vcen = _smem_values(vtile.index(r), vhtile.index(r), vztile.index(r), VW, VW3, L4, BT,
                                                     VBITS, WL)
-                    if not WT:   # statistics past the slice may be unwritten memory
+                    if not WT:   # a tile may cross `stop`: the statistics past it are zeros or stale, read as zeros
                         vvalid = gl.expand_dims((t0 + vt) < stop, 1)
                         vh = gl.where(vvalid, vh, 0.0)
                         vcen = gl.where(vvalid, vcen, 0.0)
@@ -1629,7 +1632,8 @@ if HAVE_GLUON:
                     vv = _unpack(wv, vs4, vz4, "vc", VBITS, 16, IS_BF16)
                     vv = gl.convert_layout(vv.permute([0, 2, 3, 1]).reshape([BT, 128]).permute([1, 0]), a_l)
                 else:
-                    vv, vz = _kivi_values_t(vwords, vh, vcen, vhi, vlo, vnegm, vshift, jdummy, a_l, BT, VBITS, IS_BF16, VZ)
+                    vv, vz = _kivi_values_t(vwords, vh, vcen, vhi, vlo, vnegm, vshift, jdummy, a_l, BT, VBITS,
+                                            IS_BF16, VZ)
                 pT = _p_transposed(p.to(dt), b_l, BT, IS_BF16)
                 acc = mma_v2(vv, pT, acc * gl.expand_dims(alpha8, 0))
                 if VZ:  # the offsets' share: z_rows @ p^T
@@ -2477,14 +2481,16 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
         H=H, REP=rep, S=sink, R=recent, TPG_K=32, TPG_V=tpg_v, MASK_KIND=mask_kind,
         IS_BF16=bf16, BT=KIVI_BT, KBITS=kbits, VBITS=vbits, KA_HI=ka_hi, KA_LO=ka_lo, VA_HI=va_hi, VA_LO=va_lo,
         NWIN=nwin, TMA=use_tma, NST=NSTAGES, PDL=pdl, KPOST=KEY_POST, QZROWS=KEY_POST and QZ_ROWS and use_tma, QZ_N=QZ_N,
-        VZ=VALUE_ZERO_APART and bf16, WL=WIDEN_IN_LANES, WT=wt, TPS=tps, **pair_flags(tps, KEY_POST, wt),
-        num_warps=1)
+        VZ=VALUE_ZERO_APART and bf16, WL=WIDEN_IN_LANES, WT=wt, TPS=tps,
+        **pair_flags(tps, KEY_POST, wt, recent, KEY_POST and QZ_ROWS and use_tma), num_warps=1)
 
 
-def pair_flags(tps: int, key_post: bool, wt: bool) -> dict:
-    """The KIVI kernel's PAIR constexpr as `_plan` passes it, from its TPS, KPOST and WT (offline builds take it
-    from here too): one online-softmax step per two-tile ring slot."""
-    return dict(PAIR=bool(PAIR_SOFTMAX and tps == 2 and key_post and wt))
+def pair_flags(tps: int, key_post: bool, wt: bool, recent: int, qz_rows: bool) -> dict:
+    """The KIVI kernel's PAIR constexpr as `_plan` passes it, from its TPS, KPOST, WT, R and QZROWS (offline builds
+    take it from here too): one online-softmax step per two-tile ring slot, where a masked second tile lies below
+    the current position (a recent window of a tile or more) and refills fall on a slot's first tile."""
+    ok = tps == 2 and key_post and wt and recent >= KIVI_BT and (QZ_N % 2 == 0 or not qz_rows)
+    return dict(PAIR=bool(PAIR_SOFTMAX and ok))
 
 
 def window_inside(kind: str | None, kc: dict, vc: dict, tau) -> bool:

@@ -282,12 +282,12 @@ SCRIPT = textwrap.dedent('''
                   PDL=tma, KPOST=post, QZROWS=post and tma and dag.QZ_ROWS, QZ_N=dag.QZ_N,
                   VZ=dag.VALUE_ZERO_APART and bf16, WL=dag.WIDEN_IN_LANES, WT=dag.WHOLE_TILES,
                   TPS=dag.RING_TILES.get(max(kb, vb), 1) if tma else 1)
-        cx.update(dag.pair_flags(cx["TPS"], post, cx["WT"]))   # as `_plan` (an offline compile leaves a constexpr
-        # it is not given falsy, not at its default)
+        cx.update(dag.pair_flags(cx["TPS"], post, cx["WT"], cx["R"], cx["QZROWS"]))   # as `_plan` (an offline
+        # compile leaves a constexpr it is not given falsy, not at its default)
         b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 12, 13, 14, 22, 23) + (() if tma else (3, 4, 5, 6, 7, 8)))
         out.append((bf16, mask, kb, vb, tma, post, b.shared, b.stack == b.local == 0, b.sass.count("HMMA"),
                     b.sass.count("STS"), b.sass.count("LDS"), b.sass.count("UTMALDG"), b.sass.count("MOVM"),
-                    b.sass.count("HFMA2"), loop(b), len(re.findall(r"PRMT R\\d+, R\\d+, R\\d+", b.sass)),
+                    b.sass.count("HFMA2"), loop(b), len(re.findall(r"PRMT R\\d+, R\\d+, R\\d+", b.sass)), cx["PAIR"],
                     (ring_tile(b.sass, 1, refill=cx["QZROWS"])[0] / 2 if cx["PAIR"] else
                      ring_tile(b.sass, cx["TPS"], refill=cx["QZROWS"])[0]) if tma else 0))
     for bf16, mask, phase in ((True, 1, 2), (False, 2, 1), (False, 0, 0)):   # calibquant's kernel
@@ -442,7 +442,8 @@ def test_compiles_for_sm90_into_registers_only():
         assert loop[3] == 0 and regs <= 128 and (no_local or phase == 1), rows
         assert (shared, sts_lds) == ((0, 0) if phase != 2 else (512, 32)), rows
         assert loop[:3] == {0: (34, 4, 0), 1: (16, 0, 0), 2: (18, 4, 0)}[phase], rows
-    for bf16, mask, kb, vb, tma, post, shared, no_local, hmma, sts, lds, tma_loads, movm, hfma2, loop, sel, run in rows[:8]:
+    for bf16, mask, kb, vb, tma, post, shared, no_local, hmma, sts, lds, tma_loads, movm, hfma2, loop, sel, pair, run \
+            in rows[:8]:
         qz = tma and post and dag.QZ_ROWS   # q . z of QZ_N Key groups per mma (`_kivi_decode_kernel` QZROWS)
         vz = 2 if bf16 and dag.VALUE_ZERO_APART else 0   # the Values' offsets: 2 HMMA per tile (VZ)
         if tma:  # the ring: filled by TMA copies (six per tile, five with QZROWS: no Key centers; in the prologue and
@@ -451,9 +452,9 @@ def test_compiles_for_sm90_into_registers_only():
             assert shared > 0 and sts == (2 if qz else 0) and lds > 0 and tma_loads == (5 if qz else 6) * 3, rows
             assert sel == 0 or not dag.WIDEN_IN_LANES, rows
             # instructions run per tile (`ring_tile`): 558 for this build (bf16, 2 bits, bool mask; session 29: one
-            # softmax step per slot, `PAIR_SOFTMAX`, in slices of whole slots), 595 without (session 28: the position masks dropped,
-            # `WHOLE_TILES`, and two tiles a ring slot, `RING_TILES`); 633 with one tile a slot, 683 with the masks:
-            # a regression of any fails here
+            # softmax step per slot, `PAIR_SOFTMAX`, in slices of whole slots), 595 without (session 28: the position
+            # masks dropped, `WHOLE_TILES`, and two tiles a ring slot, `RING_TILES`); 633 with one tile a slot, 683
+            # with the masks: a regression of any fails here
             assert run <= (565 if dag.PAIR_SOFTMAX else 605) or not (bf16 and kb == vb == 2 and post), rows
         else:
             assert shared == 0 and sts == 0 and lds == 0 and tma_loads == 0, rows
@@ -463,12 +464,13 @@ def test_compiles_for_sm90_into_registers_only():
         # HFMA2 (and their scales') remain, 88 against 168. With QZROWS q . z takes 8 HMMA per QZ_N groups, out of
         # the tile's path (`loop` spans the mbarrier wait's retry branch there: its HMMA and MOVM counts only). bf16's
         # Values leave their offsets to 2 more HMMA per tile (VZ), their `add` per register drops out
-        if qz:   # PAIR: the loop runs a ring slot (two tiles) a trip, and holds their code twice
-            pair = 2 if dag.PAIR_SOFTMAX and dag.RING_TILES.get(max(kb, vb), 1) == 2 else 1
-            assert loop[:2] == ((32 + 8 * bf16 + vz) * pair, 4 * pair), rows
-            assert hmma == (32 + 8 * bf16 + vz) * pair + 8, rows
+        trip = 2 if pair else 1   # PAIR: the loop runs a ring slot (two tiles) a trip, and holds their code twice
+        if qz:
+            assert loop[:2] == ((32 + 8 * bf16 + vz) * trip, 4 * trip), rows
+            assert hmma == (32 + 8 * bf16 + vz) * trip + 8, rows
         else:
-            assert loop[:3] == ((40 + 8 * bf16 + vz, 4, 88) if post else (32 + vz, 4, 168)), rows
+            per_tile = (40 + 8 * bf16 + vz, 4, 88) if post else (32 + vz, 4, 168)
+            assert loop[:3] == tuple(trip * n for n in per_tile), rows
         if not tma:   # HADD2: the `add` of -M per register, 64 per dequantized side and tile (a few others)
             assert loop[4] - 64 * (not post) in (range(0, 8) if vz else range(64, 72)), rows
 
