@@ -1136,6 +1136,57 @@ def test_pair_softmax_matches_per_tile_on_gpu(dtype, layout, case, num_splits, m
     assert err < (4e-3 if dtype == torch.bfloat16 else 5e-4), err
 
 
+@RING_GPU
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["kivi-2", "k1v1"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[7], CASES[9]])
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_pair_softmax_gives_rows_past_the_region_no_weight_on_gpu(dtype, layout, case, num_splits, monkeypatch):
+    """`PAIR_SOFTMAX` reads a row's last slot whole: where a slice ends after the slot's first tile, the second lies
+    past the quantized region, in rows not yet written (zeros in a new store, an earlier sequence's in a reused one).
+    Its logits are masked and its Values taken as they are (p V = 0): filling every unwritten row (Key codes and
+    statistics from the first unflushed group, Values from the first token in the recent window) with finite
+    garbage leaves the output bit-equal. (Session 29: written after the device budget was spent, not yet run.)"""
+    B, H, rep, T, n0, sink, magnitude = case
+    cfg, ms, lay, k, v, p = _store(layout, B, H, T, n0, dtype, "cuda", seed=B * 29 + n0, sink=sink,
+                                   magnitude=magnitude)
+    bufs = dict(zip(*lay.attend_tensors()))
+    q = torch.randn(B, H * rep, 1, 128, device="cuda").to(dtype) / magnitude ** 0.5
+    am = random_mask("bool", B, T, n0, dtype, "cuda")
+    monkeypatch.setattr(dag, "USE_TMA", True)
+    monkeypatch.setattr(dag, "PAIR_SOFTMAX", True)
+    built, plan = [], dag._plan
+
+    def spy(*args, **kwargs):
+        fn, a, kws = plan(*args, **kwargs)
+        built.append(kws.get("PAIR"))
+        return fn, a, kws
+
+    monkeypatch.setattr(dag, "_plan", spy)
+
+    def attend():
+        return da.decode_attention(q, bufs, k, v, p, am, 128 ** -0.5, False, cfg, lay.spec, ms.geo, gluon=True,
+                                   num_splits=num_splits)
+
+    before = attend()
+    assert built and all(built), built
+    S, L = cfg.sink, n0 + 1
+    k_end = S + max(L - S - cfg.recent, 0) // 32 * 32   # the Keys' first unflushed group starts here
+    v_end = S + max(L - S - cfg.recent, 0)              # the Values' first token in the recent window
+    g = torch.Generator(device="cuda").manual_seed(n0)
+    for name, start in (("k.codes", k_end), ("v.codes", v_end), ("v.center", v_end), ("v.half", v_end),
+                        ("k.center", (k_end - S) // 32), ("k.half", (k_end - S) // 32)):
+        rows = bufs[name][:, :, start:]
+        if rows.dtype == torch.int32:
+            rows.copy_(torch.randint(-2 ** 31, 2 ** 31 - 1, rows.shape, generator=g, device="cuda",
+                                     dtype=torch.int32))
+        else:
+            rows.copy_((torch.randn(rows.shape, generator=g, device="cuda") * 4).to(rows.dtype))
+    after = attend()
+    assert torch.isfinite(before).all()
+    assert torch.equal(before, after)
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
 def test_calibquant_large_fp16_queries_on_gpu():
     """calibquant's kernel holds q' = q 2 half / 2^i in the mma's fp16 operand once per program: it scales q' down to
