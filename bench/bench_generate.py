@@ -164,6 +164,9 @@ KERNEL_GROUPS = (   # (group, name pattern) of a decode step's CUDA kernels, fir
 )
 
 
+KVQ_COMPILED = ("kvq", "kvq-opaque", "kvq-frozen")   # the runs compiled by kvq_backend in `generate`
+
+
 def kernel_groups(rows, steps: int) -> dict:
     """ms per decode step of each `KERNEL_GROUPS` group (and "other") from (kernel name, self device time in us)
     rows of `steps` profiled steps."""
@@ -281,14 +284,14 @@ def main():
             kw = {}
             if kind == "hf-compiled":
                 kw = dict(cache_implementation="static", compile_config=CompileConfig())
-            elif kind in ("kvq", "kvq-opaque", "kvq-frozen"):  # opaque: kvq::attend not lowered (untuned kernel)
+            elif kind in KVQ_COMPILED:  # opaque: kvq::attend not lowered (untuned kernel)
                 lowering.DEVICES.clear()
                 lowering.DEVICES.update(set() if kind == "kvq-opaque" else {"cuda"})
                 lowering.SELECTED.clear()
-                cc = CompileConfig(backend=kvq_backend(preset), fullgraph=True)
-                if kind == "kvq-frozen":   # reduce-overhead's CUDA graphs as an option: mode and options exclude
-                    cc = CompileConfig(backend=kvq_backend(preset), fullgraph=True, mode=None,
-                                       options={"triton.cudagraphs": True, "freezing": True})
+                # frozen: reduce-overhead's CUDA graphs as an option (torch.compile takes a mode or options)
+                frozen = dict(mode=None, options={"triton.cudagraphs": True, "freezing": True})
+                cc = CompileConfig(backend=kvq_backend(preset), fullgraph=True,
+                                   **(frozen if kind == "kvq-frozen" else {}))
                 kw = dict(cache_implementation="static", compile_config=cc)
             elif kind == "kvqcache":  # the HF-native path: a Cache made of the packed store alone
                 from kvq_compile.hf import KVQCache
@@ -305,7 +308,7 @@ def main():
                 step, _ = timed_generate(model, ids, args.new, **kw)
                 peak = torch.cuda.max_memory_allocated()
                 gpu = gpu_summed = None
-                if args.gpu_time and kind in ("hf-compiled", "kvq", "kvq-opaque", "kvq-frozen"):  # (a used KVQCache is full)
+                if args.gpu_time and kind in ("hf-compiled", *KVQ_COMPILED):  # (a used KVQCache is full)
                     gpu, gpu_summed = gpu_ms_per_step(model, ids, new=args.new, **kw)
             except Exception as e:  # noqa: BLE001  report and go on
                 print(f"{kind} {preset} B={B} P={P}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
@@ -314,7 +317,7 @@ def main():
             if lowering.SELECTED and kind in ("kvq", "kvq-frozen"):
                 picks = collections.Counter(str(c) for _, c in lowering.SELECTED)
                 print(f"  autotuned kvq::attend launches: {dict(picks)}", flush=True)
-            roof = roofline_tok_s(model, preset if kind in ("kvq", "kvq-opaque", "kvqcache", "kvq-frozen") else None, args.layers,
+            roof = roofline_tok_s(model, preset if kind in (*KVQ_COMPILED, "kvqcache") else None, args.layers,
                                   B, P + args.new // 2, bw)
             row = dict(kind=kind, preset=preset, batch=B, prompt=P, tok_s=tps, ms_step=1e3 * step,
                        peak_gib=peak / 2**30, roofline_tok_s=roof, frac_roofline=tps / roof, gpu_ms_step=gpu,

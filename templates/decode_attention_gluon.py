@@ -1171,6 +1171,21 @@ if HAVE_GLUON:
             tma.async_copy_global_to_shared(VC, [row, 0], bar, vbuf.index(slot), pred=pred)
 
     @gluon.jit
+    def _qz_refill(KHROWS, KCROWS, zbase, gbase, t0, S: gl.constexpr, NG_K, qT, zsm, KP: gl.constexpr,
+                   IS_BF16: gl.constexpr, a_l: gl.constexpr, mma: gl.constexpr, QZ_N: gl.constexpr):
+        """(gbase, grel): the tile at t0 reads row grel of the q . z rows of the QZ_N Key groups from gbase held in
+        shared memory (zsm); where it lies past them, the next QZ_N groups' rows replace them first (`_qz_rows`)."""
+        grel = (t0 - S) // 32 - gbase
+        if grel >= QZ_N:
+            gbase = gbase + grel
+            grel = grel * 0
+            czr = _qz_rows(KHROWS, KCROWS, zbase, gbase, NG_K, qT, KP, IS_BF16, a_l, mma, QZ_N)
+            gl.thread_barrier()   # every lane has read the rows it replaces
+            zsm.store(czr)
+            gl.thread_barrier()
+        return gbase, grel
+
+    @gluon.jit
     def _slice(POS, split, NSPLIT, S: gl.constexpr, R: gl.constexpr, TPG_K: gl.constexpr, TPG_V: gl.constexpr,
                BT: gl.constexpr, PDL: gl.constexpr, WCOST: gl.constexpr, NWIN: gl.constexpr, UNIT: gl.constexpr = 1):
         """(start, stop, tiles) of this program's slice of [S, qend), as `_decode_kernel` computes it (WCOST 0; a
@@ -1496,14 +1511,8 @@ if HAVE_GLUON:
             for it in range(0, n_iter, 2):
                 t0 = start + it * BT
                 if QZROWS:  # refills fall on a slot's first tile (QZ_N even, a slot's tiles in one step)
-                    grel = (t0 - S) // 32 - gbase
-                    if grel >= QZ_N:
-                        gbase = gbase + grel
-                        grel = grel * 0
-                        czr = _qz_rows(KHROWS, KCROWS, zbase, gbase, NG_K, qT, KP, IS_BF16, a_l, mma, QZ_N)
-                        gl.thread_barrier()
-                        zsm.store(czr)
-                        gl.thread_barrier()
+                    gbase, grel = _qz_refill(KHROWS, KCROWS, zbase, gbase, t0, S, NG_K, qT, zsm, KP, IS_BF16, a_l,
+                                             mma, QZ_N)
                 slot = it // 2
                 st = slot % NST
                 mbarrier.wait(bars.index(st), (slot // NST) & 1)
@@ -1516,12 +1525,8 @@ if HAVE_GLUON:
                                                   kztile.index(2 * st + sub), KW, KS, BT, KBITS, KP)
                     if KBITS == 1:
                         kwords = kwords >> kshift
-                    if QZROWS:
-                        s = _post_logits(kwords, kh, zrows.index(grel + sub), qT, qaT, negm, kdummy, sscale, cinv,
-                                         a_l, b_l, mma, BT, KBITS, KP, IS_BF16, QZROWS)
-                    else:
-                        s = _post_logits(kwords, kh, _offset(kh, kcen, IS_BF16), qT, qaT, negm, kdummy, sscale, cinv,
-                                         a_l, b_l, mma, BT, KBITS, KP, IS_BF16, QZROWS)
+                    s = _post_logits(kwords, kh, zrows.index(grel + sub) if QZROWS else kcen, qT, qaT, negm, kdummy,
+                                     sscale, cinv, a_l, b_l, mma, BT, KBITS, KP, IS_BF16, QZROWS)
                     s, allowed = _mask_scores(s, trow, tcol, t0 + sub * BT, stop, AMASK, b.to(gl.int64) * stride_mb,
                                               REP, MASK_KIND, WT)
                     if sub == 0:
@@ -1553,14 +1558,8 @@ if HAVE_GLUON:
                 t0 = start + it * BT
                 if QZROWS:  # first, while few registers are live: the next QZ_N Key groups' q . z where this tile
                     # needs them
-                    grel = (t0 - S) // 32 - gbase
-                    if grel >= QZ_N:
-                        gbase = gbase + grel
-                        grel = grel * 0
-                        czr = _qz_rows(KHROWS, KCROWS, zbase, gbase, NG_K, qT, KP, IS_BF16, a_l, mma, QZ_N)
-                        gl.thread_barrier()   # every lane has read the rows it replaces
-                        zsm.store(czr)
-                        gl.thread_barrier()
+                    gbase, grel = _qz_refill(KHROWS, KCROWS, zbase, gbase, t0, S, NG_K, qT, zsm, KP, IS_BF16, a_l,
+                                             mma, QZ_N)
                 if TMA and INNER:  # the statistics' loads first: in flight while the codes' slot fills
                     kh, kcen, khyb, vh, vcen, vhyb = _load_inner_stats(KHALF, KCEN, KMASK, VHALF, VCEN, VMASK,
                                                                        ks_base, vs_base, t0, stop, S, ksoff, kt, vchan,
@@ -1602,12 +1601,8 @@ if HAVE_GLUON:
                     s = mma_v2(gl.convert_layout(_kred_t(kv, KP, BT), a_l), qT,
                                gl.zeros([BT, 8], gl.float32, mma)) * qscale
                 elif KPOST:
-                    if QZROWS:
-                        s = _post_logits(kwords, kh, zrows.index(grel), qT, qaT, negm, kdummy, sscale, cinv, a_l, b_l,
-                                         mma, BT, KBITS, KP, IS_BF16, QZROWS)
-                    else:
-                        s = _post_logits(kwords, kh, _offset(kh, kcen, IS_BF16), qT, qaT, negm, kdummy, sscale, cinv,
-                                         a_l, b_l, mma, BT, KBITS, KP, IS_BF16, QZROWS)
+                    s = _post_logits(kwords, kh, zrows.index(grel) if QZROWS else kcen, qT, qaT, negm, kdummy,
+                                     sscale, cinv, a_l, b_l, mma, BT, KBITS, KP, IS_BF16, QZROWS)
                 else:
                     ks, kz = _scale_offset(kh, kcen, khi, klo, IS_BF16)
                     wb, ks4 = gl.broadcast(gl.expand_dims(kwords, 2), gl.expand_dims(ks, 3))
@@ -1736,8 +1731,10 @@ if HAVE_GLUON:
                      IS_BF16: gl.constexpr, QZROWS: gl.constexpr):
         """Base-2 logits^T [BT, 8] of one tile of post-scaled KIVI Keys (`_kivi_decode_kernel` KPOST):
         e @ q'^T, q'^T = (q a 2^(E - b))^T * half (qaT: (q a 2^(E - b))^T), from q . z: zsrc is, with QZROWS, the
-        shared-memory row of the tile's Key group (`_qz_rows`), else its offsets z [NA, 4, KP]; bf16 adds
-        -128 sum q' (negm: the codes' magic number)."""
+        shared-memory row of the tile's Key group (`_qz_rows`), else its centers [NA, 4, KP] (the offsets
+        z = center - half from them); bf16 adds -128 sum q' (negm: the codes' magic number)."""
+        if not QZROWS:
+            zsrc = _offset(kh, zsrc, IS_BF16)
         wb, _ = gl.broadcast(gl.expand_dims(kwords, 2), kdummy)                  # [NA, 4, KP, BT]
         kv = _unpack_kq(wb, KBITS, KP, IS_BF16)
         kvT = gl.convert_layout(_kred_t(kv, KP, BT), a_l)   # [BT, 128]
@@ -2475,14 +2472,15 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
     if use_tma:
         stores = descriptors(kp, vp, kbits, vbits, tps)
     wt = WHOLE_TILES and whole_tiles(recent, 32, tpg_v, KIVI_BT)
+    qz = KEY_POST and QZ_ROWS and use_tma
     return _kivi_decode_kernel, (
         query, query.stride(0), query.stride(1), *stores, positions, amask, smb, m_buf, l_buf, acc_buf,
         float(scale), T, ng_k, nsplit, *extra), dict(
         H=H, REP=rep, S=sink, R=recent, TPG_K=32, TPG_V=tpg_v, MASK_KIND=mask_kind,
         IS_BF16=bf16, BT=KIVI_BT, KBITS=kbits, VBITS=vbits, KA_HI=ka_hi, KA_LO=ka_lo, VA_HI=va_hi, VA_LO=va_lo,
-        NWIN=nwin, TMA=use_tma, NST=NSTAGES, PDL=pdl, KPOST=KEY_POST, QZROWS=KEY_POST and QZ_ROWS and use_tma, QZ_N=QZ_N,
-        VZ=VALUE_ZERO_APART and bf16, WL=WIDEN_IN_LANES, WT=wt, TPS=tps,
-        **pair_flags(tps, KEY_POST, wt, recent, KEY_POST and QZ_ROWS and use_tma), num_warps=1)
+        NWIN=nwin, TMA=use_tma, NST=NSTAGES, PDL=pdl, KPOST=KEY_POST, QZROWS=qz, QZ_N=QZ_N,
+        VZ=VALUE_ZERO_APART and bf16, WL=WIDEN_IN_LANES, WT=wt, TPS=tps, **pair_flags(tps, KEY_POST, wt, recent, qz),
+        num_warps=1)
 
 
 def pair_flags(tps: int, key_post: bool, wt: bool, recent: int, qz_rows: bool) -> dict:

@@ -1020,12 +1020,10 @@ def _bit_equal_by_flag(*args, **kw):
     assert torch.equal(outs[0], outs[1])
 
 
-def _outputs_by_flag(layout, case, dtype, seed, flag, constexpr, monkeypatch, tma=True, values=(False, True),
-                     consts=None, **kw):
-    """The Gluon launch's output on one store (the TMA ring forced, or with tma False plain loads; a bool mask) with
-    the module flag `flag` at values[0] (off), then values[1] (on); each time the layout's kernel ran and every Gluon
-    launch was built with that TMA setting and the constexpr `constexpr` equal to consts[i] (default: the value; the
-    builds compared are the ones meant)."""
+def _gluon_call(layout, case, dtype, seed, constexpr, monkeypatch, tma=True, **kw):
+    """A store of `case` (`_store`), a query and a bool mask, and `attend()`: the Gluon launch on them (the TMA ring
+    forced, or with tma False plain loads), checked to run the layout's kernel, each Gluon launch's (TMA, constexpr
+    `constexpr`) build appended to `built`. Returns (attend, built, bufs, cfg)."""
     B, H, rep, T, n0, sink, magnitude = case
     cfg, ms, lay, k, v, p = _store(layout, B, H, T, n0, dtype, "cuda", seed=seed, sink=sink, magnitude=magnitude)
     names, tensors = lay.attend_tensors()
@@ -1041,14 +1039,27 @@ def _outputs_by_flag(layout, case, dtype, seed, flag, constexpr, monkeypatch, tm
 
     monkeypatch.setattr(dag, "_plan", spy)
     monkeypatch.setattr(dag, "USE_TMA", tma)
+
+    def attend():
+        out = da.decode_attention(q, bufs, k, v, p, am, 128 ** -0.5, False, cfg, lay.spec, ms.geo, gluon=True, **kw)
+        assert KERNELS.get(layout, "_kivi_decode_kernel") in str(getattr(da.LAST_KERNELS["main"], "name",
+                                                                         da.LAST_KERNELS["main"]))
+        return out
+
+    return attend, built, bufs, cfg
+
+
+def _outputs_by_flag(layout, case, dtype, seed, flag, constexpr, monkeypatch, tma=True, values=(False, True),
+                     consts=None, **kw):
+    """The Gluon launch's output on one store (`_gluon_call`) with the module flag `flag` at values[0] (off), then
+    values[1] (on); each time every Gluon launch was built with that TMA setting and the constexpr `constexpr` equal
+    to consts[i] (default: the value; the builds compared are the ones meant)."""
+    attend, built, _, _ = _gluon_call(layout, case, dtype, seed, constexpr, monkeypatch, tma, **kw)
     outs = []
     for value, on in zip(values, consts or values):
         monkeypatch.setattr(dag, flag, value)
         built.clear()
-        outs.append(da.decode_attention(q, bufs, k, v, p, am, 128 ** -0.5, False, cfg, lay.spec, ms.geo,
-                                        gluon=True, **kw))
-        assert KERNELS.get(layout, "_kivi_decode_kernel") in str(getattr(da.LAST_KERNELS["main"], "name",
-                                                                         da.LAST_KERNELS["main"]))
+        outs.append(attend())
         assert built and all(b == (tma, on) for b in built), built
     return outs
 
@@ -1147,29 +1158,12 @@ def test_pair_softmax_gives_rows_past_the_region_no_weight_on_gpu(dtype, layout,
     Its logits are masked and its Values taken as they are (p V = 0): filling every unwritten row (Key codes and
     statistics from the first unflushed group, Values from the first token in the recent window) with finite
     garbage leaves the output bit-equal. (Session 29: written after the device budget was spent, not yet run.)"""
-    B, H, rep, T, n0, sink, magnitude = case
-    cfg, ms, lay, k, v, p = _store(layout, B, H, T, n0, dtype, "cuda", seed=B * 29 + n0, sink=sink,
-                                   magnitude=magnitude)
-    bufs = dict(zip(*lay.attend_tensors()))
-    q = torch.randn(B, H * rep, 1, 128, device="cuda").to(dtype) / magnitude ** 0.5
-    am = random_mask("bool", B, T, n0, dtype, "cuda")
-    monkeypatch.setattr(dag, "USE_TMA", True)
+    B, n0 = case[0], case[4]
     monkeypatch.setattr(dag, "PAIR_SOFTMAX", True)
-    built, plan = [], dag._plan
-
-    def spy(*args, **kwargs):
-        fn, a, kws = plan(*args, **kwargs)
-        built.append(kws.get("PAIR"))
-        return fn, a, kws
-
-    monkeypatch.setattr(dag, "_plan", spy)
-
-    def attend():
-        return da.decode_attention(q, bufs, k, v, p, am, 128 ** -0.5, False, cfg, lay.spec, ms.geo, gluon=True,
-                                   num_splits=num_splits)
-
+    attend, built, bufs, cfg = _gluon_call(layout, case, dtype, B * 29 + n0, "PAIR", monkeypatch,
+                                           num_splits=num_splits)
     before = attend()
-    assert built and all(built), built
+    assert built and all(b == (True, True) for b in built), built
     S, L = cfg.sink, n0 + 1
     k_end = S + max(L - S - cfg.recent, 0) // 32 * 32   # the Keys' first unflushed group starts here
     v_end = S + max(L - S - cfg.recent, 0)              # the Values' first token in the recent window
