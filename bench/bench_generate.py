@@ -164,7 +164,12 @@ KERNEL_GROUPS = (   # (group, name pattern) of a decode step's CUDA kernels, fir
 )
 
 
-KVQ_COMPILED = ("kvq", "kvq-opaque", "kvq-frozen")   # the runs compiled by kvq_backend in `generate`
+# kvq_backend runs with Inductor options (reduce-overhead's CUDA graphs as an option: torch.compile takes a mode or
+# options, not both). frozen: the weights constants, so that Inductor's patterns may concatenate same-input GEMMs;
+# gemm-tuned: Inductor autotunes every GEMM (`max_autotune_gemm`: its Triton templates against cuBLAS), while the
+# kvq::attend lowering keeps its default launch (it widens its choices under `max_autotune` alone)
+KVQ_OPTIONS = {"kvq-frozen": {"freezing": True}, "kvq-gemm-tuned": {"max_autotune_gemm": True}}
+KVQ_COMPILED = ("kvq", "kvq-opaque", *KVQ_OPTIONS)   # the runs compiled by kvq_backend in `generate`
 
 
 def kernel_groups(rows, steps: int) -> dict:
@@ -249,6 +254,10 @@ def main():
                          "may concatenate same-input GEMMs' weights). Session 29, H200: GPU time per step unchanged "
                          "(2.25 against 2.23 ms at (32, 4096)), 0.4-0.9 GiB more peak memory, and wall-clock 4x "
                          "slower (its CUDA graphs were skipped): not recommended")
+    ap.add_argument("--gemm-tuned", default="",
+                    help="presets also run with Inductor's GEMM autotuning (`max_autotune_gemm`; kvq::attend keeps "
+                         "its default launch). Session 30, H200: its Triton picks made the step slower (2.56 against "
+                         "2.25 ms of GPU time at (32, 4096)): not recommended")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", default=None,
                     help="presets whose decode steps are profiled (top kernels, and ms per step by group)")
@@ -278,6 +287,7 @@ def main():
         runs += [("kvq-opaque", p) for p in args.opaque.split(",") if p]
         runs += [("kvqcache", p) for p in args.kvqcache.split(",") if p]
         runs += [("kvq-frozen", p) for p in args.frozen.split(",") if p]
+        runs += [("kvq-gemm-tuned", p) for p in args.gemm_tuned.split(",") if p]
         for kind, preset in runs:
             torch._dynamo.reset()
             torch.cuda.empty_cache()
@@ -288,10 +298,9 @@ def main():
                 lowering.DEVICES.clear()
                 lowering.DEVICES.update(set() if kind == "kvq-opaque" else {"cuda"})
                 lowering.SELECTED.clear()
-                # frozen: reduce-overhead's CUDA graphs as an option (torch.compile takes a mode or options)
-                frozen = dict(mode=None, options={"triton.cudagraphs": True, "freezing": True})
-                cc = CompileConfig(backend=kvq_backend(preset), fullgraph=True,
-                                   **(frozen if kind == "kvq-frozen" else {}))
+                opts = dict(mode=None, options={"triton.cudagraphs": True, **KVQ_OPTIONS[kind]}) \
+                    if kind in KVQ_OPTIONS else {}
+                cc = CompileConfig(backend=kvq_backend(preset), fullgraph=True, **opts)
                 kw = dict(cache_implementation="static", compile_config=cc)
             elif kind == "kvqcache":  # the HF-native path: a Cache made of the packed store alone
                 from kvq_compile.hf import KVQCache
@@ -314,7 +323,7 @@ def main():
                 print(f"{kind} {preset} B={B} P={P}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
             tps = B / step
-            if lowering.SELECTED and kind in ("kvq", "kvq-frozen"):
+            if lowering.SELECTED and kind != "kvq-opaque" and kind in KVQ_COMPILED:
                 picks = collections.Counter(str(c) for _, c in lowering.SELECTED)
                 print(f"  autotuned kvq::attend launches: {dict(picks)}", flush=True)
             roof = roofline_tok_s(model, preset if kind in (*KVQ_COMPILED, "kvqcache") else None, args.layers,
