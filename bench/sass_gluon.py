@@ -87,7 +87,8 @@ def main():
             cx = dict(H=8, REP=4, S=0, R=128, TPG_K=32, TPG_V=1, MASK_KIND=1, IS_BF16=True, BT=32, KBITS=bits,
                       VBITS=bits, KA_HI=a[0], KA_LO=a[1], VA_HI=a[0], VA_LO=a[1], NWIN=3, TMA=True, NST=dag.NSTAGES,
                       PDL=True, KPOST=True, QZROWS=qz, QZ_N=dag.QZ_N, VZ=dag.VALUE_ZERO_APART, WL=dag.WIDEN_IN_LANES,
-                      WT=dag.WHOLE_TILES, TPS=tps, **dag.pair_flags(tps, True, dag.WHOLE_TILES, 128, qz))
+                      WT=dag.WHOLE_TILES, TPS=tps, KSUB=dag.BF16_SUBNORMAL_KEYS,
+                      **dag.pair_flags(tps, True, dag.WHOLE_TILES, 128, qz))
             b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 12, 13, 14, 22, 23))
             # main_loop spans the mbarrier wait's retry branch here: its HMMA are the tile's, the refill's not
             run, ops = ring_tile(b.sass, 1 if cx["PAIR"] else cx["TPS"], refill=qz)

@@ -64,7 +64,8 @@ in the loop: 86 SASS instructions) then runs every other tile: xquant-1.38 0.7-4
 (session 28). With two tiles a slot (post-scaled Keys, whole tiles) the online softmax takes one step per slot
 (`PAIR_SOFTMAX`): both tiles' logits, one max and one rescale, then both tiles' Values, in slices of whole slots;
 558 instructions a tile against 595 (offline sm_90, kivi-2), 3.0-4.9% faster at batch x context >= 512k, 0.9% slower
-at batch 1 (session 29). Otherwise (and for an odd sink or cache length, where a Value-statistics
+at batch 1 (session 29); at 4 bits the same step over two one-tile slots was 0.5% slower on average (session 30,
+`bench/debug/pair_across_slots_tried.patch`). Otherwise (and for an odd sink or cache length, where a Value-statistics
 box would start misaligned) every lane loads its words from global memory. kvquant's kernel takes the same ring for
 its codes alone (64-byte rows: any sink or length), its statistics, outliers and RoPE table rows by plain loads:
 10.8-14.7% faster at batch x context >= 64k with a bool mask, 9.6-13.0% without, on an H100 (bench/RESULTS.md,
@@ -85,8 +86,12 @@ Math (one program = one KV head of one sequence and one slice of the quantized r
     per 32-token tile: logits^T = k @ q^T (mma m16n8k16, tokens as rows, query heads as columns), online softmax
     in base 2 per column, acc^T = acc^T * alpha + v^T @ p^T (m16n8k16 with the 8 query heads as its columns).
     KPOST (KIVI's Keys, the default): q . k = U (e @ q'^T) + q . z, e the codes straight from `_kpost_asm`,
-    q' = (q a 2^(E - b)) * half per tile, the per-head q . z (bf16: and -128 sum q') by a small mma into the
-    logits' initial accumulator (see `_kivi_decode_kernel`). On the TMA path q . z comes from one mma per QZ_N = 8
+    q' = (q a 2^(E - b)) * half per tile, the per-head q . z by a small mma into the logits' initial accumulator
+    (see `_kivi_decode_kernel`). The codes are subnormals (fp16 code 2^(b - 24); bf16 code 2^(b - 133),
+    `BF16_SUBNORMAL_KEYS`: the tensor cores take them as they are), so the mma's products are exact and need no
+    offset; bf16 with the flag off takes 128 + code 2^b and one more mma per tile for -128 sum q'. Subnormals
+    instead: 558 -> 542 SASS instructions per tile at 2 bits, 685 -> 671 at 4, kivi-2 2.7-4.7% faster, kivi-4
+    1.1-4.2%, xquant-1.38 1.2-4.7% at batch x context >= 64k (H200, bench/RESULTS.md session 30). On the TMA path q . z comes from one mma per QZ_N = 8
     Key groups (their zero points as the mma's rows, `_qz_rows`), kept in shared memory (QZROWS, `QZ_ROWS`): 8
     instead of 16 HMMA per tile at bf16 (0 instead of 8 at fp16), plus 8 per refill, bit-equal logits.
     VZ (KIVI's Values in bf16, `VALUE_ZERO_APART`): p @ v = p @ (s code) + p @ z, the registers hold s code from one
@@ -308,25 +313,28 @@ def _post_value_asm(bf16: bool) -> str:
 def post_positions(bits: int, bf16: bool, n: int) -> list[tuple[int, int]]:
     """(shift, bit) of each of the n registers of a post-scaled Key block (`_kpost_asm`): register r takes code r of
     each half of the word shifted down by `shift`, at `bit` = r * bits - shift, as many codes per shift as the
-    mantissa window holds (fp16: bits 0-7 of a subnormal, value code * 2^(bit - 24); bf16: bits 0-6 below the magic
-    128, value 128 + code * 2^bit)."""
+    mantissa window holds (fp16: bits 0-7 of a subnormal, value code * 2^(bit - 24); bf16: bits 0-6, below the magic
+    128, value 128 + code * 2^bit, or of a subnormal, code * 2^(bit - 133))."""
     per = (7 if bf16 else 8) // bits
     return [(r // per * per * bits, r % per * bits) for r in range(n)]
 
 
 POST_E = 2  # fp16 post-scaled Keys: q' = q s 2^(POST_E - bit), the logits 2^(24 - POST_E) times the mma (range of q')
+SUB_E = 100  # bf16 subnormal Keys (`BF16_SUBNORMAL_KEYS`): q' = q s 2^(SUB_E - bit), the logits 2^(133 - SUB_E) times
+# the mma: each product code q s 2^-33 stays a normal fp32 (q' up to |q s| 2^100, far below bf16's 2^128)
 
 
-def _kpost_asm(bits: int, bf16: bool) -> str:
+def _kpost_asm(bits: int, bf16: bool, sub: bool = False) -> str:
     """Post-scaled KIVI Keys (the per-channel scale folded into q, `_kivi_decode_kernel` with KPOST): the codes of one
     block (P = 16 at 1 and 2 bits, 8 at 4 bits) -> P / 2 registers, register r = (code r, code P / 2 + r) at bit b_r
     of each half (`post_positions`), by one `lop3` each and a `shr` per group of registers: fp16 a subnormal
     code * 2^(b_r - 24), bf16 128 + code * 2^b_r (the magic 128 and 2^-b_r go into q' and a per-row constant).
     2 and 4 bits: the word's halves hold codes 0 .. P/2 - 1 and P/2 .. P - 1. 1 bit (the word pre-shifted: the
     block's 16 codes at bits 0-15): `prmt` puts byte 1 into the high half. Operands: $0..$(P/2 - 1) out, then P
-    copies of the word."""
+    copies of the word. sub (bf16, `BF16_SUBNORMAL_KEYS`): no magic number, the code as a bf16 subnormal
+    code * 2^(b_r - 133) (the mantissa window is bits 0-6 either way)."""
     P = 8 if bits == 4 else 16   # `key_pack`
-    magic = "0x43004300" if bf16 else "0"
+    magic = "0x43004300" if bf16 and not sub else "0"
     w = f"${P // 2}"
     lines = ["{ .reg .b32 x, y;"]
     base = w
@@ -497,6 +505,7 @@ _ASM.update({(side, "lut", bf): (_lut_key_asm if side == "k" else _lut_value_asm
              for bf in (False, True)})
 _ASM.update({("rope", sign, bf): _rope_asm(bf, sign) for sign in (-1, 1) for bf in (False, True)})
 _ASM.update({("kq", bits, bf): _kpost_asm(bits, bf) for bits in BITS for bf in (False, True)})
+_ASM.update({("kqs", bits, True): _kpost_asm(bits, True, sub=True) for bits in BITS})
 _ASM.update({("mul", 0, bf): f"mul.rn.{'bf16x2' if bf else 'f16x2'} $0, $1, $2;" for bf in (False, True)})
 _ASM.update({("k", "sym8", bf): _sym8_key_asm() for bf in (False, True)})
 _ASM.update({("v", "sym8", bf): _sym8_value_asm(bf) for bf in (False, True)})
@@ -510,6 +519,7 @@ def key_pack(bits: int) -> int:
 if HAVE_GLUON:
     D_ = gl.constexpr(D)
     POST_E_ = gl.constexpr(POST_E)
+    SUB_E_ = gl.constexpr(SUB_E)
 
     @gluon.constexpr_function
     def _asm(side, bits, bf16):
@@ -619,9 +629,13 @@ if HAVE_GLUON:
         return x
 
     @gluon.jit
-    def _unpack_kq(words, BITS: gl.constexpr, PACK: gl.constexpr, IS_BF16: gl.constexpr):
-        """Post-scaled KIVI Key registers (`_kpost_asm`) from packed words broadcast over their PACK codes."""
-        if IS_BF16:
+    def _unpack_kq(words, BITS: gl.constexpr, PACK: gl.constexpr, IS_BF16: gl.constexpr, KSUB: gl.constexpr = False):
+        """Post-scaled KIVI Key registers (`_kpost_asm`) from packed words broadcast over their PACK codes (KSUB:
+        bf16 subnormals, no magic number)."""
+        if IS_BF16 and KSUB:
+            x = gl.inline_asm_elementwise(_asm("kqs", BITS, True), _cons(PACK, False), [words], dtype=gl.bfloat16,
+                                          is_pure=True, pack=PACK)
+        elif IS_BF16:
             x = gl.inline_asm_elementwise(_asm("kq", BITS, True), _cons(PACK, False), [words], dtype=gl.bfloat16,
                                           is_pure=True, pack=PACK)
         else:
@@ -1172,14 +1186,18 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _qz_refill(KHROWS, KCROWS, zbase, gbase, t0, S: gl.constexpr, NG_K, qT, zsm, KP: gl.constexpr,
-                   IS_BF16: gl.constexpr, a_l: gl.constexpr, mma: gl.constexpr, QZ_N: gl.constexpr):
+                   IS_BF16: gl.constexpr, a_l: gl.constexpr, mma: gl.constexpr, QZ_N: gl.constexpr,
+                   KSUB: gl.constexpr = False, cinv=1.0):
         """(gbase, grel): the tile at t0 reads row grel of the q . z rows of the QZ_N Key groups from gbase held in
-        shared memory (zsm); where it lies past them, the next QZ_N groups' rows replace them first (`_qz_rows`)."""
+        shared memory (zsm); where it lies past them, the next QZ_N groups' rows replace them first (`_qz_rows`;
+        KSUB: stored times cinv, the logits mma's scale)."""
         grel = (t0 - S) // 32 - gbase
         if grel >= QZ_N:
             gbase = gbase + grel
             grel = grel * 0
             czr = _qz_rows(KHROWS, KCROWS, zbase, gbase, NG_K, qT, KP, IS_BF16, a_l, mma, QZ_N)
+            if KSUB:
+                czr = czr * cinv
             gl.thread_barrier()   # every lane has read the rows it replaces
             zsm.store(czr)
             gl.thread_barrier()
@@ -1281,7 +1299,8 @@ if HAVE_GLUON:
             PDL: gl.constexpr, INNER: gl.constexpr = False, KHYB: gl.constexpr = False,
             VHYB: gl.constexpr = False, NORM: gl.constexpr = False, KPOST: gl.constexpr = False,
             QZROWS: gl.constexpr = False, QZ_N: gl.constexpr = 8, VZ: gl.constexpr = False,
-            WL: gl.constexpr = True, WT: gl.constexpr = False, TPS: gl.constexpr = 1, PAIR: gl.constexpr = False):
+            WL: gl.constexpr = True, WT: gl.constexpr = False, TPS: gl.constexpr = 1, PAIR: gl.constexpr = False,
+            KSUB: gl.constexpr = False):
         """KIVI's layout, or with INNER InnerQ's (Keys per token in groups of 32 channels, Values per channel in
         groups of 32 tokens: the same packed words, the statistics the other way round, the codes alone through the
         ring where TMA). NG_K: the
@@ -1290,12 +1309,13 @@ if HAVE_GLUON:
         NORM its per-channel Key normalization KNORM [B * H, 128] folded into q (q * norm, rounded once).
         KPOST (KIVI's layout): the Keys post-scaled, their per-channel scale folded into q per tile:
             q . k = sum_c (q_c s_c 2^-b_c) (code_c 2^b_c) + q . z = U (e @ q'^T) + q . z
-        e: each code straight from one `lop3` (`_kpost_asm`; fp16 the subnormal code 2^(b - 24), bf16 128 + code 2^b),
+        e: each code straight from one `lop3` (`_kpost_asm`; fp16 the subnormal code 2^(b - 24), bf16 with KSUB the
+        subnormal code 2^(b - 133), else 128 + code 2^b),
         q' = (q a 2^(E - b)) * half (a = 2 / (2^B - 1); q a 2^(E - b) rounded once per program, the product once per
         tile; fp16 E = POST_E, U = 2^(24 - E), q a 2^E scaled by 2^-e to at most 2^8 and U by 2^e, a tile with a
-        half-range of 256 or more q a by 2^-g (hmax 2^-g < 256) and U by 2^g: q' <= 65504; bf16 E = 0, U = 1); the
-        per-head constant q . z (and bf16's -128 sum(q')) by one or two more small mma into the logits' initial
-        accumulator.
+        half-range of 256 or more q a by 2^-g (hmax 2^-g < 256) and U by 2^g: q' <= 65504; bf16 with KSUB
+        E = SUB_E, U = 2^(133 - E), else E = 0, U = 1); the per-head constant q . z (and, bf16 without KSUB,
+        -128 sum(q')) by one or two more small mma into the logits' initial accumulator, times 1 / U.
         QZROWS (with KPOST; `QZ_ROWS`): q . z of QZ_N Key groups in one mma, their zero points z as its A rows
         (`_qz_rows`; KHROWS / KCROWS: the Keys' statistics rows [B * H, NG_K, 128] as pointers, also where TMA copies
         the tiles, whose ring then skips the centers), kept in shared memory and read back per tile: 8 mma per QZ_N
@@ -1474,12 +1494,12 @@ if HAVE_GLUON:
             qT = (qT.to(gl.float32) * gl.expand_dims(nrm, 1)).to(dt)
         if KPOST:  # q a 2^(E - b): a the level spacing, b the code's bit in its register (`post_positions`)
             gl.static_assert(not INNER, "post-scaled Keys: KIVI's layout")
-            PE: gl.constexpr = 0 if IS_BF16 else POST_E_
+            PE: gl.constexpr = (SUB_E_ if KSUB else 0) if IS_BF16 else POST_E_
             PER: gl.constexpr = (7 if IS_BF16 else 8) // KBITS
             KAF: gl.constexpr = 2.0 / ((1 << KBITS) - 1)
             tcc = _key_element(tk) % KP   # the block's element c
             qe = (PE - (tcc >> 1) % PER * KBITS).to(gl.float32)
-            UP: gl.constexpr = 1.0 if IS_BF16 else float(2 ** (24 - POST_E_))
+            UP: gl.constexpr = (float(2 ** (133 - SUB_E_)) if KSUB else 1.0) if IS_BF16 else float(2 ** (24 - POST_E_))
             qf = qT.to(gl.float32)
             if IS_BF16:
                 qaT = (qf * gl.expand_dims(gl.exp2(qe) * KAF, 1)).to(dt)
@@ -1512,7 +1532,7 @@ if HAVE_GLUON:
                 t0 = start + it * BT
                 if QZROWS:  # refills fall on a slot's first tile (QZ_N even, a slot's tiles in one step)
                     gbase, grel = _qz_refill(KHROWS, KCROWS, zbase, gbase, t0, S, NG_K, qT, zsm, KP, IS_BF16, a_l,
-                                             mma, QZ_N)
+                                             mma, QZ_N, KSUB, cinv)
                 slot = it // 2
                 st = slot % NST
                 mbarrier.wait(bars.index(st), (slot // NST) & 1)
@@ -1526,7 +1546,7 @@ if HAVE_GLUON:
                     if KBITS == 1:
                         kwords = kwords >> kshift
                     s = _post_logits(kwords, kh, zrows.index(grel + sub) if QZROWS else kcen, qT, qaT, negm, kdummy,
-                                     sscale, cinv, a_l, b_l, mma, BT, KBITS, KP, IS_BF16, QZROWS)
+                                     sscale, cinv, a_l, b_l, mma, BT, KBITS, KP, IS_BF16, QZROWS, KSUB)
                     s, allowed = _mask_scores(s, trow, tcol, t0 + sub * BT, stop, AMASK, b.to(gl.int64) * stride_mb,
                                               REP, MASK_KIND, WT)
                     if sub == 0:
@@ -1559,7 +1579,7 @@ if HAVE_GLUON:
                 if QZROWS:  # first, while few registers are live: the next QZ_N Key groups' q . z where this tile
                     # needs them
                     gbase, grel = _qz_refill(KHROWS, KCROWS, zbase, gbase, t0, S, NG_K, qT, zsm, KP, IS_BF16, a_l,
-                                             mma, QZ_N)
+                                             mma, QZ_N, KSUB, cinv)
                 if TMA and INNER:  # the statistics' loads first: in flight while the codes' slot fills
                     kh, kcen, khyb, vh, vcen, vhyb = _load_inner_stats(KHALF, KCEN, KMASK, VHALF, VCEN, VMASK,
                                                                        ks_base, vs_base, t0, stop, S, ksoff, kt, vchan,
@@ -1602,7 +1622,7 @@ if HAVE_GLUON:
                                gl.zeros([BT, 8], gl.float32, mma)) * qscale
                 elif KPOST:
                     s = _post_logits(kwords, kh, zrows.index(grel) if QZROWS else kcen, qT, qaT, negm, kdummy,
-                                     sscale, cinv, a_l, b_l, mma, BT, KBITS, KP, IS_BF16, QZROWS)
+                                     sscale, cinv, a_l, b_l, mma, BT, KBITS, KP, IS_BF16, QZROWS, KSUB)
                 else:
                     ks, kz = _scale_offset(kh, kcen, khi, klo, IS_BF16)
                     wb, ks4 = gl.broadcast(gl.expand_dims(kwords, 2), gl.expand_dims(ks, 3))
@@ -1728,15 +1748,16 @@ if HAVE_GLUON:
     @gluon.jit
     def _post_logits(kwords, kh, zsrc, qT, qaT, negm, kdummy, sscale, cinv, a_l: gl.constexpr, b_l: gl.constexpr,
                      mma: gl.constexpr, BT: gl.constexpr, KBITS: gl.constexpr, KP: gl.constexpr,
-                     IS_BF16: gl.constexpr, QZROWS: gl.constexpr):
+                     IS_BF16: gl.constexpr, QZROWS: gl.constexpr, KSUB: gl.constexpr = False):
         """Base-2 logits^T [BT, 8] of one tile of post-scaled KIVI Keys (`_kivi_decode_kernel` KPOST):
         e @ q'^T, q'^T = (q a 2^(E - b))^T * half (qaT: (q a 2^(E - b))^T), from q . z: zsrc is, with QZROWS, the
         shared-memory row of the tile's Key group (`_qz_rows`), else its centers [NA, 4, KP] (the offsets
-        z = center - half from them); bf16 adds -128 sum q' (negm: the codes' magic number)."""
+        z = center - half from them); bf16 adds -128 sum q' (negm: the codes' magic number), unless KSUB (the codes
+        bf16 subnormals: q . z scaled by cinv = 2^(SUB_E - 133) as fp16's by 2^(E - 24))."""
         if not QZROWS:
             zsrc = _offset(kh, zsrc, IS_BF16)
         wb, _ = gl.broadcast(gl.expand_dims(kwords, 2), kdummy)                  # [NA, 4, KP, BT]
-        kv = _unpack_kq(wb, KBITS, KP, IS_BF16)
+        kv = _unpack_kq(wb, KBITS, KP, IS_BF16, KSUB)
         kvT = gl.convert_layout(_kred_t(kv, KP, BT), a_l)   # [BT, 128]
         hk = gl.convert_layout(_kred(_sigma(kh, KP), KP), gl.SliceLayout(1, b_l))
         if not IS_BF16:  # q a 2^E <= 2^8 times a half-range of 256 or more would pass 65504: such a tile
@@ -1757,7 +1778,9 @@ if HAVE_GLUON:
             zk = gl.convert_layout(_kred(_sigma(zsrc, KP), KP), gl.SliceLayout(0, a_l))
             za, _ = gl.broadcast(gl.expand_dims(zk, 0), negm)
             c = mma_v2(za, qT, gl.zeros([16, 8], gl.float32, mma))
-        if IS_BF16:
+        if IS_BF16 and KSUB:   # with QZROWS the rows are stored times cinv (`_qz_refill`)
+            s = mma_v2(kvT, qp, _rows(c if QZROWS else c * cinv, BT, mma)) * sscale
+        elif IS_BF16:
             c = mma_v2(negm, qp, c)
             s = mma_v2(kvT, qp, _rows(c, BT, mma)) * sscale
         else:
@@ -2306,6 +2329,9 @@ VALUE_ZERO_APART = True  # KIVI's Values in bf16: s * code in the registers, the
 PAIR_SOFTMAX = True   # KIVI's ring with two tiles a slot: one online-softmax step per slot (PAIR), in slices of
 # whole slots: kivi-2 3.0-4.9% faster at batch x context >= 512k, 0.9% slower at (1, 65536) (H200, bool mask, session
 # 29, call 5; 558 SASS instructions a tile against 595)
+BF16_SUBNORMAL_KEYS = True   # KIVI's post-scaled bf16 Keys as bf16 subnormals (code 2^(b - 133), `_kpost_asm` sub):
+# no magic 128, so no -128 sum q' mma per tile (8 of a tile's 42 HMMA): kivi-2 2.7-4.7% faster, kivi-4 1.1-4.2%,
+# xquant-1.38 1.2-4.7% at batch x context >= 64k (H200, session 30, calls 8-9)
 RING_TILES = {1: 2, 2: 2, 4: 1}   # tiles per slot of KIVI's TMA ring (`_kivi_decode_kernel` TPS), by the wider
 # side's bits: one set of copies per slot. At 4 bits two tiles a slot take 20 KB of shared memory (11 programs per SM
 # instead of 12, offline sm_90 compile)
@@ -2479,8 +2505,8 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
         H=H, REP=rep, S=sink, R=recent, TPG_K=32, TPG_V=tpg_v, MASK_KIND=mask_kind,
         IS_BF16=bf16, BT=KIVI_BT, KBITS=kbits, VBITS=vbits, KA_HI=ka_hi, KA_LO=ka_lo, VA_HI=va_hi, VA_LO=va_lo,
         NWIN=nwin, TMA=use_tma, NST=NSTAGES, PDL=pdl, KPOST=KEY_POST, QZROWS=qz, QZ_N=QZ_N,
-        VZ=VALUE_ZERO_APART and bf16, WL=WIDEN_IN_LANES, WT=wt, TPS=tps, **pair_flags(tps, KEY_POST, wt, recent, qz),
-        num_warps=1)
+        VZ=VALUE_ZERO_APART and bf16, WL=WIDEN_IN_LANES, WT=wt, TPS=tps,
+        KSUB=BF16_SUBNORMAL_KEYS and KEY_POST and bf16, **pair_flags(tps, KEY_POST, wt, recent, qz), num_warps=1)
 
 
 def pair_flags(tps: int, key_post: bool, wt: bool, recent: int, qz_rows: bool) -> dict:
@@ -2578,7 +2604,7 @@ def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mas
     tma = _use_tma(query, sink, T, use_tma, kind)
     key = (kind, inner_flags(kp, vp) if kind == "inner" else None, dev.index, query.dtype, amask.dtype, mask_kind, kbits, vbits, H, rep, sink, recent, tpg_v, nwin,
            tma, NSTAGES, phase, rope is not None, tuple(nout), LUT_BT, LUT_MAXNREG, LUT_NO_MASK_AS_BOOL, SYM8_BT, KIVI_BT, pdl,
-           KEY_POST, QZ_ROWS, QZ_N, VALUE_ZERO_APART, WIDEN_IN_LANES, WHOLE_TILES, tuple(sorted(RING_TILES.items())), PAIR_SOFTMAX, None if exact is None else tuple(exact[s]["ring"].shape[2] for s in ("k", "v")),
+           KEY_POST, QZ_ROWS, QZ_N, VALUE_ZERO_APART, WIDEN_IN_LANES, WHOLE_TILES, tuple(sorted(RING_TILES.items())), PAIR_SOFTMAX, BF16_SUBNORMAL_KEYS, None if exact is None else tuple(exact[s]["ring"].shape[2] for s in ("k", "v")),
            tuple(sorted(POST_MAXNREG.items())), tuple(sorted(POST_WCOST.items())))
     if key not in _RESIDENT:
         one = torch.empty(1, dtype=torch.float32, device=dev)   # stand-ins: partial buffers, temperatures, logits
