@@ -131,7 +131,7 @@ TMA the shared-memory ring of NST slots; KPOST post-scaled Keys (`KEY_POST`), PO
 factors; QZROWS / QZ_N the Keys' q . z per QZ_N groups (`QZ_ROWS`); VZ the Values' offsets by their own mma
 (`VALUE_ZERO_APART`); WL the ring's Value statistics widened over a lane bit (`WIDEN_IN_LANES`); WT no tile crosses
 its slice's end (`WHOLE_TILES`, `whole_tiles`); TPS tiles per ring slot (`RING_TILES`); PAIR one softmax step
-per slot (`PAIR_SOFTMAX`, `pair_flags`).
+per slot (`PAIR_SOFTMAX`, `pair_flags`); KSUB bf16 post-scaled Keys as subnormals (`BF16_SUBNORMAL_KEYS`, SUB_E).
 """
 from __future__ import annotations
 
@@ -320,8 +320,11 @@ def post_positions(bits: int, bf16: bool, n: int) -> list[tuple[int, int]]:
 
 
 POST_E = 2  # fp16 post-scaled Keys: q' = q s 2^(POST_E - bit), the logits 2^(24 - POST_E) times the mma (range of q')
-SUB_E = 100  # bf16 subnormal Keys (`BF16_SUBNORMAL_KEYS`): q' = q s 2^(SUB_E - bit), the logits 2^(133 - SUB_E) times
-# the mma: each product code q s 2^-33 stays a normal fp32 (q' up to |q s| 2^100, far below bf16's 2^128)
+SUB_E = 64  # bf16 subnormal Keys (`BF16_SUBNORMAL_KEYS`): q' = q s 2^(SUB_E - bit), the logits 2^(133 - SUB_E) times
+# the mma. q' = |q s| 2^64 at most stays below bf16's ~2^128 for |q s| < 2^64, and a product code q s 2^-69 is a
+# normal fp32 for |code q s| >= 2^-57 (smaller ones move a logit by less than 2^-57). Calls 8-9 ran SUB_E = 100
+# (|q s| < 2^28): the same instructions, the logits scaled by exact powers of two, so the same outputs where
+# neither overflows
 
 
 def _kpost_asm(bits: int, bf16: bool, sub: bool = False) -> str:
@@ -1494,6 +1497,7 @@ if HAVE_GLUON:
             qT = (qT.to(gl.float32) * gl.expand_dims(nrm, 1)).to(dt)
         if KPOST:  # q a 2^(E - b): a the level spacing, b the code's bit in its register (`post_positions`)
             gl.static_assert(not INNER, "post-scaled Keys: KIVI's layout")
+            gl.static_assert(IS_BF16 or not KSUB, "KSUB: bf16 subnormal Keys (fp16's are subnormal anyway)")
             PE: gl.constexpr = (SUB_E_ if KSUB else 0) if IS_BF16 else POST_E_
             PER: gl.constexpr = (7 if IS_BF16 else 8) // KBITS
             KAF: gl.constexpr = 2.0 / ((1 << KBITS) - 1)

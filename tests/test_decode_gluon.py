@@ -1014,6 +1014,21 @@ def test_post_scaled_keys_large_fp16_operands_on_gpu(layout, q_size, k_size):
     _large_operands(layout, torch.float16, q_size, k_size, 6, "_kivi_decode_kernel", 3e-3, premise)
 
 
+@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() < (9, 0), reason="bf16 KIVI: sm_90+")
+@pytest.mark.parametrize("layout", ["kivi-2", "k1v1", "kivi-4"])
+def test_post_scaled_keys_large_bf16_operands_on_gpu(layout):
+    """bf16 subnormal Keys (`BF16_SUBNORMAL_KEYS`) hold q' = q a 2^(SUB_E - b) half in the mma's bf16 operand, below
+    bf16's largest value (~2^128) only while |q a half| < 2^(128 - SUB_E): queries of ~1e5 against Keys of ~3e4
+    (|q a half| ~ 2^31-2^35) would have overflowed with SUB_E = 100, session 30's first value; with 64 they stay
+    finite and match the reference op. (Written after the device budget was spent: not yet run.)"""
+    def premise(q, bufs, cfg):
+        assert dag.BF16_SUBNORMAL_KEYS and dag.SUB_E <= 64
+        qah = q.float().abs().max().item() * 2 / (2 ** cfg.key.bits - 1) * _key_half(bufs)
+        assert qah * 2.0 ** 100 > torch.finfo(torch.bfloat16).max > qah * 2.0 ** dag.SUB_E
+
+    _large_operands(layout, torch.bfloat16, 1e5, 3e4, 7, "_kivi_decode_kernel", 1.5e-2, premise)
+
+
 RING_GPU = pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() < (9, 0) or not dag.HAVE_TMA,
                               reason="the TMA ring builds: sm_90+ and Gluon's TMA")
 
