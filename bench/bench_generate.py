@@ -205,9 +205,21 @@ def profile_step(model, preset, B: int = 8, P: int = 2048):
           + f"; total {sum(groups.values()):.3f}")
 
 
+def run_specs(args) -> list:
+    """The (kind, preset) runs of one shape, in order: the baselines, then kvq's presets and their variants."""
+    runs = [(b, None) for b in args.baselines.split(",") if b] + [("kvq", p) for p in args.presets.split(",") if p]
+    runs += [("kvq-opaque", p) for p in args.opaque.split(",") if p]
+    runs += [("kvqcache", p) for p in args.kvqcache.split(",") if p]
+    runs += [("kvq-frozen", p) for p in args.frozen.split(",") if p]
+    runs += [("kvq-gemm-tuned", p) for p in args.gemm_tuned.split(",") if p]
+    return runs
+
+
 def per_shape(args, shapes: list) -> None:
     """Each shape in its own process (this script again with --shapes SHAPE --one-process; --profile in the last
-    one only), the rows gathered into --out. In one process HF's compiled static cache at (32, 4096), compiled after
+    one only), the rows gathered into --out; with --process-per-run each run of each shape in its own process
+    (--only KIND:PRESET), so that no run's wall-clock depends on the runs before it in a process (session 30, H200:
+    at (32, 4096) the first three kvq runs of a process took 3.68-3.73 ms per step, the later five 4.56-5.28). In one process HF's compiled static cache at (32, 4096), compiled after
     (8, 8192) despite `torch._dynamo.reset()`, took 28.2 ms of GPU time and 31.7 ms wall-clock per step against
     15.2 and 17.5 in a process of its own (H100, session 18); the cause (likely dynamo's dynamic-shape state
     outliving the reset) was not pinned down."""
@@ -215,18 +227,21 @@ def per_shape(args, shapes: list) -> None:
     import tempfile
 
     rows, head = [], None
-    for i, shape in enumerate(shapes):
+    jobs = [(shape, spec) for shape in shapes for spec in (run_specs(args) if args.process_per_run else [None])]
+    for i, (shape, spec) in enumerate(jobs):
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "rows.json")
+            only = [] if spec is None else ["--only", f"{spec[0]}:{spec[1] or ''}"]
             argv = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--shapes", shape, "--one-process",
-                    "--out", out] + ([] if i == len(shapes) - 1 else ["--profile", ""])
+                    "--out", out, *only] + ([] if i == len(jobs) - 1 else ["--profile", ""])
             if os.environ.get("KVQ_WITH_FLAGS"):   # started by bench/debug/with_flags.py: the same flags here
                 print(f"shape {shape}: its process runs with the flags {os.environ['KVQ_WITH_FLAGS']!r}", flush=True)
                 argv[1:1] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "debug", "with_flags.py"),
                              os.environ["KVQ_WITH_FLAGS"]]
             rc = subprocess.run(argv).returncode
             if rc != 0 or not os.path.exists(out):   # report and go on, as one process does with a failed run
-                print(f"shape {shape}: its process failed (exit code {rc}); no rows", flush=True)
+                print(f"shape {shape}{'' if spec is None else f' run {spec}'}: its process failed (exit code {rc}); "
+                      "no rows", flush=True)
                 continue
             with open(out) as f:
                 head = json.load(f)
@@ -258,6 +273,9 @@ def main():
                     help="presets also run with Inductor's GEMM autotuning (`max_autotune_gemm`; kvq::attend keeps "
                          "its default launch). Session 30, H200: its Triton picks made the step slower (2.56 against "
                          "2.25 ms of GPU time at (32, 4096)): not recommended")
+    ap.add_argument("--process-per-run", action="store_true",
+                    help="each run (baseline or preset) of each shape in a process of its own (fairer wall-clock)")
+    ap.add_argument("--only", default=None, help=argparse.SUPPRESS)   # KIND:PRESET, set by --process-per-run
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", default=None,
                     help="presets whose decode steps are profiled (top kernels, and ms per step by group)")
@@ -272,7 +290,7 @@ def main():
     if bad:   # an unknown name would run HF's default dynamic cache under that label
         ap.error(f"unknown baselines {bad}: of eager, hf-compiled, quanto-2, quanto-4 ('' for none)")
     shapes = [sh for sh in args.shapes.split(",") if sh]
-    if len(shapes) > 1 and not args.one_process:
+    if (len(shapes) > 1 or args.process_per_run) and not args.one_process:
         return per_shape(args, shapes)
     bw = copy_bandwidth()
     model = build(args.layers)
@@ -283,11 +301,10 @@ def main():
     for shape in shapes:
         B, P = map(int, shape.split("x"))
         ids = torch.randint(100, 120000, (B, P), device="cuda")
-        runs = [(b, None) for b in args.baselines.split(",") if b] + [("kvq", p) for p in args.presets.split(",") if p]
-        runs += [("kvq-opaque", p) for p in args.opaque.split(",") if p]
-        runs += [("kvqcache", p) for p in args.kvqcache.split(",") if p]
-        runs += [("kvq-frozen", p) for p in args.frozen.split(",") if p]
-        runs += [("kvq-gemm-tuned", p) for p in args.gemm_tuned.split(",") if p]
+        runs = run_specs(args)
+        if args.only is not None:   # one run of this shape (--process-per-run)
+            kind, _, preset = args.only.partition(":")
+            runs = [r for r in runs if r == (kind, preset or None)]
         for kind, preset in runs:
             torch._dynamo.reset()
             torch.cuda.empty_cache()
