@@ -219,10 +219,10 @@ def per_shape(args, shapes: list) -> None:
     """Each shape in its own process (this script again with --shapes SHAPE --one-process; --profile in the last
     one only), the rows gathered into --out; with --process-per-run each run of each shape in its own process
     (--only KIND:PRESET), so that no run's wall-clock depends on the runs before it in a process (session 30, H200:
-    at (32, 4096) the first three kvq runs of a process took 3.68-3.73 ms per step, the later five 4.56-5.28). In one process HF's compiled static cache at (32, 4096), compiled after
-    (8, 8192) despite `torch._dynamo.reset()`, took 28.2 ms of GPU time and 31.7 ms wall-clock per step against
-    15.2 and 17.5 in a process of its own (H100, session 18); the cause (likely dynamo's dynamic-shape state
-    outliving the reset) was not pinned down."""
+    at (32, 4096) the first three kvq runs of a process took 3.68-3.73 ms per step, the later five 4.56-5.28). In
+    one process HF's compiled static cache at (32, 4096), compiled after (8, 8192) despite `torch._dynamo.reset()`,
+    took 28.2 ms of GPU time and 31.7 ms wall-clock per step against 15.2 and 17.5 in a process of its own (H100,
+    session 18); the cause (likely dynamo's dynamic-shape state outliving the reset) was not pinned down."""
     import subprocess
     import tempfile
 

@@ -1040,6 +1040,15 @@ def _bit_equal_by_flag(*args, **kw):
     assert torch.equal(outs[0], outs[1])
 
 
+def _close_by_flag(*args, tol: float, **kw):
+    """`_outputs_by_flag`'s two outputs: the second finite, within relative norm tol of the first (a flag that
+    changes the rounding only)."""
+    outs = _outputs_by_flag(*args, **kw)
+    assert torch.isfinite(outs[1]).all()
+    err = ((outs[1].float() - outs[0].float()).norm() / outs[0].float().norm()).item()
+    assert err < tol, err
+
+
 def _gluon_call(layout, case, dtype, seed, constexpr, monkeypatch, tma=True, **kw):
     """A store of `case` (`_store`), a query and a bool mask, and `attend()`: the Gluon launch on them (the TMA ring
     forced, or with tma False plain loads), checked to run the layout's kernel, each Gluon launch's (TMA, constexpr
@@ -1160,11 +1169,8 @@ def test_pair_softmax_matches_per_tile_on_gpu(dtype, layout, case, num_splits, m
     to rounding (p rounds to the cache dtype against the pair's max instead of the tile's), with odd tile counts per
     slice (the second tile masked) and several slices."""
     B, n0 = case[0], case[4]
-    outs = _outputs_by_flag(layout, case, dtype, B * 23 + n0, "PAIR_SOFTMAX", "PAIR", monkeypatch,
-                            num_splits=num_splits)
-    assert torch.isfinite(outs[1]).all()
-    err = ((outs[1].float() - outs[0].float()).norm() / outs[0].float().norm()).item()
-    assert err < (4e-3 if dtype == torch.bfloat16 else 5e-4), err
+    _close_by_flag(layout, case, dtype, B * 23 + n0, "PAIR_SOFTMAX", "PAIR", monkeypatch, num_splits=num_splits,
+                   tol=4e-3 if dtype == torch.bfloat16 else 5e-4)
 
 
 @RING_GPU
@@ -1175,10 +1181,7 @@ def test_bf16_subnormal_keys_match_magic_on_gpu(layout, case, monkeypatch):
     mma) against the magic-number codes: the same logits up to fp32 summation order (the tensor cores must take
     bf16 subnormal operands as they are: flushed to zero, the Keys would drop out and the outputs differ)."""
     B, n0 = case[0], case[4]
-    outs = _outputs_by_flag(layout, case, torch.bfloat16, B * 31 + n0, "BF16_SUBNORMAL_KEYS", "KSUB", monkeypatch)
-    assert torch.isfinite(outs[1]).all()
-    err = ((outs[1].float() - outs[0].float()).norm() / outs[0].float().norm()).item()
-    assert err < 4e-3, err
+    _close_by_flag(layout, case, torch.bfloat16, B * 31 + n0, "BF16_SUBNORMAL_KEYS", "KSUB", monkeypatch, tol=4e-3)
 
 
 @RING_GPU
