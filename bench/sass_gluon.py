@@ -89,6 +89,7 @@ def main():
                       PDL=True, KPOST=True, QZROWS=qz, QZ_N=dag.QZ_N, VZ=dag.VALUE_ZERO_APART, WL=dag.WIDEN_IN_LANES,
                       WT=dag.WHOLE_TILES, TPS=tps, KSUB=dag.BF16_SUBNORMAL_KEYS,
                       **dag.pair_flags(tps, True, dag.WHOLE_TILES, 128, qz))
+            cx.update(dag.fold_flags(True, True, bits, cx["PAIR"]))
             b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 12, 13, 14, 22, 23))
             # main_loop spans the mbarrier wait's retry branch here: its HMMA are the tile's, the refill's not
             run, ops = ring_tile(b.sass, 1 if cx["PAIR"] else cx["TPS"], refill=qz)

@@ -310,6 +310,31 @@ def _post_value_asm(bf16: bool) -> str:
                       + ["}"])
 
 
+VF_E = 64   # folded 4-bit Values (`VALUE_FOLD`): p' = p 2^VF_E, so that a product code 2^(bit - 133) * p' half is a
+# normal fp32 for p half >= 2^(7 - VF_E) (smaller ones move the output by less than 2^-57 of its scale); the
+# accumulator, the offsets' share and the partial sum take 2^-VF_E back at the end
+VF_BITS = (0, 3, 0, 3)   # the bit of code i (of a 16-bit element's four) in its register (`_value_fold_asm`)
+
+
+def _value_fold_asm() -> str:
+    """Folded 4-bit bf16 Values (`_kivi_decode_kernel` VF): the 16-bit elements of two tokens (t in the low half,
+    t + 1 in the high half: what `ldmatrix.trans` gives a lane) -> 4 registers, register i = the code i of each half
+    alone, at bit VF_BITS[i] (a bf16 subnormal code 2^(bit - 133): the tensor cores take it as it is). Operands:
+    $0-$3 out, $4-$7 copies of the pair. No scale and no offset: the scale goes into p, the offset into its own
+    mma, the 2^(133 - bit) onto the accumulator's rows."""
+    lines = ["{ .reg .b32 y;"]
+    for i, bit in enumerate(VF_BITS):
+        mask = ((1 << 4) - 1) << bit
+        mask = f"0x{mask:04X}{mask:04X}"
+        shift = 4 * i - bit
+        if shift:
+            lines.append(f"shr.b32 y, $4, {shift}; and.b32 ${i}, y, {mask};")
+        else:
+            lines.append(f"and.b32 ${i}, $4, {mask};")
+    lines.append("}")
+    return "\n".join(lines)
+
+
 def post_positions(bits: int, bf16: bool, n: int) -> list[tuple[int, int]]:
     """(shift, bit) of each of the n registers of a post-scaled Key block (`_kpost_asm`): register r takes code r of
     each half of the word shifted down by `shift`, at `bit` = r * bits - shift, as many codes per shift as the
@@ -509,6 +534,7 @@ _ASM.update({(side, "lut", bf): (_lut_key_asm if side == "k" else _lut_value_asm
 _ASM.update({("rope", sign, bf): _rope_asm(bf, sign) for sign in (-1, 1) for bf in (False, True)})
 _ASM.update({("kq", bits, bf): _kpost_asm(bits, bf) for bits in BITS for bf in (False, True)})
 _ASM.update({("kqs", bits, True): _kpost_asm(bits, True, sub=True) for bits in BITS})
+_ASM[("vf", 4, True)] = _value_fold_asm()   # folded 4-bit bf16 Values (`VF`)
 _ASM.update({("mul", 0, bf): f"mul.rn.{'bf16x2' if bf else 'f16x2'} $0, $1, $2;" for bf in (False, True)})
 _ASM.update({("k", "sym8", bf): _sym8_key_asm() for bf in (False, True)})
 _ASM.update({("v", "sym8", bf): _sym8_value_asm(bf) for bf in (False, True)})
@@ -523,6 +549,9 @@ if HAVE_GLUON:
     D_ = gl.constexpr(D)
     POST_E_ = gl.constexpr(POST_E)
     SUB_E_ = gl.constexpr(SUB_E)
+    VF_E_ = gl.constexpr(VF_E)
+    VF_DOWN_ = gl.constexpr(2.0 ** -VF_E)
+    VF_ROW_ = gl.constexpr([2.0 ** (133 - VF_E - b) for b in VF_BITS[:2]])   # a row's factor by its code's bit
 
     @gluon.constexpr_function
     def _asm(side, bits, bf16):
@@ -591,6 +620,68 @@ if HAVE_GLUON:
             reg_bases=[[1, 0, 0]] + [[8 << i, 0, 0] for i in range(bt.bit_length() - 4)],
             lane_bases=[[2, 0, 0], [4, 0, 0], [0, 0, 1], [0, 1, 0], [0, 2, 0]], warp_bases=[], block_bases=[],
             shape=[bt, 4, 2])
+
+    @gluon.constexpr_function
+    def _fold_layout(bt):
+        """Folded 4-bit Values (`_kivi_decode_kernel` VF) as [t(bt), k(8), i(4)]: code i of the 16-bit element k of
+        a Value group's 16-byte chunk of token t (channel 32 c + 4 k + i of group c); registers (t % 2, i) first (one
+        inline-asm block: two tokens, four codes), lanes (t // 2 % 4, k). Its slice over i is `ldmatrix.trans`'s
+        fragment of the chunk ([t, k] as the mma's B operand), its reshape to v_c^T [32 (8 i + k), bt] the mma's A
+        fragment."""
+        return gl.DistributedLinearLayout(
+            reg_bases=[[1, 0, 0], [0, 0, 1], [0, 0, 2]] + [[8 << i, 0, 0] for i in range(bt.bit_length() - 4)],
+            lane_bases=[[2, 0, 0], [4, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]], warp_bases=[], block_bases=[],
+            shape=[bt, 8, 4])
+
+    @gluon.constexpr_function
+    def _fold_stats_layout(bt):
+        """[bt, 4] Value half-ranges (token, group) with each lane holding its B-fragment tokens (t % 2 and t // 8 in
+        registers, t // 2 % 4 on lane bits 0-1) and all four groups: the factors of p' per group (VF)."""
+        return gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [1, 0]] + [[8 << i, 0] for i in range(bt.bit_length() - 4)],
+            lane_bases=[[2, 0], [4, 0], [0, 0], [0, 0], [0, 0]], warp_bases=[], block_bases=[], shape=[bt, 4])
+
+    @gluon.jit
+    def _columns4(x):
+        """The four columns of x [N, 4] (registers only where the column sits in registers)."""
+        a, b = gl.split(x.reshape([x.shape[0], 2, 2]))   # columns (0, 2), (1, 3)
+        c0, c2 = gl.split(a)
+        c1, c3 = gl.split(b)
+        return c0, c1, c2, c3
+
+    @gluon.jit
+    def _fold_group(vt16, hc, pT, acc, C: gl.constexpr, a_l: gl.constexpr, b_l: gl.constexpr, BT: gl.constexpr):
+        """acc + e_C^T @ (p' half_C)^T for Value group C of one tile (`_kivi_decode_kernel` VF): the group's 16-byte
+        chunk of each token's codes by `ldmatrix.trans` (vt16: the tile's code rows as [BT, 32] 16-bit elements), its
+        codes bare (`_value_fold_asm`), the group's per-token half-ranges hc [BT] folded into p'^T (pT: the B
+        operand). Rows of the result: 8 i + k, channel 32 C + 4 k + i (`_fold_finish` scales and reorders them)."""
+        PF: gl.constexpr = _fold_layout(BT)
+        codes = vt16.slice(8 * C, 8, dim=1).load(gl.SliceLayout(2, PF))                 # [BT, 8] 16-bit elements
+        i4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, PF)))
+        w, _ = gl.broadcast(gl.expand_dims(codes, 2), gl.expand_dims(gl.expand_dims(i4, 0), 0))   # [BT, 8, 4]
+        e = gl.inline_asm_elementwise(_asm("vf", 4, True), "=r,=r,=r,=r,r,r,r,r", [w], dtype=gl.bfloat16,
+                                      is_pure=True, pack=8)
+        eT = gl.convert_layout(e.permute([0, 2, 1]).reshape([BT, 32]).permute([1, 0]), a_l)   # [32, BT]
+        hb, _ = gl.broadcast(gl.expand_dims(gl.convert_layout(hc, gl.SliceLayout(1, b_l)), 1), pT)
+        return mma_v2(eT, _mul(pT, hb, True), acc)
+
+    @gluon.jit
+    def _fold_finish(acc0, acc1, acc2, acc3, accz, VAF: gl.constexpr, mma: gl.constexpr):
+        """out^T [128, 8] (row 32 c + n: `_fold_group`'s row n of group c) from the four groups' accumulators (each
+        row times a 2^(133 - VF_E - bit): the level spacing a, the codes' subnormal scale and p's 2^VF_E) and the
+        offsets' share (accz: `_zero_rows`' rows, group (r % 8) // 2, times 2^-VF_E)."""
+        F0: gl.constexpr = VAF * VF_ROW_[0]
+        F1: gl.constexpr = VAF * VF_ROW_[1]
+        n = gl.arange(0, 32, layout=gl.SliceLayout(1, mma))
+        rf = gl.expand_dims(gl.where((n >> 3) % 2 == 1, F1, F0), 1)      # code i = (n // 8) % 4: VF_BITS 0, 3, 0, 3
+        grp = gl.expand_dims((gl.arange(0, 16, layout=gl.SliceLayout(1, mma)) % 8) // 2, 1)   # accz's row groups
+        az = accz * VF_DOWN_   # (the rows of a group are equal: their max is any of them)
+        o0 = acc0 * rf + gl.expand_dims(gl.max(gl.where(grp == 0, az, float("-inf")), 0), 0)
+        o1 = acc1 * rf + gl.expand_dims(gl.max(gl.where(grp == 1, az, float("-inf")), 0), 0)
+        o2 = acc2 * rf + gl.expand_dims(gl.max(gl.where(grp == 2, az, float("-inf")), 0), 0)
+        o3 = acc3 * rf + gl.expand_dims(gl.max(gl.where(grp == 3, az, float("-inf")), 0), 0)
+        x = gl.join(gl.join(o0, o1), gl.join(o2, o3))                    # [32, 8, 2 (c % 2), 2 (c // 2)]
+        return gl.convert_layout(x.permute([3, 2, 0, 1]).reshape([128, 8]), mma)
 
     @gluon.jit
     def _scale_offset(half, center, hi, lo, IS_BF16: gl.constexpr):
@@ -771,13 +862,17 @@ if HAVE_GLUON:
                        + gl.expand_dims(tchan, 1), mask=gl.expand_dims(tn < REP, 0), other=0.0)
 
     @gluon.jit
-    def _softmax_step(s, allowed, m8, lacc):
+    def _softmax_step(s, allowed, m8, lacc, PE: gl.constexpr = 0):
         """One tile of the online softmax in base 2 over transposed logits [BT, 8] (a column per query head):
-        (p, alpha, new max, new per-lane partial sums); heads with nothing allowed yet keep max -inf and p = 0."""
+        (p, alpha, new max, new per-lane partial sums); heads with nothing allowed yet keep max -inf and p = 0.
+        PE: p and the sums times 2^PE (`_kivi_decode_kernel` VF)."""
         s = gl.where(allowed, s, float("-inf"))
         m_new = gl.maximum(m8, gl.max(s, 0))
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s - gl.expand_dims(m_use, 0))
+        if PE != 0:
+            p = gl.exp2(s - gl.expand_dims(m_use - PE, 0))
+        else:
+            p = gl.exp2(s - gl.expand_dims(m_use, 0))
         alpha = gl.exp2(m8 - m_use)
         return p, alpha, m_new, lacc * gl.expand_dims(alpha, 0) + p
 
@@ -802,7 +897,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _store_partials(OUT_M, OUT_L, OUT_ACC, bh, split, NSPLIT, NWIN: gl.constexpr, m8, l8, acc,
-                         REP: gl.constexpr, mma: gl.constexpr):
+                         REP: gl.constexpr, mma: gl.constexpr, FOLD: gl.constexpr = False):
         """This program's (max in base e, sum, acc) into slot `split` of each real head's row, as `_decode_kernel`
         writes them (rows REP..15 are never read): max and sum per query head as [8] vectors along the
         accumulator's columns, the accumulator's channels back in channel order."""
@@ -812,7 +907,10 @@ if HAVE_GLUON:
         gl.store(OUT_M + o8, m8 * LN2, mask=r8 < REP)
         gl.store(OUT_L + o8, l8, mask=r8 < REP)
         n = gl.arange(0, 128, layout=gl.SliceLayout(1, mma))
-        chan = 16 * (n & 7) + (n >> 3)
+        if FOLD:   # `_fold_finish`'s rows: n = 32 c + 8 i + k, channel 32 c + 4 k + i
+            chan = (n & 96) + 4 * (n & 7) + ((n >> 3) & 3)
+        else:      # n = 8 j + w, channel 16 w + j
+            chan = 16 * (n & 7) + (n >> 3)
         gl.store(OUT_ACC + gl.expand_dims(o8, 0) * 128 + gl.expand_dims(chan, 1), acc,
                  mask=gl.expand_dims(r8 < REP, 0))
 
@@ -1303,7 +1401,7 @@ if HAVE_GLUON:
             VHYB: gl.constexpr = False, NORM: gl.constexpr = False, KPOST: gl.constexpr = False,
             QZROWS: gl.constexpr = False, QZ_N: gl.constexpr = 8, VZ: gl.constexpr = False,
             WL: gl.constexpr = True, WT: gl.constexpr = False, TPS: gl.constexpr = 1, PAIR: gl.constexpr = False,
-            KSUB: gl.constexpr = False):
+            KSUB: gl.constexpr = False, VF: gl.constexpr = False):
         """KIVI's layout, or with INNER InnerQ's (Keys per token in groups of 32 channels, Values per channel in
         groups of 32 tokens: the same packed words, the statistics the other way round, the codes alone through the
         ring where TMA). NG_K: the
@@ -1343,6 +1441,7 @@ if HAVE_GLUON:
         with a step per tile: p rounds to the cache dtype against the slot's max."""
         gl.static_assert(KPOST or not QZROWS, "QZROWS computes the post-scaled Keys' q . z")
         gl.static_assert(not (VZ and (INNER or not IS_BF16)), "VZ: KIVI's Values in bf16")
+        gl.static_assert((not VF) or (VZ and TMA and VBITS == 4 and not PAIR), "VF: KIVI's 4-bit bf16 Values, ring")
         bh = gl.program_id(0)
         split = gl.program_id(1)
         b = bh // H
@@ -1527,6 +1626,18 @@ if HAVE_GLUON:
             sscale = qscale * up
             cinv = 1.0 / up
         trow, tcol, m8, lacc, acc = _softmax_state(BT, mma)
+        if VF:  # one accumulator per Value group: rows 8 i + k (`_fold_group`)
+            acc = gl.zeros([32, 8], gl.float32, mma)
+            acc1 = gl.zeros([32, 8], gl.float32, mma)
+            acc2 = gl.zeros([32, 8], gl.float32, mma)
+            acc3 = gl.zeros([32, 8], gl.float32, mma)
+            VF16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=VC.layout.swizzle_byte_width,
+                                                      element_bitwidth=16, rank=2)   # the same bytes as 16-bit
+            LHB: gl.constexpr = _fold_stats_layout(BT)
+            flatv: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+            PEV: gl.constexpr = VF_E_
+        else:
+            PEV: gl.constexpr = 0
 
         if PAIR:  # two tiles (one ring slot) per online-softmax step: one max, one rescale per 64 tokens
             gl.static_assert(TMA and (not INNER) and KPOST and (TPS == 2) and WT, "PAIR: KIVI's ring, 2 tiles a slot")
@@ -1636,7 +1747,7 @@ if HAVE_GLUON:
                                gl.zeros([BT, 8], gl.float32, mma)) * qscale
                 s, allowed = _mask_scores(s, trow, tcol, t0, stop, AMASK, b.to(gl.int64) * stride_mb, REP, MASK_KIND,
                                           WT)
-                p, alpha8, m8, lacc = _softmax_step(s, allowed, m8, lacc)
+                p, alpha8, m8, lacc = _softmax_step(s, allowed, m8, lacc, PEV)
 
                 if INNER:  # [8, 2, 8] -> [1, 8, 2, 8]: one scale and offset per channel
                     vfh = vhyb * vfac
@@ -1650,11 +1761,22 @@ if HAVE_GLUON:
                     wv, vz4 = gl.broadcast(wv, gl.expand_dims(vz, 0))
                     vv = _unpack(wv, vs4, vz4, "vc", VBITS, 16, IS_BF16)
                     vv = gl.convert_layout(vv.permute([0, 2, 3, 1]).reshape([BT, 128]).permute([1, 0]), a_l)
+                elif VF:  # the offsets for their own mma; the codes per group below
+                    vz = _offset(vh, vcen, IS_BF16)
                 else:
                     vv, vz = _kivi_values_t(vwords, vh, vcen, vhi, vlo, vnegm, vshift, jdummy, a_l, BT, VBITS,
                                             IS_BF16, VZ)
                 pT = _p_transposed(p.to(dt), b_l, BT, IS_BF16)
-                acc = mma_v2(vv, pT, acc * gl.expand_dims(alpha8, 0))
+                if VF:  # each group's scale folded into p': acc_c + e_c^T @ (p' half_c)^T
+                    a8 = gl.expand_dims(alpha8, 0)
+                    vt16 = vtile.index(r)._reinterpret(gl.int16, [BT, 32], VF16)
+                    h0, h1, h2, h3 = _columns4(vhtile.index(r)._reinterpret(dt, [BT, 4], flatv).load(LHB))
+                    acc = _fold_group(vt16, h0, pT, acc * a8, 0, a_l, b_l, BT)
+                    acc1 = _fold_group(vt16, h1, pT, acc1 * a8, 1, a_l, b_l, BT)
+                    acc2 = _fold_group(vt16, h2, pT, acc2 * a8, 2, a_l, b_l, BT)
+                    acc3 = _fold_group(vt16, h3, pT, acc3 * a8, 3, a_l, b_l, BT)
+                else:
+                    acc = mma_v2(vv, pT, acc * gl.expand_dims(alpha8, 0))
                 if VZ:  # the offsets' share: z_rows @ p^T
                     accz = mma_v2(_zero_rows(vz, a_l, BT), pT, accz * gl.expand_dims(alpha8, 0))
                 if TMA and INNER:  # the ring slot just read takes the tile NST ahead
@@ -1666,9 +1788,13 @@ if HAVE_GLUON:
                                kzbuf.index(st), vhbuf.index(st), vzbuf.index(st), bars.index(st), row0, grow0,
                                t0 + (NST * TPS - TPS + 1) * BT, S, (slot + NST) * TPS < n_iter, NBYTES, not QZROWS)
 
-        if VZ:
+        lsum = gl.sum(lacc, 0)
+        if VF:  # everything times 2^VF_E: the scale of p'
+            acc = _fold_finish(acc, acc1, acc2, acc3, accz, 2.0 / ((1 << VBITS) - 1), mma)
+            lsum = lsum * VF_DOWN_
+        elif VZ:
             acc = acc + _rows128(accz, mma)
-        _store_partials(OUT_M, OUT_L, OUT_ACC, bh, split, NSPLIT, NWIN, m8, gl.sum(lacc, 0), acc, REP, mma)
+        _store_partials(OUT_M, OUT_L, OUT_ACC, bh, split, NSPLIT, NWIN, m8, lsum, acc, REP, mma, VF)
 
     @gluon.jit
     def _issue(KC, VC, KHALF, KCEN, VHALF, VCEN, kb, vb, khb, kzb, vhb, vzb, bar, row0, grow0, t0, S: gl.constexpr,
@@ -2336,6 +2462,11 @@ PAIR_SOFTMAX = True   # KIVI's ring with two tiles a slot: one online-softmax st
 BF16_SUBNORMAL_KEYS = True   # KIVI's post-scaled bf16 Keys as bf16 subnormals (code 2^(b - 133), `_kpost_asm` sub):
 # no magic 128, so no -128 sum q' mma per tile (8 of a tile's 42 HMMA): kivi-2 2.7-4.7% faster, kivi-4 1.1-4.2%,
 # xquant-1.38 1.2-4.7% at batch x context >= 64k (H200, session 30, calls 8-9)
+VALUE_FOLD = True   # KIVI's 4-bit bf16 Values through the ring: each group's scale folded into p (`_kivi_decode_kernel`
+# VF): the codes bare from `ldmatrix.trans`, 4 mma per tile (one per group) against the same p' scaled per group; 671 ->
+# 626 SASS instructions a tile (kivi-4, offline sm_90), 168 registers (12 programs per SM, as 134)
+VF_SWIZZLE = 64   # the folded Values' code rows (64 bytes) in the ring, swizzled: `ldmatrix` reads 8 rows of 16 bytes
+# at once, which unswizzled fall on the same banks 4 ways
 RING_TILES = {1: 2, 2: 2, 4: 1}   # tiles per slot of KIVI's TMA ring (`_kivi_decode_kernel` TPS), by the wider
 # side's bits: one set of copies per slot. At 4 bits two tiles a slot take 20 KB of shared memory (11 programs per SM
 # instead of 12, offline sm_90 compile)
@@ -2367,17 +2498,18 @@ POST_TMA = True   # calibquant's launches take the TMA path too (where `USE_TMA`
                   # bench/RESULTS.md session 23)
 
 
-def descriptors(kp: dict, vp: dict, kbits: int, vbits: int, tps: int = 1) -> list:
+def descriptors(kp: dict, vp: dict, kbits: int, vbits: int, tps: int = 1, vswizzle: int = 0) -> list:
     """Host TMA descriptors of the store, in the kernel's argument order (KC, KCEN, KHALF, VC, VCEN, VHALF): codes
     as [rows, words per token] (a box: tps tiles' rows), the Keys' statistics as [group rows, 128] (tps rows: one per
     32-token tile), the Values' as flat [T * 4] (tps tiles' 128 entries, 8 bytes a token: a box must start 16-byte
     aligned, so tiles must start at even rows; `_use_tma` takes plain loads for an odd sink or cache length). tps:
     the tiles of a ring slot of `_kivi_decode_kernel` (TPS); at most 2 (a box has at most 256 entries a dimension),
-    and 1 with 16-token tiles (two of them share a Key statistics row)."""
+    and 1 with 16-token tiles (two of them share a Key statistics row). vswizzle: the Value codes' shared-memory
+    swizzle in bytes (`VF_SWIZZLE`: 64 for the folded Values' `ldmatrix`, 0 elsewhere)."""
     import torch
 
-    def desc(t, block, bits):
-        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=len(block))
+    def desc(t, block, bits, swizzle=0):
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=bits, rank=len(block))
         return TensorDescriptor.from_tensor(t, block, layout)
 
     sbits = 16 if kp["half"].dtype in (torch.float16, torch.bfloat16) else 32
@@ -2387,7 +2519,7 @@ def descriptors(kp: dict, vp: dict, kbits: int, vbits: int, tps: int = 1) -> lis
         raise ValueError(f"{tps} tiles a ring slot need 32-token tiles (one Key statistics row each), not {KIVI_BT}")
     return [desc(kp["codes"].view(-1, 4 * kbits), [tps * KIVI_BT, 4 * kbits], 32),
             desc(kp["cen"].view(-1, D), [tps, D], sbits), desc(kp["half"].view(-1, D), [tps, D], sbits),
-            desc(vp["codes"].view(-1, 4 * vbits), [tps * KIVI_BT, 4 * vbits], 32),
+            desc(vp["codes"].view(-1, 4 * vbits), [tps * KIVI_BT, 4 * vbits], 32, vswizzle),
             desc(vp["cen"].view(-1), [tps * KIVI_BT * 4], sbits),
             desc(vp["half"].view(-1), [tps * KIVI_BT * 4], sbits)]
 
@@ -2499,10 +2631,12 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
     va_hi, va_lo = split_scale(2.0 / (2 ** vbits - 1), bf16)
     use_tma = _use_tma(query, sink, T, use_tma)
     tps = RING_TILES.get(max(kbits, vbits), 1) if use_tma and KIVI_BT == 32 else 1
-    if use_tma:
-        stores = descriptors(kp, vp, kbits, vbits, tps)
     wt = WHOLE_TILES and whole_tiles(recent, 32, tpg_v, KIVI_BT)
     qz = KEY_POST and QZ_ROWS and use_tma
+    pair = pair_flags(tps, KEY_POST, wt, recent, qz)
+    fold = fold_flags(use_tma, bf16, vbits, pair["PAIR"])
+    if use_tma:
+        stores = descriptors(kp, vp, kbits, vbits, tps, VF_SWIZZLE if fold["VF"] else 0)
     return _kivi_decode_kernel, (
         query, query.stride(0), query.stride(1), *stores, positions, amask, smb, m_buf, l_buf, acc_buf,
         float(scale), T, ng_k, nsplit, *extra), dict(
@@ -2510,7 +2644,7 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
         IS_BF16=bf16, BT=KIVI_BT, KBITS=kbits, VBITS=vbits, KA_HI=ka_hi, KA_LO=ka_lo, VA_HI=va_hi, VA_LO=va_lo,
         NWIN=nwin, TMA=use_tma, NST=NSTAGES, PDL=pdl, KPOST=KEY_POST, QZROWS=qz, QZ_N=QZ_N,
         VZ=VALUE_ZERO_APART and bf16, WL=WIDEN_IN_LANES, WT=wt, TPS=tps,
-        KSUB=BF16_SUBNORMAL_KEYS and KEY_POST and bf16, **pair_flags(tps, KEY_POST, wt, recent, qz), num_warps=1)
+        KSUB=BF16_SUBNORMAL_KEYS and KEY_POST and bf16, **pair, **fold, num_warps=1)
 
 
 def pair_flags(tps: int, key_post: bool, wt: bool, recent: int, qz_rows: bool) -> dict:
@@ -2519,6 +2653,13 @@ def pair_flags(tps: int, key_post: bool, wt: bool, recent: int, qz_rows: bool) -
     the current position (a recent window of a tile or more) and refills fall on a slot's first tile."""
     ok = tps == 2 and key_post and wt and recent >= KIVI_BT and (QZ_N % 2 == 0 or not qz_rows)
     return dict(PAIR=bool(PAIR_SOFTMAX and ok))
+
+
+def fold_flags(tma: bool, bf16: bool, vbits: int, pair: bool) -> dict:
+    """The KIVI kernel's VF constexpr as `_plan` passes it (offline builds take it from here too): 4-bit bf16 Values
+    through the ring, each group's scale folded into p (`VALUE_FOLD`), with their offsets by their own mma (VZ) and
+    one softmax step per tile."""
+    return dict(VF=bool(VALUE_FOLD and VALUE_ZERO_APART and tma and bf16 and vbits == 4 and not pair))
 
 
 def window_inside(kind: str | None, kc: dict, vc: dict, tau) -> bool:
@@ -2608,7 +2749,7 @@ def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mas
     tma = _use_tma(query, sink, T, use_tma, kind)
     key = (kind, inner_flags(kp, vp) if kind == "inner" else None, dev.index, query.dtype, amask.dtype, mask_kind, kbits, vbits, H, rep, sink, recent, tpg_v, nwin,
            tma, NSTAGES, phase, rope is not None, tuple(nout), LUT_BT, LUT_MAXNREG, LUT_NO_MASK_AS_BOOL, SYM8_BT, KIVI_BT, pdl,
-           KEY_POST, QZ_ROWS, QZ_N, VALUE_ZERO_APART, WIDEN_IN_LANES, WHOLE_TILES, tuple(sorted(RING_TILES.items())), PAIR_SOFTMAX, BF16_SUBNORMAL_KEYS, None if exact is None else tuple(exact[s]["ring"].shape[2] for s in ("k", "v")),
+           KEY_POST, QZ_ROWS, QZ_N, VALUE_ZERO_APART, WIDEN_IN_LANES, WHOLE_TILES, tuple(sorted(RING_TILES.items())), PAIR_SOFTMAX, BF16_SUBNORMAL_KEYS, VALUE_FOLD, None if exact is None else tuple(exact[s]["ring"].shape[2] for s in ("k", "v")),
            tuple(sorted(POST_MAXNREG.items())), tuple(sorted(POST_WCOST.items())))
     if key not in _RESIDENT:
         one = torch.empty(1, dtype=torch.float32, device=dev)   # stand-ins: partial buffers, temperatures, logits

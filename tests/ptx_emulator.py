@@ -58,6 +58,8 @@ def run(asm: str, operands: dict[int, int]) -> dict[int, int]:
             x, y = (np.array(val(t), dtype=np.uint32).view(np.float32) for t in a[1:3])
             r = np.float32(x + y if op == "add.f32" else x - y)
             out = int(np.array(r, dtype=np.float32).view(np.uint32))
+        elif op == "and.b32":
+            out = val(a[1]) & val(a[2])
         elif op == "shr.b32":
             out = val(a[1]) >> val(a[2])
         elif op.split(".")[0] in ("add", "mul", "fma") and op.endswith("x2"):

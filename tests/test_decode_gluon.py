@@ -283,6 +283,7 @@ SCRIPT = textwrap.dedent('''
                   VZ=dag.VALUE_ZERO_APART and bf16, WL=dag.WIDEN_IN_LANES, WT=dag.WHOLE_TILES,
                   TPS=dag.RING_TILES.get(max(kb, vb), 1) if tma else 1, KSUB=post and bf16 and dag.BF16_SUBNORMAL_KEYS)
         cx.update(dag.pair_flags(cx["TPS"], post, cx["WT"], cx["R"], cx["QZROWS"]))   # as `_plan` (an offline
+        cx.update(dag.fold_flags(tma, bf16, vb, cx["PAIR"]))
         # compile leaves a constexpr it is not given falsy, not at its default)
         b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 12, 13, 14, 22, 23) + (() if tma else (3, 4, 5, 6, 7, 8)))
         out.append((bf16, mask, kb, vb, tma, post, b.shared, b.stack == b.local == 0, b.sass.count("HMMA"),
@@ -476,6 +477,54 @@ def test_compiles_for_sm90_into_registers_only():
             assert loop[:3] == tuple(trip * n for n in per_tile), rows
         if not tma:   # HADD2: the `add` of -M per register, 64 per dequantized side and tile (a few others)
             assert loop[4] - 64 * (not post) in (range(0, 8) if vz else range(64, 72)), rows
+
+
+FOLD_SCRIPT = textwrap.dedent('''
+    import torch
+    from triton.runtime.jit import mangle_type
+    from kvq_compile.templates import decode_attention_gluon as dag
+    from sm90_sass import compile_sm90, ring_tile
+
+    ty = "*bf16"
+    z = dict(codes=torch.zeros(2, 2, 64, 16, dtype=torch.int32))
+    kp = dict(z, cen=torch.zeros(2, 2, 2, 128, dtype=torch.bfloat16), half=torch.zeros(2, 2, 2, 128, dtype=torch.bfloat16))
+    vp = dict(z, cen=torch.zeros(2, 2, 64, 4, dtype=torch.bfloat16), half=torch.zeros(2, 2, 64, 4, dtype=torch.bfloat16))
+    tps = dag.RING_TILES.get(4, 1)
+    def sig(vf):   # the Value codes' descriptor swizzled with VF, as `_plan` builds it
+        return dict(Q=ty, stride_qb="i32", stride_qh="i32",
+                    **dict(zip(("KC", "KCEN", "KHALF", "VC", "VCEN", "VHALF"),
+                               map(mangle_type, dag.descriptors(kp, vp, 4, 4, tps, dag.VF_SWIZZLE if vf else 0)))),
+                    POS="*i64", AMASK="*i1", stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32", OUT_ACC="*fp32",
+                    scale="fp32", T="i32", NG_K="i32", NSPLIT="i32", KMASK=ty, VMASK=ty, KNORM=ty, KHROWS=ty, KCROWS=ty)
+    a = dag.split_scale(2 / 15, True)
+    cx = dict(H=8, REP=4, S=0, R=128, TPG_K=32, TPG_V=1, MASK_KIND=1, IS_BF16=True, BT=32, KBITS=4, VBITS=4,
+              KA_HI=a[0], KA_LO=a[1], VA_HI=a[0], VA_LO=a[1], NWIN=3, TMA=True, NST=dag.NSTAGES, PDL=True, KPOST=True,
+              QZROWS=dag.QZ_ROWS, QZ_N=dag.QZ_N, VZ=True, WL=dag.WIDEN_IN_LANES, WT=dag.WHOLE_TILES, TPS=tps,
+              KSUB=dag.BF16_SUBNORMAL_KEYS, **dag.pair_flags(tps, True, dag.WHOLE_TILES, 128, dag.QZ_ROWS))
+    out = []
+    for vf in (False, True):
+        b = compile_sm90(dag._kivi_decode_kernel, sig(vf), dict(cx, VF=vf), (0, 12, 13, 14, 22, 23))
+        run, ops = ring_tile(b.sass, tps, refill=dag.QZ_ROWS)
+        out.append((vf, b.regs, b.stack + b.local, round(run), ops["HFMA2"], ops["LDSM"], dag.programs_per_sm(
+            b.regs, b.shared, (9, 0))))
+    print(out)
+''')
+
+
+@pytest.mark.skipif(not dag.HAVE_GLUON or not dag.HAVE_TMA, reason="triton without Gluon's TMA")
+def test_folded_values_compile_for_sm90():
+    """kivi-4's ring build (bf16) with each Value group's scale folded into p (VF, `VALUE_FOLD`): the codes by four
+    `ldmatrix.trans` a tile (one per group) and no packed multiply-add per Value register (64 HFMA2 a tile without
+    the fold), fewer instructions per tile, no spills, and as many programs per SM (its registers stay within the same
+    allocation step)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__)] + [p for p in [env.get("PYTHONPATH")] if p])
+    r = subprocess.run([sys.executable, "-c", FOLD_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (_, regs0, spill0, run0, hfma0, ldsm0, progs0), (_, regs1, spill1, run1, hfma1, ldsm1, progs1) = eval(  # noqa: S307
+        r.stdout.strip().splitlines()[-1])
+    assert spill0 == spill1 == 0 and ldsm0 == 0 and ldsm1 == 4 and hfma0 >= 64 and hfma1 <= 8, (regs1, run1, hfma1)
+    assert run1 < run0 - 30 and progs1 == progs0 == 12, (run0, run1, regs0, regs1)
 
 
 PDL_SCRIPT = textwrap.dedent('''
@@ -780,6 +829,21 @@ def test_inline_ptx_unpacks_every_code(bf16, bits):
         assert out["$0"] == _pair(_exact(z[0] - s[0], bf16), _exact(z[1] - s[1], bf16), bf16)
 
 
+def test_value_fold_block_places_each_code():
+    """The folded 4-bit Value block (`_value_fold_asm`, the kernel's VF): from two tokens' 16-bit elements (t low,
+    t + 1 high: `ldmatrix.trans`'s register) register i holds code i of each alone at bit VF_BITS[i], inside a bf16
+    mantissa (bits 0-6: a subnormal, no exponent bit set), for random elements."""
+    from ptx_emulator import run
+
+    gen = torch.Generator().manual_seed(7)
+    for trial in range(60):
+        lo, hi = (int(x) for x in torch.randint(0, 1 << 16, (2,), generator=gen))
+        out = run(dag._ASM[("vf", 4, True)], {4 + i: lo | hi << 16 for i in range(4)})
+        for i, bit in enumerate(dag.VF_BITS):
+            want = ((lo >> 4 * i) & 15) << bit | ((hi >> 4 * i) & 15) << bit << 16
+            assert out[f"${i}"] == want and want & 0xFF80FF80 == 0, (trial, i, hex(out[f"${i}"]), hex(want))
+
+
 @pytest.mark.parametrize("bits", dag.BITS)
 def test_value_blocks_without_offsets_give_scale_times_code(bits):
     """KIVI's bf16 Value blocks with the offsets left to the mma (`_value_asm` zero_apart, the kernel's VZ): with
@@ -1031,6 +1095,37 @@ def test_post_scaled_keys_large_bf16_operands_on_gpu(layout):
 
 RING_GPU = pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() < (9, 0) or not dag.HAVE_TMA,
                               reason="the TMA ring builds: sm_90+ and Gluon's TMA")
+
+
+@RING_GPU
+@pytest.mark.parametrize("size", [1e-12, 1.0, 1e12])
+def test_folded_values_over_magnitudes_on_gpu(size, monkeypatch):
+    """kivi-4's folded Values (VF: p' = p 2^VF_E times each group's half-range in bf16, the codes as bf16 subnormals,
+    the offsets' share by their own mma) on Keys and Values of magnitude 1e-12 to 1e12 (half-ranges ~2^-40 to 2^40,
+    inside the fold's exact range 2^-57 .. 2^64): finite and within the reference op's tolerance."""
+    plan, built = dag._plan, []
+
+    def spy(*args, **kwargs):
+        fn, a, kws = plan(*args, **kwargs)
+        built.append(kws.get("VF"))
+        return fn, a, kws
+
+    monkeypatch.setattr(dag, "_plan", spy)
+    monkeypatch.setattr(dag, "USE_TMA", True)
+    _large_operands("kivi-4", torch.bfloat16, 1.0, size, 11, "_kivi_decode_kernel", 1.5e-2, lambda *a: None)
+    assert built and all(built), built
+
+
+@RING_GPU
+@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[7], CASES[9]])
+@pytest.mark.parametrize("num_splits", [None, 1])
+def test_folded_values_match_unfolded_on_gpu(case, num_splits, monkeypatch):
+    """`VALUE_FOLD` on against off (kivi-4, bf16, the ring): the same output up to the bf16 roundings that move (p'
+    half instead of s code per element). Each is about 8e-3 off the reference op in relative norm (kivi-4 bf16,
+    `bench_decode_attention.py`, either build); between them up to 6.9e-3 was measured (session 31, case 3)."""
+    B, n0 = case[0], case[4]
+    _close_by_flag("kivi-4", case, torch.bfloat16, B * 37 + n0, "VALUE_FOLD", "VF", monkeypatch, tol=1e-2,
+                   num_splits=num_splits)
 
 
 def _bit_equal_by_flag(*args, **kw):
