@@ -99,6 +99,16 @@ Math (one program = one KV head of one sequence and one slice of the quantized r
     comes from one more mma per tile (z as its A rows, `_zero_rows`) into a [16, 8] accumulator added to the rows of
     acc^T once per slice: 785 -> 739 SASS instructions per 32-token tile at 2 bits (TMA build), 1.2-2.6% faster at
     batch x context >= 64k (H200, bench/RESULTS.md session 27). fp16 keeps the `add`: its -1024 s overflows from s = 64.
+    VF (KIVI's 4-bit Values in bf16 through the ring, `VALUE_FOLD`): each group's scale goes into p instead,
+        p @ v = sum_c (p' * half_c) @ (a 2^-VF_E e_c) + p @ z,   p' = p 2^VF_E,
+    per Value group c (32 channels: a 16-byte chunk of a token's codes) one mma, its A operand the group's codes
+    bare (`_value_fold_asm`: a bf16 subnormal code 2^(bit - 133) per register, from the 16-bit elements that
+    `ldmatrix.trans` hands each lane as (token t, t + 1) pairs), its B operand p'^T times the group's per-token
+    half-ranges; the rows' 2^(133 - bit) a and 2^-VF_E once per slice (`_fold_finish`). No per-register multiply-add:
+    671 -> 626 SASS instructions per tile (offline sm_90), the code rows swizzled (`VF_SWIZZLE`) so that `ldmatrix`
+    reads them without bank conflicts; kivi-4 0-3% faster, and 1-4.5% more with the swizzle (H200, bench/RESULTS.md
+    session 31). At 2 and 1 bits a 16-byte chunk spans 2 and 4 groups, so a lane group's elements would not share a
+    group (that needs another store layout).
     WT (KIVI's and InnerQ's layouts with a recent window, `WHOLE_TILES`): every slice is whole BT-token tiles
     (`whole_tiles`), so no position is compared with the slice's end: 683 -> 633 SASS instructions per tile at 2 bits,
     kivi-2 3.9-4.7% faster, xquant-1.38 5.0-7.5% (H200, session 28).
@@ -131,7 +141,8 @@ TMA the shared-memory ring of NST slots; KPOST post-scaled Keys (`KEY_POST`), PO
 factors; QZROWS / QZ_N the Keys' q . z per QZ_N groups (`QZ_ROWS`); VZ the Values' offsets by their own mma
 (`VALUE_ZERO_APART`); WL the ring's Value statistics widened over a lane bit (`WIDEN_IN_LANES`); WT no tile crosses
 its slice's end (`WHOLE_TILES`, `whole_tiles`); TPS tiles per ring slot (`RING_TILES`); PAIR one softmax step
-per slot (`PAIR_SOFTMAX`, `pair_flags`); KSUB bf16 post-scaled Keys as subnormals (`BF16_SUBNORMAL_KEYS`, SUB_E).
+per slot (`PAIR_SOFTMAX`, `pair_flags`); KSUB bf16 post-scaled Keys as subnormals (`BF16_SUBNORMAL_KEYS`, SUB_E); VF
+4-bit bf16 Values with their scales folded into p (`VALUE_FOLD`, `fold_flags`, VF_E, VF_BITS, `VF_SWIZZLE`).
 """
 from __future__ import annotations
 
@@ -1438,7 +1449,13 @@ if HAVE_GLUON:
         PAIR (`PAIR_SOFTMAX`, `pair_flags`: the ring with TPS 2, KPOST and WT): one online-softmax step per slot, over
         both tiles' logits (`_softmax_pair`), in slices of whole slots (`_slice` UNIT 2); where a row's last slice
         ends after a slot's first tile, the second one's logits are -inf (its Values finite: p V = 0). Not bit-equal
-        with a step per tile: p rounds to the cache dtype against the slot's max."""
+        with a step per tile: p rounds to the cache dtype against the slot's max.
+        VF (`VALUE_FOLD`, `fold_flags`: KIVI's 4-bit bf16 Values through the ring, with VZ, a step per tile): each
+        Value group's scale folded into p, one accumulator [32, 8] per group (`_fold_group`: rows 8 i + k, channel
+        32 c + 4 k + i), p' = p 2^VF_E from the softmax step (`_softmax_step` PE: so that the products of the
+        subnormal codes stay normal fp32), the partial sums and the offsets' share scaled back by 2^-VF_E at the end
+        (`_fold_finish`). Exact range: per-token half-ranges from 2^-57 / p to 2^64 (below, a code's product drops
+        out: at most about 2^-56 of absolute error; above, p' half overflows bf16)."""
         gl.static_assert(KPOST or not QZROWS, "QZROWS computes the post-scaled Keys' q . z")
         gl.static_assert(not (VZ and (INNER or not IS_BF16)), "VZ: KIVI's Values in bf16")
         gl.static_assert((not VF) or (VZ and TMA and VBITS == 4 and not PAIR), "VF: KIVI's 4-bit bf16 Values, ring")
@@ -2463,10 +2480,11 @@ BF16_SUBNORMAL_KEYS = True   # KIVI's post-scaled bf16 Keys as bf16 subnormals (
 # no magic 128, so no -128 sum q' mma per tile (8 of a tile's 42 HMMA): kivi-2 2.7-4.7% faster, kivi-4 1.1-4.2%,
 # xquant-1.38 1.2-4.7% at batch x context >= 64k (H200, session 30, calls 8-9)
 VALUE_FOLD = True   # KIVI's 4-bit bf16 Values through the ring: each group's scale folded into p (`_kivi_decode_kernel`
-# VF): the codes bare from `ldmatrix.trans`, 4 mma per tile (one per group) against the same p' scaled per group; 671 ->
-# 626 SASS instructions a tile (kivi-4, offline sm_90), 168 registers (12 programs per SM, as 134)
+# VF): the codes bare from `ldmatrix.trans`, 4 mma per tile (one per group) against p' scaled per group; 671 -> 626 SASS
+# instructions a tile (kivi-4, offline sm_90), 168 registers (12 programs per SM, as with 134); kivi-4 0.0-3.2% faster
+# at batch x context >= 64k (H200, bench/RESULTS.md session 31, call 1, unswizzled rows)
 VF_SWIZZLE = 64   # the folded Values' code rows (64 bytes) in the ring, swizzled: `ldmatrix` reads 8 rows of 16 bytes
-# at once, which unswizzled fall on the same banks 4 ways
+# at once, which unswizzled fall on the same banks 4 ways; kivi-4 0.9-4.5% faster than with 0 (H200, session 31, call 2)
 RING_TILES = {1: 2, 2: 2, 4: 1}   # tiles per slot of KIVI's TMA ring (`_kivi_decode_kernel` TPS), by the wider
 # side's bits: one set of copies per slot. At 4 bits two tiles a slot take 20 KB of shared memory (11 programs per SM
 # instead of 12, offline sm_90 compile)
