@@ -322,36 +322,47 @@ def _post_value_asm(bf16: bool) -> str:
 
 
 VF_E = 64   # folded 4-bit Values (`VALUE_FOLD`): p' = p 2^VF_E, so that a product code 2^(bit - 133) * p' half is a
-# normal fp32 for p half >= 2^(7 - VF_E) (smaller ones move the output by less than 2^-57 of its scale); the
-# accumulator, the offsets' share and the partial sum take 2^-VF_E back at the end
-VF_BITS = (0, 3, 0, 3)   # the bit of code i (of a 16-bit element's four) in its register (`_value_fold_asm`)
+# normal fp32 for p half >= 2^(7 - VF_E) = 2^-57 (a smaller one drops out: at most 2 half * 2^-57 of absolute error per
+# such token); p' half must stay below bf16's ~2^128 (half < 2^64) and the offsets' share sum z p' below fp32's
+# (|z| * sum p < 2^64); the accumulator, the offsets' share and the partial sum take 2^-VF_E back at the end
+VF_BITS = (0, 4, 0, 4)   # the bit of code i (of a 16-bit element's four) in its register (`_value_fold_asm`): a bf16
+# bit pattern below 256 (exponent field 0 or 1) is pattern * 2^-133 exactly, so a 4-bit code may sit at bit 4
+assert VF_BITS[2:] == VF_BITS[:2] and all(0 <= 4 * i - b and b + 4 <= 8 for i, b in enumerate(VF_BITS))
 
 
 def _value_fold_asm() -> str:
     """Folded 4-bit bf16 Values (`_kivi_decode_kernel` VF): the 16-bit elements of two tokens (t in the low half,
     t + 1 in the high half: what `ldmatrix.trans` gives a lane) -> 4 registers, register i = the code i of each half
-    alone, at bit VF_BITS[i] (a bf16 subnormal code 2^(bit - 133): the tensor cores take it as it is). Operands:
-    $0-$3 out, $4-$7 copies of the pair. No scale and no offset: the scale goes into p, the offset into its own
-    mma, the 2^(133 - bit) onto the accumulator's rows."""
+    alone, at bit VF_BITS[i] (the bf16 code 2^(bit - 133), a subnormal or the smallest normals: the tensor cores
+    take it as it is), by one `and` each and one `shr` for codes 2 and 3. Operands: $0-$3 out, $4-$7 copies of the
+    pair. No scale and no offset: the scale goes into p, the offset into its own mma, the 2^(133 - bit) onto the
+    accumulator's rows."""
     lines = ["{ .reg .b32 y;"]
+    cur = 0
     for i, bit in enumerate(VF_BITS):
         mask = ((1 << 4) - 1) << bit
         mask = f"0x{mask:04X}{mask:04X}"
         shift = 4 * i - bit
-        if shift:
-            lines.append(f"shr.b32 y, $4, {shift}; and.b32 ${i}, y, {mask};")
-        else:
-            lines.append(f"and.b32 ${i}, $4, {mask};")
+        if shift != cur:
+            lines.append(f"shr.b32 y, $4, {shift};")
+            cur = shift
+        lines.append(f"and.b32 ${i}, {'$4' if shift == 0 else 'y'}, {mask};")
     lines.append("}")
     return "\n".join(lines)
 
 
-def post_positions(bits: int, bf16: bool, n: int) -> list[tuple[int, int]]:
+SUB_WINDOW = 8   # bits of the code window of KIVI's bf16 subnormal Keys (`BF16_SUBNORMAL_KEYS`; kernel constexpr KSW):
+# a bf16 bit pattern below 256 (exponent field 0 or 1) is pattern * 2^-133 exactly, so a code may reach bit 7: at 2 bits
+# four codes per shift instead of three, at 4 bits two instead of one (7: session 30's window, bits 0-6)
+
+
+def post_positions(bits: int, bf16: bool, n: int, window: int | None = None) -> list[tuple[int, int]]:
     """(shift, bit) of each of the n registers of a post-scaled Key block (`_kpost_asm`): register r takes code r of
     each half of the word shifted down by `shift`, at `bit` = r * bits - shift, as many codes per shift as the
-    mantissa window holds (fp16: bits 0-7 of a subnormal, value code * 2^(bit - 24); bf16: bits 0-6, below the magic
-    128, value 128 + code * 2^bit, or of a subnormal, code * 2^(bit - 133))."""
-    per = (7 if bf16 else 8) // bits
+    code window holds (fp16: bits 0-7 of a subnormal, value code * 2^(bit - 24); bf16: bits 0-6 below the magic
+    128, value 128 + code * 2^bit; bf16 subnormal Keys: bits 0 .. window - 1 (`SUB_WINDOW`), value code *
+    2^(bit - 133), exactly up to bit 7 where the exponent field reaches 1)."""
+    per = (window or (7 if bf16 else 8)) // bits
     return [(r // per * per * bits, r % per * bits) for r in range(n)]
 
 
@@ -363,15 +374,15 @@ SUB_E = 64  # bf16 subnormal Keys (`BF16_SUBNORMAL_KEYS`): q' = q s 2^(SUB_E - b
 # neither overflows
 
 
-def _kpost_asm(bits: int, bf16: bool, sub: bool = False) -> str:
+def _kpost_asm(bits: int, bf16: bool, sub: bool = False, window: int = 7) -> str:
     """Post-scaled KIVI Keys (the per-channel scale folded into q, `_kivi_decode_kernel` with KPOST): the codes of one
     block (P = 16 at 1 and 2 bits, 8 at 4 bits) -> P / 2 registers, register r = (code r, code P / 2 + r) at bit b_r
     of each half (`post_positions`), by one `lop3` each and a `shr` per group of registers: fp16 a subnormal
     code * 2^(b_r - 24), bf16 128 + code * 2^b_r (the magic 128 and 2^-b_r go into q' and a per-row constant).
     2 and 4 bits: the word's halves hold codes 0 .. P/2 - 1 and P/2 .. P - 1. 1 bit (the word pre-shifted: the
     block's 16 codes at bits 0-15): `prmt` puts byte 1 into the high half. Operands: $0..$(P/2 - 1) out, then P
-    copies of the word. sub (bf16, `BF16_SUBNORMAL_KEYS`): no magic number, the code as a bf16 subnormal
-    code * 2^(b_r - 133) (the mantissa window is bits 0-6 either way)."""
+    copies of the word. sub (bf16, `BF16_SUBNORMAL_KEYS`): no magic number, the code as the bf16 code * 2^(b_r - 133)
+    in a window of `window` bits (`SUB_WINDOW`; the magic number's is bits 0-6)."""
     P = 8 if bits == 4 else 16   # `key_pack`
     magic = "0x43004300" if bf16 and not sub else "0"
     w = f"${P // 2}"
@@ -381,7 +392,7 @@ def _kpost_asm(bits: int, bf16: bool, sub: bool = False) -> str:
         lines.append(f"prmt.b32 x, {w}, 0, 0x4140;")
         base = "x"
     cur = 0
-    for r, (shift, bit) in enumerate(post_positions(bits, bf16, P // 2)):
+    for r, (shift, bit) in enumerate(post_positions(bits, bf16, P // 2, window if bf16 and sub else None)):
         if shift != cur:
             lines.append(f"shr.b32 y, {base}, {shift};")
             cur = shift
@@ -544,7 +555,7 @@ _ASM.update({(side, "lut", bf): (_lut_key_asm if side == "k" else _lut_value_asm
              for bf in (False, True)})
 _ASM.update({("rope", sign, bf): _rope_asm(bf, sign) for sign in (-1, 1) for bf in (False, True)})
 _ASM.update({("kq", bits, bf): _kpost_asm(bits, bf) for bits in BITS for bf in (False, True)})
-_ASM.update({("kqs", bits, True): _kpost_asm(bits, True, sub=True) for bits in BITS})
+_ASM.update({(f"kqs{w}", bits, True): _kpost_asm(bits, True, sub=True, window=w) for bits in BITS for w in (7, 8)})
 _ASM[("vf", 4, True)] = _value_fold_asm()   # folded 4-bit bf16 Values (`VF`)
 _ASM.update({("mul", 0, bf): f"mul.rn.{'bf16x2' if bf else 'f16x2'} $0, $1, $2;" for bf in (False, True)})
 _ASM.update({("k", "sym8", bf): _sym8_key_asm() for bf in (False, True)})
@@ -684,7 +695,7 @@ if HAVE_GLUON:
         F0: gl.constexpr = VAF * VF_ROW_[0]
         F1: gl.constexpr = VAF * VF_ROW_[1]
         n = gl.arange(0, 32, layout=gl.SliceLayout(1, mma))
-        rf = gl.expand_dims(gl.where((n >> 3) % 2 == 1, F1, F0), 1)      # code i = (n // 8) % 4: VF_BITS 0, 3, 0, 3
+        rf = gl.expand_dims(gl.where((n >> 3) % 2 == 1, F1, F0), 1)      # code i = (n // 8) % 4 (VF_BITS: i % 2)
         grp = gl.expand_dims((gl.arange(0, 16, layout=gl.SliceLayout(1, mma)) % 8) // 2, 1)   # accz's row groups
         az = accz * VF_DOWN_   # (the rows of a group are equal: their max is any of them)
         o0 = acc0 * rf + gl.expand_dims(gl.max(gl.where(grp == 0, az, float("-inf")), 0), 0)
@@ -734,11 +745,15 @@ if HAVE_GLUON:
         return x
 
     @gluon.jit
-    def _unpack_kq(words, BITS: gl.constexpr, PACK: gl.constexpr, IS_BF16: gl.constexpr, KSUB: gl.constexpr = False):
+    def _unpack_kq(words, BITS: gl.constexpr, PACK: gl.constexpr, IS_BF16: gl.constexpr, KSUB: gl.constexpr = False,
+                   KSW: gl.constexpr = 7):
         """Post-scaled KIVI Key registers (`_kpost_asm`) from packed words broadcast over their PACK codes (KSUB:
-        bf16 subnormals, no magic number)."""
-        if IS_BF16 and KSUB:
-            x = gl.inline_asm_elementwise(_asm("kqs", BITS, True), _cons(PACK, False), [words], dtype=gl.bfloat16,
+        bf16 subnormals, no magic number, in a code window of KSW bits)."""
+        if IS_BF16 and KSUB and KSW == 8:
+            x = gl.inline_asm_elementwise(_asm("kqs8", BITS, True), _cons(PACK, False), [words], dtype=gl.bfloat16,
+                                          is_pure=True, pack=PACK)
+        elif IS_BF16 and KSUB:
+            x = gl.inline_asm_elementwise(_asm("kqs7", BITS, True), _cons(PACK, False), [words], dtype=gl.bfloat16,
                                           is_pure=True, pack=PACK)
         elif IS_BF16:
             x = gl.inline_asm_elementwise(_asm("kq", BITS, True), _cons(PACK, False), [words], dtype=gl.bfloat16,
@@ -1412,7 +1427,7 @@ if HAVE_GLUON:
             VHYB: gl.constexpr = False, NORM: gl.constexpr = False, KPOST: gl.constexpr = False,
             QZROWS: gl.constexpr = False, QZ_N: gl.constexpr = 8, VZ: gl.constexpr = False,
             WL: gl.constexpr = True, WT: gl.constexpr = False, TPS: gl.constexpr = 1, PAIR: gl.constexpr = False,
-            KSUB: gl.constexpr = False, VF: gl.constexpr = False):
+            KSUB: gl.constexpr = False, VF: gl.constexpr = False, KSW: gl.constexpr = 7):
         """KIVI's layout, or with INNER InnerQ's (Keys per token in groups of 32 channels, Values per channel in
         groups of 32 tokens: the same packed words, the statistics the other way round, the codes alone through the
         ring where TMA). NG_K: the
@@ -1454,8 +1469,9 @@ if HAVE_GLUON:
         Value group's scale folded into p, one accumulator [32, 8] per group (`_fold_group`: rows 8 i + k, channel
         32 c + 4 k + i), p' = p 2^VF_E from the softmax step (`_softmax_step` PE: so that the products of the
         subnormal codes stay normal fp32), the partial sums and the offsets' share scaled back by 2^-VF_E at the end
-        (`_fold_finish`). Exact range: per-token half-ranges from 2^-57 / p to 2^64 (below, a code's product drops
-        out: at most about 2^-56 of absolute error; above, p' half overflows bf16)."""
+        (`_fold_finish`). Exact where p half >= 2^-57 (below, that token's code products drop out: at most 2 half
+        2^-57 of absolute error each), half < 2^64 (p' half in bf16) and |z| sum p < 2^64 (the offsets' share in
+        fp32), z the group's offset (VF_E)."""
         gl.static_assert(KPOST or not QZROWS, "QZROWS computes the post-scaled Keys' q . z")
         gl.static_assert(not (VZ and (INNER or not IS_BF16)), "VZ: KIVI's Values in bf16")
         gl.static_assert((not VF) or (VZ and TMA and VBITS == 4 and not PAIR), "VF: KIVI's 4-bit bf16 Values, ring")
@@ -1615,7 +1631,7 @@ if HAVE_GLUON:
             gl.static_assert(not INNER, "post-scaled Keys: KIVI's layout")
             gl.static_assert(IS_BF16 or not KSUB, "KSUB: bf16 subnormal Keys (fp16's are subnormal anyway)")
             PE: gl.constexpr = (SUB_E_ if KSUB else 0) if IS_BF16 else POST_E_
-            PER: gl.constexpr = (7 if IS_BF16 else 8) // KBITS
+            PER: gl.constexpr = ((KSW if KSUB else 7) if IS_BF16 else 8) // KBITS   # codes per shift
             KAF: gl.constexpr = 2.0 / ((1 << KBITS) - 1)
             tcc = _key_element(tk) % KP   # the block's element c
             qe = (PE - (tcc >> 1) % PER * KBITS).to(gl.float32)
@@ -1678,7 +1694,7 @@ if HAVE_GLUON:
                     if KBITS == 1:
                         kwords = kwords >> kshift
                     s = _post_logits(kwords, kh, zrows.index(grel + sub) if QZROWS else kcen, qT, qaT, negm, kdummy,
-                                     sscale, cinv, a_l, b_l, mma, BT, KBITS, KP, IS_BF16, QZROWS, KSUB)
+                                     sscale, cinv, a_l, b_l, mma, BT, KBITS, KP, IS_BF16, QZROWS, KSUB, KSW)
                     s, allowed = _mask_scores(s, trow, tcol, t0 + sub * BT, stop, AMASK, b.to(gl.int64) * stride_mb,
                                               REP, MASK_KIND, WT)
                     if sub == 0:
@@ -1728,8 +1744,11 @@ if HAVE_GLUON:
                     r = st * TPS + sub
                     kwords, kh, kcen = _smem_keys(ktile.index(r), khtile.index(r), kztile.index(r), KW, KS, BT, KBITS,
                                                   KP)
-                    vwords, vh, vcen = _smem_values(vtile.index(r), vhtile.index(r), vztile.index(r), VW, VW3, L4, BT,
-                                                    VBITS, WL)
+                    if VF:   # the codes by `_fold_group`
+                        vh, vcen = _smem_value_stats(vhtile.index(r), vztile.index(r), VW, L4, BT, WL)
+                    else:
+                        vwords, vh, vcen = _smem_values(vtile.index(r), vhtile.index(r), vztile.index(r), VW, VW3, L4,
+                                                        BT, VBITS, WL)
                     if not WT:   # a tile may cross `stop`: the statistics past it are zeros or stale, read as zeros
                         vvalid = gl.expand_dims((t0 + vt) < stop, 1)
                         vh = gl.where(vvalid, vh, 0.0)
@@ -1754,7 +1773,7 @@ if HAVE_GLUON:
                                gl.zeros([BT, 8], gl.float32, mma)) * qscale
                 elif KPOST:
                     s = _post_logits(kwords, kh, zrows.index(grel) if QZROWS else kcen, qT, qaT, negm, kdummy,
-                                     sscale, cinv, a_l, b_l, mma, BT, KBITS, KP, IS_BF16, QZROWS, KSUB)
+                                     sscale, cinv, a_l, b_l, mma, BT, KBITS, KP, IS_BF16, QZROWS, KSUB, KSW)
                 else:
                     ks, kz = _scale_offset(kh, kcen, khi, klo, IS_BF16)
                     wb, ks4 = gl.broadcast(gl.expand_dims(kwords, 2), gl.expand_dims(ks, 3))
@@ -1787,7 +1806,11 @@ if HAVE_GLUON:
                 if VF:  # each group's scale folded into p': acc_c + e_c^T @ (p' half_c)^T
                     a8 = gl.expand_dims(alpha8, 0)
                     vt16 = vtile.index(r)._reinterpret(gl.int16, [BT, 32], VF16)
-                    h0, h1, h2, h3 = _columns4(vhtile.index(r)._reinterpret(dt, [BT, 4], flatv).load(LHB))
+                    hb4 = vhtile.index(r)._reinterpret(dt, [BT, 4], flatv).load(LHB)
+                    if not WT:   # past `stop`: zeros (stale statistics there might not be finite), as vh above
+                        tb4 = gl.arange(0, BT, layout=gl.SliceLayout(1, LHB))
+                        hb4 = gl.where(gl.expand_dims((t0 + tb4) < stop, 1), hb4, 0.0)
+                    h0, h1, h2, h3 = _columns4(hb4)
                     acc = _fold_group(vt16, h0, pT, acc * a8, 0, a_l, b_l, BT)
                     acc1 = _fold_group(vt16, h1, pT, acc1 * a8, 1, a_l, b_l, BT)
                     acc2 = _fold_group(vt16, h2, pT, acc2 * a8, 2, a_l, b_l, BT)
@@ -1860,11 +1883,17 @@ if HAVE_GLUON:
                      VBITS: gl.constexpr, LANES: gl.constexpr = True):
         """One ring tile's Value words, half-ranges and centers in registers (`_load_tile`'s layouts). LANES:
         `_widen`'s."""
+        vh, vcen = _smem_value_stats(vhb, vzb, VW, L4, BT, LANES)
+        return _smem_value_codes(vb, VW, VW3, L4, BT, VBITS, LANES), vh, vcen
+
+    @gluon.jit
+    def _smem_value_stats(vhb, vzb, VW: gl.constexpr, L4: gl.constexpr, BT: gl.constexpr, LANES: gl.constexpr = True):
+        """One ring tile's Value half-ranges and centers in registers, widened to the [BT, 8] statistics layout (also
+        the folded Values', whose codes `_fold_group` reads: `VF_SWIZZLE`'s rows are not for `_smem_value_codes`)."""
         flat2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-        vwords = _smem_value_codes(vb, VW, VW3, L4, BT, VBITS, LANES)
         vh = _widen(vhb._reinterpret(vhb.dtype, [BT, 4], flat2).load(L4), VW, BT, LANES)
         vcen = _widen(vzb._reinterpret(vzb.dtype, [BT, 4], flat2).load(L4), VW, BT, LANES)
-        return vwords, vh, vcen
+        return vh, vcen
 
     @gluon.jit
     def _smem_key_codes(kb, KW: gl.constexpr, BT: gl.constexpr, KBITS: gl.constexpr, KP: gl.constexpr):
@@ -1895,7 +1924,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _post_logits(kwords, kh, zsrc, qT, qaT, negm, kdummy, sscale, cinv, a_l: gl.constexpr, b_l: gl.constexpr,
                      mma: gl.constexpr, BT: gl.constexpr, KBITS: gl.constexpr, KP: gl.constexpr,
-                     IS_BF16: gl.constexpr, QZROWS: gl.constexpr, KSUB: gl.constexpr = False):
+                     IS_BF16: gl.constexpr, QZROWS: gl.constexpr, KSUB: gl.constexpr = False, KSW: gl.constexpr = 7):
         """Base-2 logits^T [BT, 8] of one tile of post-scaled KIVI Keys (`_kivi_decode_kernel` KPOST):
         e @ q'^T, q'^T = (q a 2^(E - b))^T * half (qaT: (q a 2^(E - b))^T), from q . z: zsrc is, with QZROWS, the
         shared-memory row of the tile's Key group (`_qz_rows`), else its centers [NA, 4, KP] (the offsets
@@ -1904,7 +1933,7 @@ if HAVE_GLUON:
         if not QZROWS:
             zsrc = _offset(kh, zsrc, IS_BF16)
         wb, _ = gl.broadcast(gl.expand_dims(kwords, 2), kdummy)                  # [NA, 4, KP, BT]
-        kv = _unpack_kq(wb, KBITS, KP, IS_BF16, KSUB)
+        kv = _unpack_kq(wb, KBITS, KP, IS_BF16, KSUB, KSW)
         kvT = gl.convert_layout(_kred_t(kv, KP, BT), a_l)   # [BT, 128]
         hk = gl.convert_layout(_kred(_sigma(kh, KP), KP), gl.SliceLayout(1, b_l))
         if not IS_BF16:  # q a 2^E <= 2^8 times a half-range of 256 or more would pass 65504: such a tile
@@ -2662,7 +2691,7 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
         IS_BF16=bf16, BT=KIVI_BT, KBITS=kbits, VBITS=vbits, KA_HI=ka_hi, KA_LO=ka_lo, VA_HI=va_hi, VA_LO=va_lo,
         NWIN=nwin, TMA=use_tma, NST=NSTAGES, PDL=pdl, KPOST=KEY_POST, QZROWS=qz, QZ_N=QZ_N,
         VZ=VALUE_ZERO_APART and bf16, WL=WIDEN_IN_LANES, WT=wt, TPS=tps,
-        KSUB=BF16_SUBNORMAL_KEYS and KEY_POST and bf16, **pair, **fold, num_warps=1)
+        KSUB=BF16_SUBNORMAL_KEYS and KEY_POST and bf16, KSW=SUB_WINDOW, **pair, **fold, num_warps=1)
 
 
 def pair_flags(tps: int, key_post: bool, wt: bool, recent: int, qz_rows: bool) -> dict:
@@ -2767,7 +2796,7 @@ def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mas
     tma = _use_tma(query, sink, T, use_tma, kind)
     key = (kind, inner_flags(kp, vp) if kind == "inner" else None, dev.index, query.dtype, amask.dtype, mask_kind, kbits, vbits, H, rep, sink, recent, tpg_v, nwin,
            tma, NSTAGES, phase, rope is not None, tuple(nout), LUT_BT, LUT_MAXNREG, LUT_NO_MASK_AS_BOOL, SYM8_BT, KIVI_BT, pdl,
-           KEY_POST, QZ_ROWS, QZ_N, VALUE_ZERO_APART, WIDEN_IN_LANES, WHOLE_TILES, tuple(sorted(RING_TILES.items())), PAIR_SOFTMAX, BF16_SUBNORMAL_KEYS, VALUE_FOLD, None if exact is None else tuple(exact[s]["ring"].shape[2] for s in ("k", "v")),
+           KEY_POST, QZ_ROWS, QZ_N, VALUE_ZERO_APART, WIDEN_IN_LANES, WHOLE_TILES, tuple(sorted(RING_TILES.items())), PAIR_SOFTMAX, BF16_SUBNORMAL_KEYS, SUB_WINDOW, VALUE_FOLD, VF_SWIZZLE, None if exact is None else tuple(exact[s]["ring"].shape[2] for s in ("k", "v")),
            tuple(sorted(POST_MAXNREG.items())), tuple(sorted(POST_WCOST.items())))
     if key not in _RESIDENT:
         one = torch.empty(1, dtype=torch.float32, device=dev)   # stand-ins: partial buffers, temperatures, logits

@@ -281,7 +281,8 @@ SCRIPT = textwrap.dedent('''
                   VBITS=vb, KA_HI=ka[0], KA_LO=ka[1], VA_HI=va[0], VA_LO=va[1], NWIN=3, TMA=tma, NST=2,
                   PDL=tma, KPOST=post, QZROWS=post and tma and dag.QZ_ROWS, QZ_N=dag.QZ_N,
                   VZ=dag.VALUE_ZERO_APART and bf16, WL=dag.WIDEN_IN_LANES, WT=dag.WHOLE_TILES,
-                  TPS=dag.RING_TILES.get(max(kb, vb), 1) if tma else 1, KSUB=post and bf16 and dag.BF16_SUBNORMAL_KEYS)
+                  TPS=dag.RING_TILES.get(max(kb, vb), 1) if tma else 1, KSUB=post and bf16 and dag.BF16_SUBNORMAL_KEYS,
+                  KSW=dag.SUB_WINDOW)
         cx.update(dag.pair_flags(cx["TPS"], post, cx["WT"], cx["R"], cx["QZROWS"]))   # as `_plan` (an offline
         cx.update(dag.fold_flags(tma, bf16, vb, cx["PAIR"]))
         # compile leaves a constexpr it is not given falsy, not at its default)
@@ -500,7 +501,8 @@ FOLD_SCRIPT = textwrap.dedent('''
     cx = dict(H=8, REP=4, S=0, R=128, TPG_K=32, TPG_V=1, MASK_KIND=1, IS_BF16=True, BT=32, KBITS=4, VBITS=4,
               KA_HI=a[0], KA_LO=a[1], VA_HI=a[0], VA_LO=a[1], NWIN=3, TMA=True, NST=dag.NSTAGES, PDL=True, KPOST=True,
               QZROWS=dag.QZ_ROWS, QZ_N=dag.QZ_N, VZ=True, WL=dag.WIDEN_IN_LANES, WT=dag.WHOLE_TILES, TPS=tps,
-              KSUB=dag.BF16_SUBNORMAL_KEYS, **dag.pair_flags(tps, True, dag.WHOLE_TILES, 128, dag.QZ_ROWS))
+              KSUB=dag.BF16_SUBNORMAL_KEYS, KSW=dag.SUB_WINDOW, **dag.pair_flags(tps, True, dag.WHOLE_TILES, 128,
+                                                                              dag.QZ_ROWS))
     out = []
     for vf in (False, True):
         b = compile_sm90(dag._kivi_decode_kernel, sig(vf), dict(cx, VF=vf), (0, 12, 13, 14, 22, 23))
@@ -515,8 +517,7 @@ FOLD_SCRIPT = textwrap.dedent('''
 def test_folded_values_compile_for_sm90():
     """kivi-4's ring build (bf16) with each Value group's scale folded into p (VF, `VALUE_FOLD`): the codes by four
     `ldmatrix.trans` a tile (one per group) and no packed multiply-add per Value register (64 HFMA2 a tile without
-    the fold), fewer instructions per tile, no spills, and as many programs per SM (its registers stay within the same
-    allocation step)."""
+    the fold), fewer instructions per tile, no spills, and at least 12 programs per SM (3 warps a scheduler)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__)] + [p for p in [env.get("PYTHONPATH")] if p])
     r = subprocess.run([sys.executable, "-c", FOLD_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
@@ -524,7 +525,7 @@ def test_folded_values_compile_for_sm90():
     (_, regs0, spill0, run0, hfma0, ldsm0, progs0), (_, regs1, spill1, run1, hfma1, ldsm1, progs1) = eval(  # noqa: S307
         r.stdout.strip().splitlines()[-1])
     assert spill0 == spill1 == 0 and ldsm0 == 0 and ldsm1 == 4 and hfma0 >= 64 and hfma1 <= 8, (regs1, run1, hfma1)
-    assert run1 < run0 - 30 and progs1 == progs0 == 12, (run0, run1, regs0, regs1)
+    assert run1 < run0 - 30 and progs1 >= 12, (run0, run1, regs0, regs1)
 
 
 PDL_SCRIPT = textwrap.dedent('''
@@ -831,8 +832,8 @@ def test_inline_ptx_unpacks_every_code(bf16, bits):
 
 def test_value_fold_block_places_each_code():
     """The folded 4-bit Value block (`_value_fold_asm`, the kernel's VF): from two tokens' 16-bit elements (t low,
-    t + 1 high: `ldmatrix.trans`'s register) register i holds code i of each alone at bit VF_BITS[i], inside a bf16
-    mantissa (bits 0-6: a subnormal, no exponent bit set), for random elements."""
+    t + 1 high: `ldmatrix.trans`'s register) register i holds code i of each alone at bit VF_BITS[i], a bf16 bit
+    pattern below 256 (exponent field 0 or 1) whose value is code * 2^(bit - 133) exactly, for random elements."""
     from ptx_emulator import run
 
     gen = torch.Generator().manual_seed(7)
@@ -841,7 +842,10 @@ def test_value_fold_block_places_each_code():
         out = run(dag._ASM[("vf", 4, True)], {4 + i: lo | hi << 16 for i in range(4)})
         for i, bit in enumerate(dag.VF_BITS):
             want = ((lo >> 4 * i) & 15) << bit | ((hi >> 4 * i) & 15) << bit << 16
-            assert out[f"${i}"] == want and want & 0xFF80FF80 == 0, (trial, i, hex(out[f"${i}"]), hex(want))
+            assert out[f"${i}"] == want and want & 0xFF00FF00 == 0, (trial, i, hex(out[f"${i}"]), hex(want))
+            for h in (0, 1):   # the half's value as a bf16 (its bits as the top of an fp32)
+                val = np.array(((want >> 16 * h) & 0xFFFF) << 16, dtype=np.uint32).view(np.float32)
+                assert float(val) == (((lo, hi)[h] >> 4 * i) & 15) * 2.0 ** (bit - 133), (trial, i, h)
 
 
 @pytest.mark.parametrize("bits", dag.BITS)
@@ -930,24 +934,28 @@ def test_post_scaled_blocks_place_each_bit(bf16):
 
 
 @pytest.mark.parametrize("bits", dag.BITS)
-@pytest.mark.parametrize("bf16,sub", [(False, False), (True, False), (True, True)])
-def test_post_scaled_key_blocks_place_each_code(bf16, sub, bits):
+@pytest.mark.parametrize("bf16,sub,window", [(False, False, None), (True, False, None), (True, True, 7),
+                                             (True, True, 8)])
+def test_post_scaled_key_blocks_place_each_code(bf16, sub, window, bits):
     """KIVI's post-scaled Key blocks ("kq", `_kivi_decode_kernel` with KPOST): register r is (code r, code P/2 + r)
     of the block at bit b_r of each half (`post_positions`), exactly: fp16 the subnormal code * 2^(b_r - 24), bf16
-    128 + code * 2^b_r, or ("kqs", `BF16_SUBNORMAL_KEYS`) the bf16 subnormal code * 2^(b_r - 133); every code of the
-    block lands in exactly one half, with a window that fits the mantissa."""
+    128 + code * 2^b_r, or ("kqs7" / "kqs8", `BF16_SUBNORMAL_KEYS` with a code window of `SUB_WINDOW` bits) the bf16
+    code * 2^(b_r - 133) (up to bit 7: the exponent field 1 continues the subnormals); every code of the block lands
+    in exactly one half, with a window that fits the mantissa (or, at 8 bits, the exponent field's lowest bit)."""
     from ptx_emulator import run
 
     P = dag.key_pack(bits)
-    pos = dag.post_positions(bits, bf16, P // 2)
-    assert all(b + bits <= (7 if bf16 else 8) for _, b in pos)
+    pos = dag.post_positions(bits, bf16, P // 2, window)
+    assert all(b + bits <= (window or (7 if bf16 else 8)) for _, b in pos)
+    if window == 8:   # the wider window takes fewer shifts: none at 1 bit, one a block at 2, one per two codes at 4
+        assert len({sh for sh, _ in pos}) == {1: 1, 2: 2, 4: 2}[bits], pos
     gen = torch.Generator().manual_seed(20 + bits)
     code = lambda w, j: (w >> bits * j) & ((1 << bits) - 1)  # noqa: E731
     for trial in range(60):
         w = int(torch.randint(-2**31, 2**31 - 1, (), generator=gen)) & 0xFFFFFFFF
         if bits == 1:   # the kernel pre-shifts the word so that the block's 16 codes sit at bits 0-15
             w = (w >> 16 * (trial % 2)) | (0xFFFF0000 if trial % 3 == 0 else 0)
-        out = run(dag._ASM[("kqs" if sub else "kq", bits, bf16)], {P // 2 + i: w for i in range(P)})
+        out = run(dag._ASM[(f"kqs{window}" if sub else "kq", bits, bf16)], {P // 2 + i: w for i in range(P)})
         for r, (_, b) in enumerate(pos):
             got = [out[f"${r}"] & 0xFFFF, out[f"${r}"] >> 16]
             for h, c in enumerate((r, P // 2 + r)):
@@ -1266,6 +1274,16 @@ def test_pair_softmax_matches_per_tile_on_gpu(dtype, layout, case, num_splits, m
     B, n0 = case[0], case[4]
     _close_by_flag(layout, case, dtype, B * 23 + n0, "PAIR_SOFTMAX", "PAIR", monkeypatch, num_splits=num_splits,
                    tol=4e-3 if dtype == torch.bfloat16 else 5e-4)
+
+
+@RING_GPU
+@pytest.mark.parametrize("layout", ["kivi-2", "k1v1", "kivi-4"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[7], CASES[9]])
+def test_subnormal_key_window_bit_equal_on_gpu(layout, case, monkeypatch):
+    """`SUB_WINDOW` 8 against 7 (bf16 subnormal Keys): the codes sit at other bits and q' carries other powers of
+    two, so every product code q s 2^-69 is the same exact value: bit-equal outputs."""
+    B, n0 = case[0], case[4]
+    _bit_equal_by_flag(layout, case, torch.bfloat16, B * 41 + n0, "SUB_WINDOW", "KSW", monkeypatch, values=(7, 8))
 
 
 @RING_GPU
