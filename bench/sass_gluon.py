@@ -73,19 +73,19 @@ def main():
 
     for bits in (2, 4):
         tps = dag.RING_TILES.get(bits, 1)   # tiles per ring slot, as `_plan`
-        fold = dag.fold_flags(True, True, bits, dag.pair_flags(tps, True, dag.WHOLE_TILES, 128, dag.QZ_ROWS)["PAIR"])
         z = dict(codes=torch.zeros(2, 2, 64, 4 * bits, dtype=torch.int32))
         kp = dict(z, cen=torch.zeros(2, 2, 2, 128, dtype=torch.bfloat16), half=torch.zeros(2, 2, 2, 128,
                                                                                              dtype=torch.bfloat16))
         vp = dict(z, cen=torch.zeros(2, 2, 64, 4, dtype=torch.bfloat16), half=torch.zeros(2, 2, 64, 4,
                                                                                            dtype=torch.bfloat16))
-        stores = dict(zip(("KC", "KCEN", "KHALF", "VC", "VCEN", "VHALF"),
-                          map(mangle_type, dag.descriptors(kp, vp, bits, bits, tps,
-                                                           dag.VF_SWIZZLE if fold["VF"] else 0))))
-        sig = {n: (t.replace("fp16", "bf16") if isinstance(t, str) else t) for n, t in kivi.items()}
-        sig.update(stores)
         a = dag.split_scale(2 / (2 ** bits - 1), True)
         for qz in (False, True):
+            fold = dag.fold_flags(True, True, bits, dag.pair_flags(tps, True, dag.WHOLE_TILES, 128, qz)["PAIR"])
+            stores = dict(zip(("KC", "KCEN", "KHALF", "VC", "VCEN", "VHALF"),
+                              map(mangle_type, dag.descriptors(kp, vp, bits, bits, tps,
+                                                               dag.VF_SWIZZLE if fold["VF"] else 0))))
+            sig = {n: (t.replace("fp16", "bf16") if isinstance(t, str) else t) for n, t in kivi.items()}
+            sig.update(stores)
             cx = dict(H=8, REP=4, S=0, R=128, TPG_K=32, TPG_V=1, MASK_KIND=1, IS_BF16=True, BT=32, KBITS=bits,
                       VBITS=bits, KA_HI=a[0], KA_LO=a[1], VA_HI=a[0], VA_LO=a[1], NWIN=3, TMA=True, NST=dag.NSTAGES,
                       PDL=True, KPOST=True, QZROWS=qz, QZ_N=dag.QZ_N, VZ=dag.VALUE_ZERO_APART, WL=dag.WIDEN_IN_LANES,

@@ -88,7 +88,8 @@ Math (one program = one KV head of one sequence and one slice of the quantized r
     KPOST (KIVI's Keys, the default): q . k = U (e @ q'^T) + q . z, e the codes straight from `_kpost_asm`,
     q' = (q a 2^(E - b)) * half per tile, the per-head q . z by a small mma into the logits' initial accumulator
     (see `_kivi_decode_kernel`). The codes are subnormals (fp16 code 2^(b - 24); bf16 code 2^(b - 133),
-    `BF16_SUBNORMAL_KEYS`: the tensor cores take them as they are), so the mma's products are exact and need no
+    `BF16_SUBNORMAL_KEYS`, up to bit 7 of the pattern with `SUB_WINDOW` 8, where the smallest normals continue them:
+    the tensor cores take them as they are), so the mma's products are exact and need no
     offset; bf16 with the flag off takes 128 + code 2^b and one more mma per tile for -128 sum q'. Subnormals
     instead: 558 -> 542 SASS instructions per tile at 2 bits, 685 -> 671 at 4, kivi-2 2.7-4.7% faster, kivi-4
     1.1-4.2%, xquant-1.38 1.2-4.7% at batch x context >= 64k (H200, bench/RESULTS.md session 30). On the TMA path q . z comes from one mma per QZ_N = 8
@@ -323,8 +324,8 @@ def _post_value_asm(bf16: bool) -> str:
 
 
 VF_E = 64   # folded 4-bit Values (`VALUE_FOLD`): p' = p 2^VF_E, so that a product code 2^(bit - 133) * p' half is a
-# normal fp32 for p half >= 2^(7 - VF_E) = 2^-57 (a smaller one drops out: at most 2 half * 2^-57 of absolute error per
-# such token); p' half must stay below bf16's ~2^128 (half < 2^64) and the offsets' share sum z p' below fp32's
+# normal fp32 for p half >= 2^(7 - VF_E) = 2^-57 (a smaller one drops out: its p code a half < 2^-56 of absolute
+# error per such token); p' half must stay below bf16's ~2^128 (half < 2^64) and the offsets' share sum z p' below fp32's
 # (|z| * sum p < 2^64); the accumulator, the offsets' share and the partial sum take 2^-VF_E back at the end
 VF_BITS = (0, 4, 0, 4)   # the bit of code i (of a 16-bit element's four) in its register (`_value_fold_asm`): a bf16
 # bit pattern below 256 (exponent field 0 or 1) is pattern * 2^-133 exactly, so a 4-bit code may sit at bit 4
@@ -356,7 +357,8 @@ SUB_WINDOW = 8   # bits of the code window of KIVI's bf16 subnormal Keys (`BF16_
 # a bf16 bit pattern below 256 (exponent field 0 or 1) is pattern * 2^-133 exactly, so a code may reach bit 7: at 2 bits
 # four codes per shift instead of three, at 4 bits two instead of one (7: session 30's window, bits 0-6). Offline:
 # kivi-2 542 -> 534, kivi-4 596 -> 567 instructions a tile; kivi-2 0.9-2.9% faster, xquant-1.38 0-0.4% (H200, session
-# 31, call 4). Not bit-equal with 7: the tensor cores' sums of the same products differ in low bits (relative <= 6e-5)
+# 31, call 4). Not bit-equal with 7 in 4 of 12 GPU cases (relative <= 6e-5, call 5), with q's 2^(E - b) from exp2 then
+assert SUB_WINDOW in (7, 8)
 
 
 def post_positions(bits: int, bf16: bool, n: int, window: int | None = None) -> list[tuple[int, int]]:
@@ -1472,12 +1474,13 @@ if HAVE_GLUON:
         Value group's scale folded into p, one accumulator [32, 8] per group (`_fold_group`: rows 8 i + k, channel
         32 c + 4 k + i), p' = p 2^VF_E from the softmax step (`_softmax_step` PE: so that the products of the
         subnormal codes stay normal fp32), the partial sums and the offsets' share scaled back by 2^-VF_E at the end
-        (`_fold_finish`). Exact where p half >= 2^-57 (below, that token's code products drop out: at most 2 half
-        2^-57 of absolute error each), half < 2^64 (p' half in bf16) and |z| sum p < 2^64 (the offsets' share in
-        fp32), z the group's offset (VF_E)."""
+        (`_fold_finish`). Exact where p half >= 2^-57 (below, that token's code products drop out: less than 2^-56
+        of absolute error each), half < 2^64 (p' half in bf16) and |z| sum p < 2^64 (the offsets' share in fp32), z
+        the group's offset (VF_E)."""
         gl.static_assert(KPOST or not QZROWS, "QZROWS computes the post-scaled Keys' q . z")
         gl.static_assert(not (VZ and (INNER or not IS_BF16)), "VZ: KIVI's Values in bf16")
         gl.static_assert((not VF) or (VZ and TMA and VBITS == 4 and not PAIR), "VF: KIVI's 4-bit bf16 Values, ring")
+        gl.static_assert((not KSUB) or (KSW == 7) or (KSW == 8), "KSW: a code window of 7 or 8 bits")
         bh = gl.program_id(0)
         split = gl.program_id(1)
         b = bh // H
@@ -1637,17 +1640,18 @@ if HAVE_GLUON:
             PER: gl.constexpr = ((KSW if KSUB else 7) if IS_BF16 else 8) // KBITS   # codes per shift
             KAF: gl.constexpr = 2.0 / ((1 << KBITS) - 1)
             tcc = _key_element(tk) % KP   # the block's element c
-            qe = (PE - (tcc >> 1) % PER * KBITS).to(gl.float32)
+            # 2^(E - b) built from its exponent bits: exact (exp2 may compile to an approximation)
+            qe = ((PE - (tcc >> 1) % PER * KBITS + 127) << 23).to(gl.float32, bitcast=True)
             UP: gl.constexpr = (float(2 ** (133 - SUB_E_)) if KSUB else 1.0) if IS_BF16 else float(2 ** (24 - POST_E_))
             qf = qT.to(gl.float32)
             if IS_BF16:
-                qaT = (qf * gl.expand_dims(gl.exp2(qe) * KAF, 1)).to(dt)
+                qaT = (qf * gl.expand_dims(qe * KAF, 1)).to(dt)
                 up = UP
             else:  # fp16 holds q' = q a 2^(E - b) half only below 65504: q a 2^E is scaled by 2^-e to at most 2^8
                 # (exact), the logits by 2^e; a tile with a half-range of 256 or more scales it again in the loop
                 qmax = gl.max(gl.max(gl.abs(qf), 1), 0) * (KAF * (1 << PE))
                 qfac = gl.exp2(-gl.maximum(gl.ceil(gl.log2(gl.maximum(qmax, 1.0) / 256.0)), 0.0))
-                qaT = (qf * gl.expand_dims(gl.exp2(qe) * (KAF * qfac), 1)).to(dt)
+                qaT = (qf * gl.expand_dims(qe * (KAF * qfac), 1)).to(dt)
                 up = UP / qfac
             negm = gl.full([16, 128], -128.0, dt, a_l)
             if QZROWS:  # q . z of QZ_N Key groups per mma (`_qz_rows`), read back per tile from shared memory

@@ -454,12 +454,13 @@ def test_compiles_for_sm90_into_registers_only():
             # over a lane bit (`WIDEN_IN_LANES`): no byte select by a lane-dependent selector (a register join took 16)
             assert shared > 0 and sts == (2 if qz else 0) and lds > 0 and tma_loads == (5 if qz else 6) * 3, rows
             assert sel == 0 or not dag.WIDEN_IN_LANES, rows
-            # instructions run per tile (`ring_tile`): 542 for this build (bf16, 2 bits, bool mask; session 30: the
-            # Keys as bf16 subnormals, `BF16_SUBNORMAL_KEYS`), 558 with the magic number (session 29: one softmax
+            # instructions run per tile (`ring_tile`): 534 for this build (bf16, 2 bits, bool mask; session 31: the
+            # Keys' 8-bit code window, `SUB_WINDOW`), 542 with a 7-bit one (session 30: the Keys as bf16 subnormals,
+            # `BF16_SUBNORMAL_KEYS`), 558 with the magic number (session 29: one softmax
             # step per slot, `PAIR_SOFTMAX`, in slices of whole slots), 595 without (session 28: the position masks
             # dropped, `WHOLE_TILES`, and two tiles a ring slot, `RING_TILES`); 633 with one tile a slot, 683 with
             # the masks: a regression of any fails here
-            limit = (548 if not magic else 565) if dag.PAIR_SOFTMAX else 605
+            limit = ((538 if dag.SUB_WINDOW == 8 else 548) if not magic else 565) if dag.PAIR_SOFTMAX else 605
             assert run <= limit or not (bf16 and kb == vb == 2 and post), rows
         else:
             assert shared == 0 and sts == 0 and lds == 0 and tma_loads == 0, rows
@@ -509,6 +510,10 @@ FOLD_SCRIPT = textwrap.dedent('''
         run, ops = ring_tile(b.sass, tps, refill=dag.QZ_ROWS)
         out.append((vf, b.regs, b.stack + b.local, round(run), ops["HFMA2"], ops["LDSM"], dag.programs_per_sm(
             b.regs, b.shared, (9, 0))))
+    # without WT (no recent window: tiles may cross their slice's end, the fold's half-ranges masked past it)
+    b = compile_sm90(dag._kivi_decode_kernel, sig(True), dict(cx, VF=True, R=0, WT=False, PAIR=False),
+                     (0, 12, 13, 14, 22, 23))
+    out.append((b.stack + b.local, b.sass.count("LDSM")))
     print(out)
 ''')
 
@@ -522,8 +527,9 @@ def test_folded_values_compile_for_sm90():
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__)] + [p for p in [env.get("PYTHONPATH")] if p])
     r = subprocess.run([sys.executable, "-c", FOLD_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    (_, regs0, spill0, run0, hfma0, ldsm0, progs0), (_, regs1, spill1, run1, hfma1, ldsm1, progs1) = eval(  # noqa: S307
-        r.stdout.strip().splitlines()[-1])
+    (_, regs0, spill0, run0, hfma0, ldsm0, progs0), (_, regs1, spill1, run1, hfma1, ldsm1, progs1), (spill2, ldsm2) = \
+        eval(r.stdout.strip().splitlines()[-1])  # noqa: S307
+    assert spill2 == 0 and ldsm2 >= 4, (spill2, ldsm2)   # the build without WT compiles too
     assert spill0 == spill1 == 0 and ldsm0 == 0 and ldsm1 == 4 and hfma0 >= 64 and hfma1 <= 8, (regs1, run1, hfma1)
     assert run1 < run0 - 30 and progs1 >= 12, (run0, run1, regs0, regs1)
 
@@ -1283,10 +1289,10 @@ def test_subnormal_key_window_matches_on_gpu(layout, case, monkeypatch):
     """`SUB_WINDOW` 8 against 7 (bf16 subnormal Keys): the codes sit at other bits (up to bit 7, where a code's bf16
     pattern has exponent field 1) and q' carries other powers of two, so every product code q s 2^-69 has the same
     exact value. The outputs were expected bit-equal, but on an H200 4 of these 12 cases (kivi-2, k1v1) differed in
-    low bits (session 31, call 4): the tensor cores' sums are not the same for the two encodings of the same products.
-    Hence a tolerance, that of `test_bf16_subnormal_keys_match_magic_on_gpu`."""
+    low bits (relative <= 6e-5, session 31, calls 4-5), then with q's 2^(E - b) from `exp2` (possibly an
+    approximation; now built from its exponent bits). Until bit-equality is seen again, a tolerance of 5e-4."""
     B, n0 = case[0], case[4]
-    _close_by_flag(layout, case, torch.bfloat16, B * 41 + n0, "SUB_WINDOW", "KSW", monkeypatch, tol=4e-3,
+    _close_by_flag(layout, case, torch.bfloat16, B * 41 + n0, "SUB_WINDOW", "KSW", monkeypatch, tol=5e-4,
                    values=(7, 8))
 
 
