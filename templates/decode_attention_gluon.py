@@ -357,7 +357,8 @@ SUB_WINDOW = 8   # bits of the code window of KIVI's bf16 subnormal Keys (`BF16_
 # a bf16 bit pattern below 256 (exponent field 0 or 1) is pattern * 2^-133 exactly, so a code may reach bit 7: at 2 bits
 # four codes per shift instead of three, at 4 bits two instead of one (7: session 30's window, bits 0-6). Offline:
 # kivi-2 542 -> 534, kivi-4 596 -> 567 instructions a tile; kivi-2 0.9-2.9% faster, xquant-1.38 0-0.4% (H200, session
-# 31, call 4). Not bit-equal with 7 in 4 of 12 GPU cases (relative <= 6e-5, call 5), with q's 2^(E - b) from exp2 then
+# 31, call 4). Not bit-equal with 7 in 4 of 12 GPU cases (relative <= 6e-5, calls 5-6; q' ruled out, attributed to the
+# tensor cores' sums of the same products in two encodings)
 assert SUB_WINDOW in (7, 8)
 
 
