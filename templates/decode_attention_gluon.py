@@ -586,6 +586,11 @@ if HAVE_GLUON:
         return _ASM[(side, bits, bf16)]
 
     @gluon.constexpr_function
+    def _kqs(window):
+        """The `_ASM` name of the subnormal Key blocks with a code window of `window` bits (`SUB_WINDOW`)."""
+        return f"kqs{window}"
+
+    @gluon.constexpr_function
     def _cons(pack, stats):
         """Operand constraints of a block of `pack` codes: pack / 2 output registers, pack word copies, and with
         stats pack / 2 scale and pack / 2 offset pairs."""
@@ -755,11 +760,8 @@ if HAVE_GLUON:
                    KSW: gl.constexpr = 7):
         """Post-scaled KIVI Key registers (`_kpost_asm`) from packed words broadcast over their PACK codes (KSUB:
         bf16 subnormals, no magic number, in a code window of KSW bits)."""
-        if IS_BF16 and KSUB and KSW == 8:
-            x = gl.inline_asm_elementwise(_asm("kqs8", BITS, True), _cons(PACK, False), [words], dtype=gl.bfloat16,
-                                          is_pure=True, pack=PACK)
-        elif IS_BF16 and KSUB:
-            x = gl.inline_asm_elementwise(_asm("kqs7", BITS, True), _cons(PACK, False), [words], dtype=gl.bfloat16,
+        if IS_BF16 and KSUB:
+            x = gl.inline_asm_elementwise(_asm(_kqs(KSW), BITS, True), _cons(PACK, False), [words], dtype=gl.bfloat16,
                                           is_pure=True, pack=PACK)
         elif IS_BF16:
             x = gl.inline_asm_elementwise(_asm("kq", BITS, True), _cons(PACK, False), [words], dtype=gl.bfloat16,
