@@ -514,6 +514,11 @@ FOLD_SCRIPT = textwrap.dedent('''
     b = compile_sm90(dag._kivi_decode_kernel, sig(True), dict(cx, VF=True, R=0, WT=False, PAIR=False),
                      (0, 12, 13, 14, 22, 23))
     out.append((b.stack + b.local, b.sass.count("LDSM")))
+    # 16-token tiles (`KIVI_BT` 16): the same fold, half the tokens per `ldmatrix`
+    dag.KIVI_BT = 16
+    b = compile_sm90(dag._kivi_decode_kernel, sig(True), dict(cx, VF=True, BT=16, TPS=1, PAIR=False),
+                     (0, 12, 13, 14, 22, 23))
+    out.append((b.stack + b.local, b.sass.count("LDSM")))
     print(out)
 ''')
 
@@ -527,9 +532,10 @@ def test_folded_values_compile_for_sm90():
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__)] + [p for p in [env.get("PYTHONPATH")] if p])
     r = subprocess.run([sys.executable, "-c", FOLD_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    (_, regs0, spill0, run0, hfma0, ldsm0, progs0), (_, regs1, spill1, run1, hfma1, ldsm1, progs1), (spill2, ldsm2) = \
-        eval(r.stdout.strip().splitlines()[-1])  # noqa: S307
-    assert spill2 == 0 and ldsm2 >= 4, (spill2, ldsm2)   # the build without WT compiles too
+    (_, regs0, spill0, run0, hfma0, ldsm0, progs0), (_, regs1, spill1, run1, hfma1, ldsm1, progs1), (spill2, ldsm2), \
+        (spill3, ldsm3) = eval(r.stdout.strip().splitlines()[-1])  # noqa: S307
+    # the builds without WT and with 16-token tiles compile too, the codes by `ldmatrix`
+    assert spill2 == spill3 == 0 and ldsm2 >= 4 and ldsm3 >= 4, (spill2, ldsm2, spill3, ldsm3)
     assert spill0 == spill1 == 0 and ldsm0 == 0 and ldsm1 == 4 and hfma0 >= 64 and hfma1 <= 8, (regs1, run1, hfma1)
     assert run1 < run0 - 30 and progs1 >= 12, (run0, run1, regs0, regs1)
 
