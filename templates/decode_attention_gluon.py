@@ -103,14 +103,14 @@ Math (one program = one KV head of one sequence and one slice of the quantized r
     VF (KIVI's 4-bit Values in bf16 through the ring, `VALUE_FOLD`): each group's scale goes into p instead,
         p @ v = sum_c (p' * half_c) @ (a 2^-VF_E e_c) + p @ z,   p' = p 2^VF_E,
     per Value group c (32 channels: a 16-byte chunk of a token's codes) one mma, its A operand the group's codes
-    bare (`_value_fold_asm`: a bf16 subnormal code 2^(bit - 133) per register, from the 16-bit elements that
-    `ldmatrix.trans` hands each lane as (token t, t + 1) pairs), its B operand p'^T times the group's per-token
-    half-ranges; the rows' 2^(133 - bit) a and 2^-VF_E once per slice (`_fold_finish`). No per-register multiply-add:
-    671 -> 626 SASS instructions per tile (offline sm_90), the code rows swizzled (`VF_SWIZZLE`) so that `ldmatrix`
-    reads them without bank conflicts, the codes at bits 0 and 4 (VF_BITS), with the Keys' 8-bit window
-    (`SUB_WINDOW`) 567; kivi-4 5-13% less time than without the fold at the same window (H200, bench/RESULTS.md session
-    31). At 2 and 1 bits a 16-byte chunk spans 2 and 4 groups, so a lane group's elements would not share a group
-    (that needs another store layout).
+    bare (`_value_fold_asm`: the bf16 code 2^(bit - 133) per register, a subnormal or one of the smallest normals,
+    from the 16-bit elements that `ldmatrix.trans` hands each lane as (token t, t + 1) pairs), its B operand p'^T
+    times the group's per-token half-ranges; the rows' 2^(133 - bit) a and 2^-VF_E once per slice (`_fold_finish`).
+    No per-register multiply-add: 671 -> 626 SASS instructions per tile (offline sm_90), the code rows swizzled
+    (`VF_SWIZZLE`) so that `ldmatrix` reads them without bank conflicts, the codes at bits 0 and 4 (VF_BITS), with
+    the Keys' 8-bit window (`SUB_WINDOW`) 564; kivi-4 5-13% less time than without the fold at the same window
+    (H200, bench/RESULTS.md session 31). At 2 and 1 bits a 16-byte chunk spans 2 and 4 groups, so a lane group's
+    elements would not share a group (that needs another store layout).
     WT (KIVI's and InnerQ's layouts with a recent window, `WHOLE_TILES`): every slice is whole BT-token tiles
     (`whole_tiles`), so no position is compared with the slice's end: 683 -> 633 SASS instructions per tile at 2 bits,
     kivi-2 3.9-4.7% faster, xquant-1.38 5.0-7.5% (H200, session 28).
@@ -701,7 +701,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _fold_finish(acc0, acc1, acc2, acc3, accz, VAF: gl.constexpr, mma: gl.constexpr):
         """out^T [128, 8] (row 32 c + n: `_fold_group`'s row n of group c) from the four groups' accumulators (each
-        row times a 2^(133 - VF_E - bit): the level spacing a, the codes' subnormal scale and p's 2^VF_E) and the
+        row times a 2^(133 - VF_E - bit): the level spacing a, the codes' 2^(bit - 133) and p's 2^VF_E) and the
         offsets' share (accz: `_zero_rows`' rows, group (r % 8) // 2, times 2^-VF_E)."""
         F0: gl.constexpr = VAF * VF_ROW_[0]
         F1: gl.constexpr = VAF * VF_ROW_[1]
@@ -1476,7 +1476,7 @@ if HAVE_GLUON:
         VF (`VALUE_FOLD`, `fold_flags`: KIVI's 4-bit bf16 Values through the ring, with VZ, a step per tile): each
         Value group's scale folded into p, one accumulator [32, 8] per group (`_fold_group`: rows 8 i + k, channel
         32 c + 4 k + i), p' = p 2^VF_E from the softmax step (`_softmax_step` PE: so that the products of the
-        subnormal codes stay normal fp32), the partial sums and the offsets' share scaled back by 2^-VF_E at the end
+        bare codes stay normal fp32), the partial sums and the offsets' share scaled back by 2^-VF_E at the end
         (`_fold_finish`). Exact where p half >= 2^-57 (below, that token's code products drop out: less than 2^-56
         of absolute error each), half < 2^64 (p' half in bf16) and |z| sum p < 2^64 (the offsets' share in fp32), z
         the group's offset (VF_E)."""
