@@ -103,7 +103,7 @@ Math (one program = one KV head of one sequence and one slice of the quantized r
     VF (KIVI's 4-bit Values in bf16 through the ring, `VALUE_FOLD`): each group's scale goes into p instead,
         p @ v = sum_c (p' * half_c) @ (a 2^-VF_E e_c) + p @ z,   p' = p 2^VF_E,
     per Value group c (32 channels: a 16-byte chunk of a token's codes) one mma, its A operand the group's codes
-    bare (`_value_fold_asm`: the bf16 code 2^(bit - 133) per register, a subnormal or one of the smallest normals,
+    bare ("kqs8" at 4 bits: the bf16 code 2^(bit - 133) per register, a subnormal or one of the smallest normals,
     from the 16-bit elements that `ldmatrix.trans` hands each lane as (token t, t + 1) pairs), its B operand p'^T
     times the group's per-token half-ranges; the rows' 2^(133 - bit) a and 2^-VF_E once per slice (`_fold_finish`).
     No per-register multiply-add: 671 -> 626 SASS instructions per tile (offline sm_90), the code rows swizzled
@@ -323,36 +323,6 @@ def _post_value_asm(bf16: bool) -> str:
                       + ["}"])
 
 
-VF_E = 64   # folded 4-bit Values (`VALUE_FOLD`): p' = p 2^VF_E, so that a product code 2^(bit - 133) * p' half is a
-# normal fp32 for p half >= 2^(7 - VF_E) = 2^-57 (a smaller one drops out: its p code a half < 2^-56 of absolute
-# error per such token); p' half must stay below bf16's ~2^128 (half < 2^64) and the offsets' share sum z p' below fp32's
-# (|z| * sum p < 2^64); the accumulator, the offsets' share and the partial sum take 2^-VF_E back at the end
-VF_BITS = (0, 4, 0, 4)   # the bit of code i (of a 16-bit element's four) in its register (`_value_fold_asm`): a bf16
-# bit pattern below 256 (exponent field 0 or 1) is pattern * 2^-133 exactly, so a 4-bit code may sit at bit 4
-assert VF_BITS[2:] == VF_BITS[:2] and all(0 <= 4 * i - b and b + 4 <= 8 for i, b in enumerate(VF_BITS))
-
-
-def _value_fold_asm() -> str:
-    """Folded 4-bit bf16 Values (`_kivi_decode_kernel` VF): the 16-bit elements of two tokens (t in the low half,
-    t + 1 in the high half: what `ldmatrix.trans` gives a lane) -> 4 registers, register i = the code i of each half
-    alone, at bit VF_BITS[i] (the bf16 code 2^(bit - 133), a subnormal or the smallest normals: the tensor cores
-    take it as it is), by one `and` each and one `shr` for codes 2 and 3. Operands: $0-$3 out, $4-$7 copies of the
-    pair. No scale and no offset: the scale goes into p, the offset into its own mma, the 2^(133 - bit) onto the
-    accumulator's rows."""
-    lines = ["{ .reg .b32 y;"]
-    cur = 0
-    for i, bit in enumerate(VF_BITS):
-        mask = ((1 << 4) - 1) << bit
-        mask = f"0x{mask:04X}{mask:04X}"
-        shift = 4 * i - bit
-        if shift != cur:
-            lines.append(f"shr.b32 y, $4, {shift};")
-            cur = shift
-        lines.append(f"and.b32 ${i}, {'$4' if shift == 0 else 'y'}, {mask};")
-    lines.append("}")
-    return "\n".join(lines)
-
-
 SUB_WINDOW = 8   # bits of the code window of KIVI's bf16 subnormal Keys (`BF16_SUBNORMAL_KEYS`; kernel constexpr KSW):
 # a bf16 bit pattern below 256 (exponent field 0 or 1) is pattern * 2^-133 exactly, so a code may reach bit 7: at 2 bits
 # four codes per shift instead of three, at 4 bits two instead of one (7: session 30's window, bits 0-6). Offline:
@@ -406,6 +376,18 @@ def _kpost_asm(bits: int, bf16: bool, sub: bool = False, window: int = 7) -> str
         lines.append(f"lop3.b32 ${r}, {base if shift == 0 else 'y'}, 0x{m:04X}{m:04X}, {magic}, 0xea;")
     lines.append("}")
     return "\n".join(lines)
+
+
+VF_E = 64   # folded 4-bit Values (`VALUE_FOLD`): p' = p 2^VF_E, so that a product code 2^(bit - 133) * p' half is a
+# normal fp32 for p half >= 2^(7 - VF_E) = 2^-57 (a smaller one drops out: its p code a half < 2^-56 of absolute
+# error per such token); p' half must stay below bf16's ~2^128 (half < 2^64) and the offsets' share sum z p' below fp32's
+# (|z| * sum p < 2^64); the accumulator, the offsets' share and the partial sum take 2^-VF_E back at the end
+# The folded Values' block is the 4-bit subnormal Key block with the 8-bit window (`_kpost_asm`, "kqs8"): from two
+# tokens' 16-bit elements (t low, t + 1 high: what `ldmatrix.trans` gives a lane) register i holds code i of each
+# half at bit VF_BITS[i] (one `lop3` each, one `shr` for codes 2 and 3), the bf16 code 2^(bit - 133); no scale and no
+# offset: the scale goes into p, the offset into its own mma, the 2^(133 - bit) onto the accumulator's rows
+VF_BITS = tuple(bit for _, bit in post_positions(4, True, 4, 8))   # (0, 4, 0, 4)
+assert VF_BITS[2:] == VF_BITS[:2]   # `_fold_finish`'s row factor takes code i's bit by i % 2
 
 
 _NEG0 = "0x80008000"  # (-0, -0): the addend of a product written as fma
@@ -562,7 +544,6 @@ _ASM.update({(side, "lut", bf): (_lut_key_asm if side == "k" else _lut_value_asm
 _ASM.update({("rope", sign, bf): _rope_asm(bf, sign) for sign in (-1, 1) for bf in (False, True)})
 _ASM.update({("kq", bits, bf): _kpost_asm(bits, bf) for bits in BITS for bf in (False, True)})
 _ASM.update({(f"kqs{w}", bits, True): _kpost_asm(bits, True, sub=True, window=w) for bits in BITS for w in (7, 8)})
-_ASM[("vf", 4, True)] = _value_fold_asm()   # folded 4-bit bf16 Values (`VF`)
 _ASM.update({("mul", 0, bf): f"mul.rn.{'bf16x2' if bf else 'f16x2'} $0, $1, $2;" for bf in (False, True)})
 _ASM.update({("k", "sym8", bf): _sym8_key_asm() for bf in (False, True)})
 _ASM.update({("v", "sym8", bf): _sym8_value_asm(bf) for bf in (False, True)})
@@ -686,13 +667,13 @@ if HAVE_GLUON:
     def _fold_group(vt16, hc, pT, acc, C: gl.constexpr, a_l: gl.constexpr, b_l: gl.constexpr, BT: gl.constexpr):
         """acc + e_C^T @ (p' half_C)^T for Value group C of one tile (`_kivi_decode_kernel` VF): the group's 16-byte
         chunk of each token's codes by `ldmatrix.trans` (vt16: the tile's code rows as [BT, 32] 16-bit elements), its
-        codes bare (`_value_fold_asm`), the group's per-token half-ranges hc [BT] folded into p'^T (pT: the B
-        operand). Rows of the result: 8 i + k, channel 32 C + 4 k + i (`_fold_finish` scales and reorders them)."""
+        codes bare (the subnormal Key block "kqs8", VF_BITS), the group's per-token half-ranges hc [BT] folded into
+        p'^T (pT: the B operand). Rows of the result: 8 i + k, channel 32 C + 4 k + i (`_fold_finish` scales and reorders them)."""
         PF: gl.constexpr = _fold_layout(BT)
         codes = vt16.slice(8 * C, 8, dim=1).load(gl.SliceLayout(2, PF))                 # [BT, 8] 16-bit elements
         i4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, PF)))
         w, _ = gl.broadcast(gl.expand_dims(codes, 2), gl.expand_dims(gl.expand_dims(i4, 0), 0))   # [BT, 8, 4]
-        e = gl.inline_asm_elementwise(_asm("vf", 4, True), "=r,=r,=r,=r,r,r,r,r", [w], dtype=gl.bfloat16,
+        e = gl.inline_asm_elementwise(_asm("kqs8", 4, True), "=r,=r,=r,=r,r,r,r,r", [w], dtype=gl.bfloat16,
                                       is_pure=True, pack=8)
         eT = gl.convert_layout(e.permute([0, 2, 1]).reshape([BT, 32]).permute([1, 0]), a_l)   # [32, BT]
         hb, _ = gl.broadcast(gl.expand_dims(gl.convert_layout(hc, gl.SliceLayout(1, b_l)), 1), pT)

@@ -843,15 +843,16 @@ def test_inline_ptx_unpacks_every_code(bf16, bits):
 
 
 def test_value_fold_block_places_each_code():
-    """The folded 4-bit Value block (`_value_fold_asm`, the kernel's VF): from two tokens' 16-bit elements (t low,
-    t + 1 high: `ldmatrix.trans`'s register) register i holds code i of each alone at bit VF_BITS[i], a bf16 bit
-    pattern below 256 (exponent field 0 or 1) whose value is code * 2^(bit - 133) exactly, for random elements."""
+    """The folded 4-bit Value block (the kernel's VF: the 4-bit subnormal Key block "kqs8"): from two tokens' 16-bit
+    elements (t low, t + 1 high: `ldmatrix.trans`'s register) register i holds code i of each alone at bit
+    VF_BITS[i], a bf16 bit pattern below 256 (exponent field 0 or 1) whose value is code * 2^(bit - 133) exactly, for
+    random elements."""
     from ptx_emulator import run
 
     gen = torch.Generator().manual_seed(7)
     for trial in range(60):
         lo, hi = (int(x) for x in torch.randint(0, 1 << 16, (2,), generator=gen))
-        out = run(dag._ASM[("vf", 4, True)], {4 + i: lo | hi << 16 for i in range(4)})
+        out = run(dag._ASM[("kqs8", 4, True)], {4 + i: lo | hi << 16 for i in range(4)})
         for i, bit in enumerate(dag.VF_BITS):
             want = ((lo >> 4 * i) & 15) << bit | ((hi >> 4 * i) & 15) << bit << 16
             assert out[f"${i}"] == want and want & 0xFF00FF00 == 0, (trial, i, hex(out[f"${i}"]), hex(want))
