@@ -83,7 +83,7 @@ def main():
             fold = dag.fold_flags(True, True, bits, dag.pair_flags(tps, True, dag.WHOLE_TILES, 128, qz)["PAIR"])
             stores = dict(zip(("KC", "KCEN", "KHALF", "VC", "VCEN", "VHALF"),
                               map(mangle_type, dag.descriptors(kp, vp, bits, bits, tps,
-                                                               dag.VF_SWIZZLE if fold["VF"] else 0))))
+                                                               dag.vf_swizzle(fold["VF"], bits)))))
             sig = {n: (t.replace("fp16", "bf16") if isinstance(t, str) else t) for n, t in kivi.items()}
             sig.update(stores)
             cx = dict(H=8, REP=4, S=0, R=128, TPG_K=32, TPG_V=1, MASK_KIND=1, IS_BF16=True, BT=32, KBITS=bits,

@@ -100,7 +100,7 @@ Math (one program = one KV head of one sequence and one slice of the quantized r
     comes from one more mma per tile (z as its A rows, `_zero_rows`) into a [16, 8] accumulator added to the rows of
     acc^T once per slice: 785 -> 739 SASS instructions per 32-token tile at 2 bits (TMA build), 1.2-2.6% faster at
     batch x context >= 64k (H200, bench/RESULTS.md session 27). fp16 keeps the `add`: its -1024 s overflows from s = 64.
-    VF (KIVI's 4-bit Values in bf16 through the ring, `VALUE_FOLD`): each group's scale goes into p instead,
+    VF (KIVI's 4- and 2-bit Values in bf16 through the ring, `VALUE_FOLD`): each group's scale goes into p instead,
         p @ v = sum_c (p' * half_c) @ (a 2^-VF_E e_c) + p @ z,   p' = p 2^VF_E,
     per Value group c (32 channels: a 16-byte chunk of a token's codes) one mma, its A operand the group's codes
     bare ("kqs8" at 4 bits: the bf16 code 2^(bit - 133) per register, a subnormal or one of the smallest normals,
@@ -109,8 +109,11 @@ Math (one program = one KV head of one sequence and one slice of the quantized r
     No per-register multiply-add: 671 -> 626 SASS instructions per tile (offline sm_90), the code rows swizzled
     (`VF_SWIZZLE`) so that `ldmatrix` reads them without bank conflicts, the codes at bits 0 and 4 (VF_BITS), with
     the Keys' 8-bit window (`SUB_WINDOW`) 564; kivi-4 5-13% less time than without the fold at the same window
-    (H200, bench/RESULTS.md session 31). At 2 and 1 bits a 16-byte chunk spans 2 and 4 groups, so a lane group's
-    elements would not share a group (that needs another store layout).
+    (H200, bench/RESULTS.md session 31). At 2 bits a 16-byte chunk spans two groups (lanes k < 4 of `ldmatrix`
+    get the first, k >= 4 the second): one `shfl.bfly` and one `prmt` per register (`_VF_EXCHANGE`, `_fold_chunk2`)
+    give every lane one byte of each, then the 2-bit "kqs8" block takes eight codes (both groups) per register: kivi-2
+    534 -> 469 SASS instructions per tile with its one softmax step per slot, 4.4-8.0% less time at batch x context
+    >= 64k (H200, session 32). At 1 bit a chunk spans four groups (not folded: xquant's 1-bit Value layers).
     WT (KIVI's and InnerQ's layouts with a recent window, `WHOLE_TILES`): every slice is whole BT-token tiles
     (`whole_tiles`), so no position is compared with the slice's end: 683 -> 633 SASS instructions per tile at 2 bits,
     kivi-2 3.9-4.7% faster, xquant-1.38 5.0-7.5% (H200, session 28).
@@ -144,7 +147,8 @@ factors; QZROWS / QZ_N the Keys' q . z per QZ_N groups (`QZ_ROWS`); VZ the Value
 (`VALUE_ZERO_APART`); WL the ring's Value statistics widened over a lane bit (`WIDEN_IN_LANES`); WT no tile crosses
 its slice's end (`WHOLE_TILES`, `whole_tiles`); TPS tiles per ring slot (`RING_TILES`); PAIR one softmax step
 per slot (`PAIR_SOFTMAX`, `pair_flags`); KSUB bf16 post-scaled Keys as subnormals (`BF16_SUBNORMAL_KEYS`, SUB_E); VF
-4-bit bf16 Values with their scales folded into p (`VALUE_FOLD`, `fold_flags`, VF_E, VF_BITS, `VF_SWIZZLE`).
+4- and 2-bit bf16 Values with their scales folded into p (`VALUE_FOLD`, `VALUE_FOLD_BITS`, `fold_flags`, VF_E, VF_BITS,
+`VF_SWIZZLE`, `VF_PAIR_SEL`).
 """
 from __future__ import annotations
 
@@ -378,16 +382,28 @@ def _kpost_asm(bits: int, bf16: bool, sub: bool = False, window: int = 7) -> str
     return "\n".join(lines)
 
 
-VF_E = 64   # folded 4-bit Values (`VALUE_FOLD`): p' = p 2^VF_E, so that a product code 2^(bit - 133) * p' half is a
+VF_E = 64   # folded Values (`VALUE_FOLD`): p' = p 2^VF_E, so that a product code 2^(bit - 133) * p' half is a
 # normal fp32 for p half >= 2^(7 - VF_E) = 2^-57 (a smaller one drops out: its p code a half < 2^-56 of absolute
 # error per such token); p' half must stay below bf16's ~2^128 (half < 2^64) and the offsets' share sum z p' below fp32's
 # (|z| * sum p < 2^64); the accumulator, the offsets' share and the partial sum take 2^-VF_E back at the end
-# The folded Values' block is the 4-bit subnormal Key block with the 8-bit window (`_kpost_asm`, "kqs8"): from two
-# tokens' 16-bit elements (t low, t + 1 high: what `ldmatrix.trans` gives a lane) register i holds code i of each
-# half at bit VF_BITS[i] (one `lop3` each, one `shr` for codes 2 and 3), the bf16 code 2^(bit - 133); no scale and no
-# offset: the scale goes into p, the offset into its own mma, the 2^(133 - bit) onto the accumulator's rows
-VF_BITS = tuple(bit for _, bit in post_positions(4, True, 4, 8))   # (0, 4, 0, 4)
-assert VF_BITS[2:] == VF_BITS[:2]   # `_fold_finish`'s row factor takes code i's bit by i % 2
+# The folded Values' block is the subnormal Key block with the 8-bit window (`_kpost_asm`, "kqs8"): from two tokens'
+# 16-bit elements (t low, t + 1 high: what `ldmatrix.trans` gives a lane) register i holds code i of each half at
+# bit VF_BITS[bits][i] (one `lop3` each, one `shr` for codes 2 and 3 at 4 bits, for the second group's at 2), the bf16
+# code 2^(bit - 133); no scale and no offset: the scale goes into p, the offset into its own mma, the 2^(133 - bit)
+# onto the accumulator's rows
+VF_BITS = {bits: tuple(bit for _, bit in post_positions(bits, True, 4, 8)) for bits in (2, 4)}   # code i's bit:
+assert VF_BITS == {2: (0, 2, 4, 6), 4: (0, 4, 0, 4)}   # at 2 bits the 8 codes of a pair of bytes, both groups' i
+# The folded 2-bit Values: a 16-byte chunk of a token's codes spans two Value groups (64 channels), and `ldmatrix.trans`
+# hands lane (t, k) the 16-bit element k (channels 8k .. 8k + 7 of the chunk) of tokens 2t and 2t + 1: lanes k < 4 hold
+# the first group, lanes k >= 4 the second, while an mma's A rows (lane k: rows k and k + 8) must share one group.
+# One `shfl.bfly` by 16 (lane bit 4 is k's bit 2) and one `prmt` give every lane the low byte of both groups' element
+# k % 4 (k < 4: in-group channels 8k .. 8k + 3) or their high byte (k >= 4: 8 (k - 4) + 4 ..), as (first group, second
+# group) per token: then the 2-bit Key block "kqs8" (register r = code r of each token's 16 bits) takes code i of the
+# first group to r = i, of the second to r = 4 + i, at bit 2i. $0 out, $1 the lane's element pair, $2 the selector
+# (`VF_PAIR_SEL`; its low 16 bits: k < 4 own byte 0, partner's byte 0, own byte 2, partner's 2; k >= 4 the partner's
+# byte 1, own 1, partner's 3, own 3)
+_VF_EXCHANGE = "{ .reg .b32 p; shfl.sync.bfly.b32 p, $1, 16, 0x1f, -1; prmt.b32 $0, $1, p, $2; }"
+VF_PAIR_SEL = (0x6240, 0x3715)   # the exchange's `prmt` selector for lanes k < 4, k >= 4
 
 
 _NEG0 = "0x80008000"  # (-0, -0): the addend of a product written as fma
@@ -545,6 +561,7 @@ _ASM.update({("rope", sign, bf): _rope_asm(bf, sign) for sign in (-1, 1) for bf 
 _ASM.update({("kq", bits, bf): _kpost_asm(bits, bf) for bits in BITS for bf in (False, True)})
 _ASM.update({(f"kqs{w}", bits, True): _kpost_asm(bits, True, sub=True, window=w) for bits in BITS for w in (7, 8)})
 _ASM.update({("mul", 0, bf): f"mul.rn.{'bf16x2' if bf else 'f16x2'} $0, $1, $2;" for bf in (False, True)})
+_ASM[("vfx", 2, True)] = _VF_EXCHANGE   # the folded 2-bit Values' byte exchange
 _ASM.update({("k", "sym8", bf): _sym8_key_asm() for bf in (False, True)})
 _ASM.update({("v", "sym8", bf): _sym8_value_asm(bf) for bf in (False, True)})
 
@@ -560,11 +577,21 @@ if HAVE_GLUON:
     SUB_E_ = gl.constexpr(SUB_E)
     VF_E_ = gl.constexpr(VF_E)
     VF_DOWN_ = gl.constexpr(2.0 ** -VF_E)
-    VF_ROW_ = gl.constexpr([2.0 ** (133 - VF_E - b) for b in VF_BITS[:2]])   # a row's factor by its code's bit
 
     @gluon.constexpr_function
     def _asm(side, bits, bf16):
         return _ASM[(side, bits, bf16)]
+
+    @gluon.constexpr_function
+    def _vf_row(bits, i):
+        """The folded Values' row factor 2^(133 - VF_E - bit) of code i (`VF_BITS`): its bf16 code 2^(bit - 133) and
+        p's 2^VF_E undone."""
+        return 2.0 ** (133 - VF_E - VF_BITS[bits][i])
+
+    @gluon.constexpr_function
+    def _vf_pair_sel(k):
+        """The folded 2-bit Values' exchange selector of the lanes holding element k (`VF_PAIR_SEL`)."""
+        return VF_PAIR_SEL[k // 4]
 
     @gluon.constexpr_function
     def _kqs(window):
@@ -648,6 +675,16 @@ if HAVE_GLUON:
             shape=[bt, 8, 4])
 
     @gluon.constexpr_function
+    def _fold_layout2(bt):
+        """Folded 2-bit Values (`_kivi_decode_kernel` VF) as [t(bt), k(8), r(8)]: after the exchange (`_VF_EXCHANGE`)
+        code r % 4 of group r // 4 of the chunk in the element that lane k holds, token t; registers (t % 2, r) first
+        (one "kqs8" block of 2-bit codes: two tokens, eight codes), lanes (t // 2 % 4, k) as `_fold_layout`."""
+        return gl.DistributedLinearLayout(
+            reg_bases=[[1, 0, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]] + [[8 << i, 0, 0] for i in range(bt.bit_length() - 4)],
+            lane_bases=[[2, 0, 0], [4, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]], warp_bases=[], block_bases=[],
+            shape=[bt, 8, 8])
+
+    @gluon.constexpr_function
     def _fold_stats_layout(bt):
         """[bt, 4] Value half-ranges (token, group) with each lane holding its B-fragment tokens (t % 2 and t // 8 in
         registers, t // 2 % 4 on lane bits 0-1) and all four groups: the factors of p' per group (VF)."""
@@ -675,19 +712,73 @@ if HAVE_GLUON:
         w, _ = gl.broadcast(gl.expand_dims(codes, 2), gl.expand_dims(gl.expand_dims(i4, 0), 0))   # [BT, 8, 4]
         e = gl.inline_asm_elementwise(_asm("kqs8", 4, True), "=r,=r,=r,=r,r,r,r,r", [w], dtype=gl.bfloat16,
                                       is_pure=True, pack=8)
+        return _fold_mma(e, hc, pT, acc, a_l, b_l, BT)
+
+    @gluon.jit
+    def _fold_mma(e, hc, pT, acc, a_l: gl.constexpr, b_l: gl.constexpr, BT: gl.constexpr):
+        """acc + e^T @ (p' hc)^T: one Value group's bare codes e [BT, 8 (k), 4 (i)] (rows 8 i + k of the result) against
+        p'^T times the group's per-token half-ranges hc [BT]."""
         eT = gl.convert_layout(e.permute([0, 2, 1]).reshape([BT, 32]).permute([1, 0]), a_l)   # [32, BT]
         hb, _ = gl.broadcast(gl.expand_dims(gl.convert_layout(hc, gl.SliceLayout(1, b_l)), 1), pT)
         return mma_v2(eT, _mul(pT, hb, True), acc)
 
     @gluon.jit
-    def _fold_finish(acc0, acc1, acc2, acc3, accz, VAF: gl.constexpr, mma: gl.constexpr):
+    def _fold_chunk2(vt16, ha, hb, pT, acc_a, acc_b, CH: gl.constexpr, a_l: gl.constexpr, b_l: gl.constexpr,
+                     BT: gl.constexpr):
+        """(acc_a, acc_b) + the folded 2-bit Values of chunk CH (groups 2 CH, 2 CH + 1; vt16: the tile's code rows as
+        [BT, 16] 16-bit elements) against (p' ha)^T and (p' hb)^T: `ldmatrix.trans`, the byte exchange
+        (`_VF_EXCHANGE`), the 2-bit "kqs8" block. Rows of each result: 8 i + k, in-group channel 4 (2 (k % 4) + k // 4) + i."""
+        PF: gl.constexpr = _fold_layout2(BT)
+        LE: gl.constexpr = gl.SliceLayout(2, PF)
+        codes = vt16.slice(8 * CH, 8, dim=1).load(LE)                                     # [BT, 8] 16-bit elements
+        k8 = gl.arange(0, 8, layout=gl.SliceLayout(0, LE))
+        sel = gl.where(k8 < 4, _vf_pair_sel(0), _vf_pair_sel(4)).to(gl.int16)
+        sel, _ = gl.broadcast(gl.expand_dims(sel, 0), codes)
+        x = gl.inline_asm_elementwise(_asm("vfx", 2, True), "=r,r,r", [codes, sel], dtype=gl.int16, is_pure=True,
+                                      pack=2)
+        r8 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, PF)))
+        w, _ = gl.broadcast(gl.expand_dims(x, 2), gl.expand_dims(gl.expand_dims(r8, 0), 0))   # [BT, 8, 8]
+        e = gl.inline_asm_elementwise(_asm("kqs8", 2, True), "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r", [w],
+                                      dtype=gl.bfloat16, is_pure=True, pack=16)
+        ea, eb = gl.split(e.reshape([BT, 8, 2, 4]).permute([0, 1, 3, 2]))                  # r = i + 4 (group)
+        return _fold_mma(ea, ha, pT, acc_a, a_l, b_l, BT), _fold_mma(eb, hb, pT, acc_b, a_l, b_l, BT)
+
+    @gluon.jit
+    def _fold_values(vtile, vhtile, pT, acc0, acc1, acc2, acc3, t0, stop, VF16: gl.constexpr, VBITS: gl.constexpr,
+                     WT: gl.constexpr, a_l: gl.constexpr, b_l: gl.constexpr, BT: gl.constexpr):
+        """The four Value groups' accumulators + one ring tile's folded Values (`_kivi_decode_kernel` VF; vtile its
+        code rows, read as 16-bit elements in VF16, the ring's swizzle; vhtile its [BT * 4] half-ranges): each group's
+        codes bare against p'^T times its half-ranges."""
+        vt16 = vtile._reinterpret(gl.int16, [BT, 8 * VBITS], VF16)
+        LHB: gl.constexpr = _fold_stats_layout(BT)
+        flatv: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+        hb4 = vhtile._reinterpret(vhtile.dtype, [BT, 4], flatv).load(LHB)
+        if not WT:   # past `stop`: zeros (stale statistics there might not be finite), as the offsets' statistics
+            tb4 = gl.arange(0, BT, layout=gl.SliceLayout(1, LHB))
+            hb4 = gl.where(gl.expand_dims((t0 + tb4) < stop, 1), hb4, 0.0)
+        h0, h1, h2, h3 = _columns4(hb4)
+        if VBITS == 4:
+            acc0 = _fold_group(vt16, h0, pT, acc0, 0, a_l, b_l, BT)
+            acc1 = _fold_group(vt16, h1, pT, acc1, 1, a_l, b_l, BT)
+            acc2 = _fold_group(vt16, h2, pT, acc2, 2, a_l, b_l, BT)
+            acc3 = _fold_group(vt16, h3, pT, acc3, 3, a_l, b_l, BT)
+        else:
+            acc0, acc1 = _fold_chunk2(vt16, h0, h1, pT, acc0, acc1, 0, a_l, b_l, BT)
+            acc2, acc3 = _fold_chunk2(vt16, h2, h3, pT, acc2, acc3, 1, a_l, b_l, BT)
+        return acc0, acc1, acc2, acc3
+
+    @gluon.jit
+    def _fold_finish(acc0, acc1, acc2, acc3, accz, VBITS: gl.constexpr, mma: gl.constexpr):
         """out^T [128, 8] (row 32 c + n: `_fold_group`'s row n of group c) from the four groups' accumulators (each
         row times a 2^(133 - VF_E - bit): the level spacing a, the codes' 2^(bit - 133) and p's 2^VF_E) and the
         offsets' share (accz: `_zero_rows`' rows, group (r % 8) // 2, times 2^-VF_E)."""
-        F0: gl.constexpr = VAF * VF_ROW_[0]
-        F1: gl.constexpr = VAF * VF_ROW_[1]
-        n = gl.arange(0, 32, layout=gl.SliceLayout(1, mma))
-        rf = gl.expand_dims(gl.where((n >> 3) % 2 == 1, F1, F0), 1)      # code i = (n // 8) % 4 (VF_BITS: i % 2)
+        VAF: gl.constexpr = 2.0 / ((1 << VBITS) - 1)
+        F0: gl.constexpr = VAF * _vf_row(VBITS, 0)
+        F1: gl.constexpr = VAF * _vf_row(VBITS, 1)
+        F2: gl.constexpr = VAF * _vf_row(VBITS, 2)
+        F3: gl.constexpr = VAF * _vf_row(VBITS, 3)
+        i = (gl.arange(0, 32, layout=gl.SliceLayout(1, mma)) >> 3) % 4     # code i = (n // 8) % 4
+        rf = gl.expand_dims(gl.where(i < 2, gl.where(i == 0, F0, F1), gl.where(i == 2, F2, F3)), 1)
         grp = gl.expand_dims((gl.arange(0, 16, layout=gl.SliceLayout(1, mma)) % 8) // 2, 1)   # accz's row groups
         az = accz * VF_DOWN_   # (the rows of a group are equal: their max is any of them)
         o0 = acc0 * rf + gl.expand_dims(gl.max(gl.where(grp == 0, az, float("-inf")), 0), 0)
@@ -892,13 +983,17 @@ if HAVE_GLUON:
         return p, alpha, m_new, lacc * gl.expand_dims(alpha, 0) + p
 
     @gluon.jit
-    def _softmax_pair(s_a, s_b, m8, lacc):
+    def _softmax_pair(s_a, s_b, m8, lacc, PE: gl.constexpr = 0):
         """`_softmax_step` over two tiles at once (a ring slot), their logits masked already (-inf): one max over
-        both, one alpha; (p_a, p_b, alpha, new max, new per-lane partial sums)."""
+        both, one alpha; (p_a, p_b, alpha, new max, new per-lane partial sums). PE as `_softmax_step`'s."""
         m_new = gl.maximum(m8, gl.max(gl.maximum(s_a, s_b), 0))
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p_a = gl.exp2(s_a - gl.expand_dims(m_use, 0))
-        p_b = gl.exp2(s_b - gl.expand_dims(m_use, 0))
+        if PE != 0:
+            m_p = m_use - PE
+        else:
+            m_p = m_use
+        p_a = gl.exp2(s_a - gl.expand_dims(m_p, 0))
+        p_b = gl.exp2(s_b - gl.expand_dims(m_p, 0))
         alpha = gl.exp2(m8 - m_use)
         return p_a, p_b, alpha, m_new, lacc * gl.expand_dims(alpha, 0) + p_a + p_b
 
@@ -912,7 +1007,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _store_partials(OUT_M, OUT_L, OUT_ACC, bh, split, NSPLIT, NWIN: gl.constexpr, m8, l8, acc,
-                         REP: gl.constexpr, mma: gl.constexpr, FOLD: gl.constexpr = False):
+                         REP: gl.constexpr, mma: gl.constexpr, FOLD: gl.constexpr = 0):
         """This program's (max in base e, sum, acc) into slot `split` of each real head's row, as `_decode_kernel`
         writes them (rows REP..15 are never read): max and sum per query head as [8] vectors along the
         accumulator's columns, the accumulator's channels back in channel order."""
@@ -922,8 +1017,10 @@ if HAVE_GLUON:
         gl.store(OUT_M + o8, m8 * LN2, mask=r8 < REP)
         gl.store(OUT_L + o8, l8, mask=r8 < REP)
         n = gl.arange(0, 128, layout=gl.SliceLayout(1, mma))
-        if FOLD:   # `_fold_finish`'s rows: n = 32 c + 8 i + k, channel 32 c + 4 k + i
+        if FOLD == 4:   # `_fold_finish`'s rows: n = 32 c + 8 i + k, channel 32 c + 4 k + i
             chan = (n & 96) + 4 * (n & 7) + ((n >> 3) & 3)
+        elif FOLD == 2:   # the same rows, channel 32 c + 4 (2 (k % 4) + k // 4) + i (`_fold_chunk2`)
+            chan = (n & 96) + 8 * (n & 3) + 4 * ((n >> 2) & 1) + ((n >> 3) & 3)
         else:      # n = 8 j + w, channel 16 w + j
             chan = 16 * (n & 7) + (n >> 3)
         gl.store(OUT_ACC + gl.expand_dims(o8, 0) * 128 + gl.expand_dims(chan, 1), acc,
@@ -1454,16 +1551,17 @@ if HAVE_GLUON:
         both tiles' logits (`_softmax_pair`), in slices of whole slots (`_slice` UNIT 2); where a row's last slice
         ends after a slot's first tile, the second one's logits are -inf (its Values finite: p V = 0). Not bit-equal
         with a step per tile: p rounds to the cache dtype against the slot's max.
-        VF (`VALUE_FOLD`, `fold_flags`: KIVI's 4-bit bf16 Values through the ring, with VZ, a step per tile): each
-        Value group's scale folded into p, one accumulator [32, 8] per group (`_fold_group`: rows 8 i + k, channel
-        32 c + 4 k + i), p' = p 2^VF_E from the softmax step (`_softmax_step` PE: so that the products of the
+        VF (`VALUE_FOLD`, `fold_flags`: KIVI's 4- or 2-bit bf16 Values through the ring, with VZ; at 4 bits a step
+        per tile): each Value group's scale folded into p, one accumulator [32, 8] per group (`_fold_values`: rows
+        8 i + k, channel 32 c + 4 k + i at 4 bits, 32 c + 4 (2 (k % 4) + k // 4) + i at 2 (`_fold_chunk2`'s byte
+        exchange)), p' = p 2^VF_E from the softmax step (`_softmax_step` / `_softmax_pair` PE: so that the products of the
         bare codes stay normal fp32), the partial sums and the offsets' share scaled back by 2^-VF_E at the end
         (`_fold_finish`). Exact where p half >= 2^-57 (below, that token's code products drop out: less than 2^-56
         of absolute error each), half < 2^64 (p' half in bf16) and |z| sum p < 2^64 (the offsets' share in fp32), z
         the group's offset (VF_E)."""
         gl.static_assert(KPOST or not QZROWS, "QZROWS computes the post-scaled Keys' q . z")
         gl.static_assert(not (VZ and (INNER or not IS_BF16)), "VZ: KIVI's Values in bf16")
-        gl.static_assert((not VF) or (VZ and TMA and VBITS == 4 and not PAIR), "VF: KIVI's 4-bit bf16 Values, ring")
+        gl.static_assert((not VF) or (VZ and TMA and (VBITS == 4 or VBITS == 2)), "VF: KIVI's 2- or 4-bit bf16 Values, ring")
         gl.static_assert((not KSUB) or (KSW == 7) or (KSW == 8), "KSW: a code window of 7 or 8 bits")
         bh = gl.program_id(0)
         split = gl.program_id(1)
@@ -1657,8 +1755,6 @@ if HAVE_GLUON:
             acc3 = gl.zeros([32, 8], gl.float32, mma)
             VF16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=VC.layout.swizzle_byte_width,
                                                       element_bitwidth=16, rank=2)   # the same bytes as 16-bit
-            LHB: gl.constexpr = _fold_stats_layout(BT)
-            flatv: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
             PEV: gl.constexpr = VF_E_
         else:
             PEV: gl.constexpr = 0
@@ -1692,21 +1788,34 @@ if HAVE_GLUON:
                         s_a = gl.where(allowed, s, float("-inf"))
                     else:
                         s_b = gl.where(allowed & has_b, s, float("-inf"))
-                p_a, p_b, alpha8, m8, lacc = _softmax_pair(s_a, s_b, m8, lacc)
-                acc = acc * gl.expand_dims(alpha8, 0)
+                p_a, p_b, alpha8, m8, lacc = _softmax_pair(s_a, s_b, m8, lacc, PEV)
+                a8 = gl.expand_dims(alpha8, 0)
+                acc = acc * a8
+                if VF:
+                    acc1 = acc1 * a8
+                    acc2 = acc2 * a8
+                    acc3 = acc3 * a8
                 if VZ:
-                    accz = accz * gl.expand_dims(alpha8, 0)
+                    accz = accz * a8
                 for sub in gl.static_range(2):
-                    vwords, vh, vcen = _smem_values(vtile.index(2 * st + sub), vhtile.index(2 * st + sub),
-                                                    vztile.index(2 * st + sub), VW, VW3, L4, BT, VBITS, WL)
                     if sub == 0:
                         p = p_a
                     else:
                         p = p_b
-                    vv, vz = _kivi_values_t(vwords, vh, vcen, vhi, vlo, vnegm, vshift, jdummy, a_l, BT, VBITS,
-                                            IS_BF16, VZ)
                     pT = _p_transposed(p.to(dt), b_l, BT, IS_BF16)
-                    acc = mma_v2(vv, pT, acc)
+                    if VF:   # each group's scale folded into p': acc_c + e_c^T @ (p' half_c)^T
+                        vh, vcen = _smem_value_stats(vhtile.index(2 * st + sub), vztile.index(2 * st + sub), VW, L4,
+                                                     BT, WL)
+                        vz = _offset(vh, vcen, IS_BF16)
+                        acc, acc1, acc2, acc3 = _fold_values(vtile.index(2 * st + sub), vhtile.index(2 * st + sub), pT,
+                                                             acc, acc1, acc2, acc3, t0, stop, VF16, VBITS, WT, a_l,
+                                                             b_l, BT)
+                    else:
+                        vwords, vh, vcen = _smem_values(vtile.index(2 * st + sub), vhtile.index(2 * st + sub),
+                                                        vztile.index(2 * st + sub), VW, VW3, L4, BT, VBITS, WL)
+                        vv, vz = _kivi_values_t(vwords, vh, vcen, vhi, vlo, vnegm, vshift, jdummy, a_l, BT, VBITS,
+                                                IS_BF16, VZ)
+                        acc = mma_v2(vv, pT, acc)
                     if VZ:
                         accz = mma_v2(_zero_rows(vz, a_l, BT), pT, accz)
                 _issue(KC, VC, KHALF, KCEN, VHALF, VCEN, kbuf.index(st), vbuf.index(st), khbuf.index(st),
@@ -1796,16 +1905,8 @@ if HAVE_GLUON:
                 pT = _p_transposed(p.to(dt), b_l, BT, IS_BF16)
                 if VF:  # each group's scale folded into p': acc_c + e_c^T @ (p' half_c)^T
                     a8 = gl.expand_dims(alpha8, 0)
-                    vt16 = vtile.index(r)._reinterpret(gl.int16, [BT, 32], VF16)
-                    hb4 = vhtile.index(r)._reinterpret(dt, [BT, 4], flatv).load(LHB)
-                    if not WT:   # past `stop`: zeros (stale statistics there might not be finite), as vh above
-                        tb4 = gl.arange(0, BT, layout=gl.SliceLayout(1, LHB))
-                        hb4 = gl.where(gl.expand_dims((t0 + tb4) < stop, 1), hb4, 0.0)
-                    h0, h1, h2, h3 = _columns4(hb4)
-                    acc = _fold_group(vt16, h0, pT, acc * a8, 0, a_l, b_l, BT)
-                    acc1 = _fold_group(vt16, h1, pT, acc1 * a8, 1, a_l, b_l, BT)
-                    acc2 = _fold_group(vt16, h2, pT, acc2 * a8, 2, a_l, b_l, BT)
-                    acc3 = _fold_group(vt16, h3, pT, acc3 * a8, 3, a_l, b_l, BT)
+                    acc, acc1, acc2, acc3 = _fold_values(vtile.index(r), vhtile.index(r), pT, acc * a8, acc1 * a8,
+                                                         acc2 * a8, acc3 * a8, t0, stop, VF16, VBITS, WT, a_l, b_l, BT)
                 else:
                     acc = mma_v2(vv, pT, acc * gl.expand_dims(alpha8, 0))
                 if VZ:  # the offsets' share: z_rows @ p^T
@@ -1821,11 +1922,11 @@ if HAVE_GLUON:
 
         lsum = gl.sum(lacc, 0)
         if VF:  # everything times 2^VF_E: the scale of p'
-            acc = _fold_finish(acc, acc1, acc2, acc3, accz, 2.0 / ((1 << VBITS) - 1), mma)
+            acc = _fold_finish(acc, acc1, acc2, acc3, accz, VBITS, mma)
             lsum = lsum * VF_DOWN_
         elif VZ:
             acc = acc + _rows128(accz, mma)
-        _store_partials(OUT_M, OUT_L, OUT_ACC, bh, split, NSPLIT, NWIN, m8, lsum, acc, REP, mma, VF)
+        _store_partials(OUT_M, OUT_L, OUT_ACC, bh, split, NSPLIT, NWIN, m8, lsum, acc, REP, mma, VBITS if VF else 0)
 
     @gluon.jit
     def _issue(KC, VC, KHALF, KCEN, VHALF, VCEN, kb, vb, khb, kzb, vhb, vzb, bar, row0, grow0, t0, S: gl.constexpr,
@@ -1880,7 +1981,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _smem_value_stats(vhb, vzb, VW: gl.constexpr, L4: gl.constexpr, BT: gl.constexpr, LANES: gl.constexpr = True):
         """One ring tile's Value half-ranges and centers in registers, widened to the [BT, 8] statistics layout (also
-        the folded Values', whose codes `_fold_group` reads: `VF_SWIZZLE`'s rows are not for `_smem_value_codes`)."""
+        the folded Values', whose codes `_fold_values` reads: `VF_SWIZZLE`'s rows are not for `_smem_value_codes`)."""
         flat2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
         vh = _widen(vhb._reinterpret(vhb.dtype, [BT, 4], flat2).load(L4), VW, BT, LANES)
         vcen = _widen(vzb._reinterpret(vzb.dtype, [BT, 4], flat2).load(L4), VW, BT, LANES)
@@ -2499,13 +2600,18 @@ PAIR_SOFTMAX = True   # KIVI's ring with two tiles a slot: one online-softmax st
 BF16_SUBNORMAL_KEYS = True   # KIVI's post-scaled bf16 Keys as bf16 subnormals (code 2^(b - 133), `_kpost_asm` sub):
 # no magic 128, so no -128 sum q' mma per tile (8 of a tile's 42 HMMA): kivi-2 2.7-4.7% faster, kivi-4 1.1-4.2%,
 # xquant-1.38 1.2-4.7% at batch x context >= 64k (H200, session 30, calls 8-9)
-VALUE_FOLD = True   # KIVI's 4-bit bf16 Values through the ring: each group's scale folded into p (`_kivi_decode_kernel`
-# VF): the codes bare from `ldmatrix.trans`, 4 mma per tile (one per group) against p' scaled per group. Offline sm_90
-# (kivi-4, `SUB_WINDOW` 8): 649 -> 567 SASS instructions a tile, 128 -> 168 registers (16 -> 12 programs per SM);
-# 5.2-13.2% less time at batch x context >= 64k (H200, bench/RESULTS.md session 31, call 4; call 1, window 7 and
-# unswizzled rows: 0.0-3.2%)
-VF_SWIZZLE = 64   # the folded Values' code rows (64 bytes) in the ring, swizzled: `ldmatrix` reads 8 rows of 16 bytes
-# at once, which unswizzled fall on the same banks 4 ways; kivi-4 0.9-4.5% faster than with 0 (H200, session 31, call 2)
+VALUE_FOLD = True   # KIVI's 4- and 2-bit bf16 Values through the ring (`VALUE_FOLD_BITS`): each group's scale folded
+# into p (`_kivi_decode_kernel` VF): the codes bare from `ldmatrix.trans`, 4 mma per tile (one per group) against p'
+# scaled per group. Offline sm_90 (kivi-4, `SUB_WINDOW` 8): 649 -> 567 SASS instructions a tile, 128 -> 168 registers
+# (16 -> 12 programs per SM); 5.2-13.2% less time at batch x context >= 64k (H200, bench/RESULTS.md session 31, call
+# 4; call 1, window 7 and unswizzled rows: 0.0-3.2%). kivi-2 (one softmax step per slot, the byte exchange of
+# `_fold_chunk2`): 534 -> 469 instructions a tile, 161 -> 156 registers, 4.4-8.0% less time (session 32, call 1)
+VALUE_FOLD_BITS = (2, 4)   # the Value widths VALUE_FOLD takes (2 bits: `_fold_chunk2`, one softmax step per tile or
+# per slot)
+VF_SWIZZLE = {2: 32, 4: 64}   # the folded Values' code rows (32 / 64 bytes) in the ring, swizzled by bits: `ldmatrix`
+# reads 8 rows of 16 bytes at once, which unswizzled fall on the same banks 2 / 4 ways; kivi-4 0.9-4.5% faster with
+# 64 than with 0 (H200, session 31, call 2); kivi-2 the same with 32 as with 0 (within 0.7% at six shapes, session 32,
+# call 1: 156 registers against 162)
 RING_TILES = {1: 2, 2: 2, 4: 1}   # tiles per slot of KIVI's TMA ring (`_kivi_decode_kernel` TPS), by the wider
 # side's bits: one set of copies per slot. At 4 bits two tiles a slot take 20 KB of shared memory (11 programs per SM
 # instead of 12, offline sm_90 compile)
@@ -2544,7 +2650,7 @@ def descriptors(kp: dict, vp: dict, kbits: int, vbits: int, tps: int = 1, vswizz
     aligned, so tiles must start at even rows; `_use_tma` takes plain loads for an odd sink or cache length). tps:
     the tiles of a ring slot of `_kivi_decode_kernel` (TPS); at most 2 (a box has at most 256 entries a dimension),
     and 1 with 16-token tiles (two of them share a Key statistics row). vswizzle: the Value codes' shared-memory
-    swizzle in bytes (`VF_SWIZZLE`: 64 for the folded Values' `ldmatrix`, 0 elsewhere)."""
+    swizzle in bytes (`vf_swizzle`: `VF_SWIZZLE` for the folded Values' `ldmatrix`, 0 elsewhere)."""
     import torch
 
     def desc(t, block, bits, swizzle=0):
@@ -2675,7 +2781,7 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
     pair = pair_flags(tps, KEY_POST, wt, recent, qz)
     fold = fold_flags(use_tma, bf16, vbits, pair["PAIR"])
     if use_tma:
-        stores = descriptors(kp, vp, kbits, vbits, tps, VF_SWIZZLE if fold["VF"] else 0)
+        stores = descriptors(kp, vp, kbits, vbits, tps, vf_swizzle(fold["VF"], vbits))
     return _kivi_decode_kernel, (
         query, query.stride(0), query.stride(1), *stores, positions, amask, smb, m_buf, l_buf, acc_buf,
         float(scale), T, ng_k, nsplit, *extra), dict(
@@ -2695,10 +2801,16 @@ def pair_flags(tps: int, key_post: bool, wt: bool, recent: int, qz_rows: bool) -
 
 
 def fold_flags(tma: bool, bf16: bool, vbits: int, pair: bool) -> dict:
-    """The KIVI kernel's VF constexpr as `_plan` passes it (offline builds take it from here too): 4-bit bf16 Values
-    through the ring, each group's scale folded into p (`VALUE_FOLD`), with their offsets by their own mma (VZ) and
-    one softmax step per tile."""
-    return dict(VF=bool(VALUE_FOLD and VALUE_ZERO_APART and tma and bf16 and vbits == 4 and not pair))
+    """The KIVI kernel's VF constexpr as `_plan` passes it (offline builds take it from here too): bf16 Values of
+    `VALUE_FOLD_BITS` through the ring, each group's scale folded into p (`VALUE_FOLD`), with their offsets by their
+    own mma (VZ); at 4 bits with one softmax step per tile (two-tile slots are 2-bit ones)."""
+    return dict(VF=bool(VALUE_FOLD and VALUE_ZERO_APART and tma and bf16 and vbits in VALUE_FOLD_BITS
+                        and (vbits == 2 or not pair)))
+
+
+def vf_swizzle(vf: bool, vbits: int) -> int:
+    """The Value codes' shared-memory swizzle of a ring build (`descriptors` vswizzle): `VF_SWIZZLE` where VF."""
+    return VF_SWIZZLE[vbits] if vf else 0
 
 
 def window_inside(kind: str | None, kc: dict, vc: dict, tau) -> bool:
@@ -2788,7 +2900,7 @@ def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mas
     tma = _use_tma(query, sink, T, use_tma, kind)
     key = (kind, inner_flags(kp, vp) if kind == "inner" else None, dev.index, query.dtype, amask.dtype, mask_kind, kbits, vbits, H, rep, sink, recent, tpg_v, nwin,
            tma, NSTAGES, phase, rope is not None, tuple(nout), LUT_BT, LUT_MAXNREG, LUT_NO_MASK_AS_BOOL, SYM8_BT, KIVI_BT, pdl,
-           KEY_POST, QZ_ROWS, QZ_N, VALUE_ZERO_APART, WIDEN_IN_LANES, WHOLE_TILES, tuple(sorted(RING_TILES.items())), PAIR_SOFTMAX, BF16_SUBNORMAL_KEYS, SUB_WINDOW, VALUE_FOLD, VF_SWIZZLE, None if exact is None else tuple(exact[s]["ring"].shape[2] for s in ("k", "v")),
+           KEY_POST, QZ_ROWS, QZ_N, VALUE_ZERO_APART, WIDEN_IN_LANES, WHOLE_TILES, tuple(sorted(RING_TILES.items())), PAIR_SOFTMAX, BF16_SUBNORMAL_KEYS, SUB_WINDOW, VALUE_FOLD, VALUE_FOLD_BITS, tuple(sorted(VF_SWIZZLE.items())), None if exact is None else tuple(exact[s]["ring"].shape[2] for s in ("k", "v")),
            tuple(sorted(POST_MAXNREG.items())), tuple(sorted(POST_WCOST.items())))
     if key not in _RESIDENT:
         one = torch.empty(1, dtype=torch.float32, device=dev)   # stand-ins: partial buffers, temperatures, logits

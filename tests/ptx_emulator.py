@@ -22,8 +22,10 @@ def _pack(vals, ty: str) -> int:
     return bits[0] | bits[1] << 16
 
 
-def run(asm: str, operands: dict[int, int]) -> dict[int, int]:
-    """Execute `asm` with $i = operands[i] (uint32); returns every $i afterwards (outputs included)."""
+def run(asm: str, operands: dict[int, int], shfl=None) -> dict[int, int]:
+    """Execute `asm` with $i = operands[i] (uint32); returns every $i afterwards (outputs included). shfl(value,
+    lane_mask): what `shfl.sync.bfly.b32` returns to this lane, the value the partner lane (lane ^ lane_mask) passed
+    (the caller emulates the warp)."""
     regs = {f"${i}": v & 0xFFFFFFFF for i, v in operands.items()}
 
     def val(tok: str) -> int:
@@ -58,6 +60,10 @@ def run(asm: str, operands: dict[int, int]) -> dict[int, int]:
             x, y = (np.array(val(t), dtype=np.uint32).view(np.float32) for t in a[1:3])
             r = np.float32(x + y if op == "add.f32" else x - y)
             out = int(np.array(r, dtype=np.float32).view(np.uint32))
+        elif op == "shfl.sync.bfly.b32":   # d, a, lane mask, clamp, member mask: the whole warp takes part
+            if shfl is None or val(a[4]) != 0xFFFFFFFF:
+                raise NotImplementedError(f"{ins}: a butterfly shuffle needs the warp (shfl) and every lane")
+            out = shfl(val(a[1]), val(a[2]))
         elif op == "and.b32":
             out = val(a[1]) & val(a[2])
         elif op == "shr.b32":
