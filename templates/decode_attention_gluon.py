@@ -100,7 +100,7 @@ Math (one program = one KV head of one sequence and one slice of the quantized r
     comes from one more mma per tile (z as its A rows, `_zero_rows`) into a [16, 8] accumulator added to the rows of
     acc^T once per slice: 785 -> 739 SASS instructions per 32-token tile at 2 bits (TMA build), 1.2-2.6% faster at
     batch x context >= 64k (H200, bench/RESULTS.md session 27). fp16 keeps the `add`: its -1024 s overflows from s = 64.
-    VF (KIVI's 4- and 2-bit Values in bf16 through the ring, `VALUE_FOLD`): each group's scale goes into p instead,
+    VF (KIVI's 4-, 2- and 1-bit Values in bf16 through the ring, `VALUE_FOLD`): each group's scale goes into p instead,
         p @ v = sum_c (p' * half_c) @ (a 2^-VF_E e_c) + p @ z,   p' = p 2^VF_E,
     per Value group c (32 channels: a 16-byte chunk of a token's codes) one mma, its A operand the group's codes
     bare ("kqs8" at 4 bits: the bf16 code 2^(bit - 133) per register, a subnormal or one of the smallest normals,
@@ -113,7 +113,10 @@ Math (one program = one KV head of one sequence and one slice of the quantized r
     get the first, k >= 4 the second): one `shfl.bfly` and one `prmt` per register (`_VF_EXCHANGE`, `_fold_chunk2`)
     give every lane one byte of each, then the 2-bit "kqs8" block takes eight codes (both groups) per register: kivi-2
     534 -> 469 SASS instructions per tile with its one softmax step per slot, 4.4-8.0% less time at batch x context
-    >= 64k (H200, session 32). At 1 bit a chunk spans four groups (not folded: xquant's 1-bit Value layers).
+    >= 64k (H200, session 32). At 1 bit a token's 16-byte row spans four groups: a 4 x 4 transpose of nibbles over
+    two lane bits (`_VF_EXCHANGE4`: the byte exchange, then a `shfl.bfly` by 8, `shf.wrap` and `lop3`) gives every
+    lane four channels of each group, the 1-bit block "vf" sixteen codes per register: k2v1 (xquant-1.38's 1-bit
+    Value layers) 570 -> 470 instructions a tile, xquant-1.38 8.8-12.3% less time (session 32).
     WT (KIVI's and InnerQ's layouts with a recent window, `WHOLE_TILES`): every slice is whole BT-token tiles
     (`whole_tiles`), so no position is compared with the slice's end: 683 -> 633 SASS instructions per tile at 2 bits,
     kivi-2 3.9-4.7% faster, xquant-1.38 5.0-7.5% (H200, session 28).
@@ -148,7 +151,7 @@ factors; QZROWS / QZ_N the Keys' q . z per QZ_N groups (`QZ_ROWS`); VZ the Value
 its slice's end (`WHOLE_TILES`, `whole_tiles`); TPS tiles per ring slot (`RING_TILES`); PAIR one softmax step
 per slot (`PAIR_SOFTMAX`, `pair_flags`); KSUB bf16 post-scaled Keys as subnormals (`BF16_SUBNORMAL_KEYS`, SUB_E); VF
 4- and 2-bit bf16 Values with their scales folded into p (`VALUE_FOLD`, `VALUE_FOLD_BITS`, `fold_flags`, VF_E, VF_BITS,
-`VF_SWIZZLE`, `VF_PAIR_SEL`).
+`VF_SWIZZLE`, `VF_PAIR_SEL`, `VF_NIB`).
 """
 from __future__ import annotations
 
@@ -354,7 +357,7 @@ SUB_E = 64  # bf16 subnormal Keys (`BF16_SUBNORMAL_KEYS`): q' = q s 2^(SUB_E - b
 # neither overflows
 
 
-def _kpost_asm(bits: int, bf16: bool, sub: bool = False, window: int = 7) -> str:
+def _kpost_asm(bits: int, bf16: bool, sub: bool = False, window: int = 7, halves: bool = False) -> str:
     """Post-scaled KIVI Keys (the per-channel scale folded into q, `_kivi_decode_kernel` with KPOST): the codes of one
     block (P = 16 at 1 and 2 bits, 8 at 4 bits) -> P / 2 registers, register r = (code r, code P / 2 + r) at bit b_r
     of each half (`post_positions`), by one `lop3` each and a `shr` per group of registers: fp16 a subnormal
@@ -362,13 +365,15 @@ def _kpost_asm(bits: int, bf16: bool, sub: bool = False, window: int = 7) -> str
     2 and 4 bits: the word's halves hold codes 0 .. P/2 - 1 and P/2 .. P - 1. 1 bit (the word pre-shifted: the
     block's 16 codes at bits 0-15): `prmt` puts byte 1 into the high half. Operands: $0..$(P/2 - 1) out, then P
     copies of the word. sub (bf16, `BF16_SUBNORMAL_KEYS`): no magic number, the code as the bf16 code * 2^(b_r - 133)
-    in a window of `window` bits (`SUB_WINDOW`; the magic number's is bits 0-6)."""
-    P = 8 if bits == 4 else 16   # `key_pack`
+    in a window of `window` bits (`SUB_WINDOW`; the magic number's is bits 0-6). halves (the folded Values' block,
+    `_fold_block`): the word's halves are two tokens' 16 bits, register r takes code r of each (at 1 bit P = 32 and
+    no `prmt`; at 2 and 4 bits the same block as without)."""
+    P = 32 if bits == 1 and halves else 8 if bits == 4 else 16   # `key_pack`
     magic = "0x43004300" if bf16 and not sub else "0"
     w = f"${P // 2}"
     lines = ["{ .reg .b32 x, y;"]
     base = w
-    if bits == 1:
+    if bits == 1 and not halves:
         lines.append(f"prmt.b32 x, {w}, 0, 0x4140;")
         base = "x"
     cur = 0
@@ -391,8 +396,15 @@ VF_E = 64   # folded Values (`VALUE_FOLD`): p' = p 2^VF_E, so that a product cod
 # bit VF_BITS[bits][i] (one `lop3` each, one `shr` for codes 2 and 3 at 4 bits, for the second group's at 2), the bf16
 # code 2^(bit - 133); no scale and no offset: the scale goes into p, the offset into its own mma, the 2^(133 - bit)
 # onto the accumulator's rows
-VF_BITS = {bits: tuple(bit for _, bit in post_positions(bits, True, 4, 8)) for bits in (2, 4)}   # code i's bit:
-assert VF_BITS == {2: (0, 2, 4, 6), 4: (0, 4, 0, 4)}   # at 2 bits the 8 codes of a pair of bytes, both groups' i
+def _fold_block(bits: int) -> str:
+    """The folded Values' block ("vf"): from two tokens' 16-bit elements (t low, t + 1 high) 16 / bits registers,
+    register r code r of each half at bit VF_BITS[bits][r] (the subnormal Key block "kqs8" with its halves as
+    tokens)."""
+    return _kpost_asm(bits, True, sub=True, window=8, halves=True)
+
+
+VF_BITS = {bits: tuple(bit for _, bit in post_positions(bits, True, 16 // bits, 8)) for bits in (1, 2, 4)}
+assert VF_BITS[4] == (0, 4, 0, 4) and VF_BITS[2] == (0, 2, 4, 6) * 2 and VF_BITS[1] == tuple(range(8)) * 2
 # The folded 2-bit Values: a 16-byte chunk of a token's codes spans two Value groups (64 channels), and `ldmatrix.trans`
 # hands lane (t, k) the 16-bit element k (channels 8k .. 8k + 7 of the chunk) of tokens 2t and 2t + 1: lanes k < 4 hold
 # the first group, lanes k >= 4 the second, while an mma's A rows (lane k: rows k and k + 8) must share one group.
@@ -404,6 +416,16 @@ assert VF_BITS == {2: (0, 2, 4, 6), 4: (0, 4, 0, 4)}   # at 2 bits the 8 codes o
 # byte 1, own 1, partner's 3, own 3)
 _VF_EXCHANGE = "{ .reg .b32 p; shfl.sync.bfly.b32 p, $1, 16, 0x1f, -1; prmt.b32 $0, $1, p, $2; }"
 VF_PAIR_SEL = (0x6240, 0x3715)   # the exchange's `prmt` selector for lanes k < 4, k >= 4
+# The folded 1-bit Values: a token's 16-byte row is one chunk of four groups, lane k holding 16 channels (four
+# nibbles) of group k // 2: a 4 x 4 transpose of nibbles over lane bits 3 and 4 (j = k // 2) in two butterflies, the
+# exchange above by 16 (bytes), then by 8 (nibbles: the partner's word rotated by 4 one way or the other, `shf.wrap`
+# by $3 = 28 or 4, kept where the mask $4 is 0x0F0F0F0F or 0xF0F0F0F0 is not, `lop3` 0xe4 = a & c | b & ~c). Lane k
+# then holds nibble j of every group in its h = k % 2 half: in-group channels 16 h + 4 j + i of group G at bit 4 G + i
+# of each token's 16 bits (the block "vf" at 1 bit: register 4 G + i). $0 out, $1 the element pair, $2 the byte
+# selector (`VF_PAIR_SEL` by lane bit 4), $3 the rotation, $4 the kept nibbles (`VF_NIB` by lane bit 3)
+_VF_EXCHANGE4 = ("{ .reg .b32 p, q, y; shfl.sync.bfly.b32 p, $1, 16, 0x1f, -1; prmt.b32 y, $1, p, $2; "
+                 "shfl.sync.bfly.b32 p, y, 8, 0x1f, -1; shf.r.wrap.b32 q, p, p, $3; lop3.b32 $0, y, q, $4, 0xe4; }")
+VF_NIB = ((28, 0x0F0F), (4, -0x0F10))   # (rotation, kept nibbles as int16: 0x0F0F / 0xF0F0) for lane bit 3 = 0, 1
 
 
 _NEG0 = "0x80008000"  # (-0, -0): the addend of a product written as fma
@@ -562,6 +584,8 @@ _ASM.update({("kq", bits, bf): _kpost_asm(bits, bf) for bits in BITS for bf in (
 _ASM.update({(f"kqs{w}", bits, True): _kpost_asm(bits, True, sub=True, window=w) for bits in BITS for w in (7, 8)})
 _ASM.update({("mul", 0, bf): f"mul.rn.{'bf16x2' if bf else 'f16x2'} $0, $1, $2;" for bf in (False, True)})
 _ASM[("vfx", 2, True)] = _VF_EXCHANGE   # the folded 2-bit Values' byte exchange
+_ASM[("vfx", 1, True)] = _VF_EXCHANGE4   # the folded 1-bit Values' nibble transpose
+_ASM.update({("vf", bits, True): _fold_block(bits) for bits in (1, 2, 4)})
 _ASM.update({("k", "sym8", bf): _sym8_key_asm() for bf in (False, True)})
 _ASM.update({("v", "sym8", bf): _sym8_value_asm(bf) for bf in (False, True)})
 
@@ -583,10 +607,17 @@ if HAVE_GLUON:
         return _ASM[(side, bits, bf16)]
 
     @gluon.constexpr_function
-    def _vf_row(bits, i):
-        """The folded Values' row factor 2^(133 - VF_E - bit) of code i (`VF_BITS`): its bf16 code 2^(bit - 133) and
-        p's 2^VF_E undone."""
-        return 2.0 ** (133 - VF_E - VF_BITS[bits][i])
+    def _vf_row(bits, c, i):
+        """The folded Values' row factor 2^(133 - VF_E - bit) of code i of group c (`VF_BITS`, register 4 c + i of a
+        block): its bf16 code 2^(bit - 133) and p's 2^VF_E undone."""
+        regs = VF_BITS[bits]
+        return 2.0 ** (133 - VF_E - regs[(4 * c + i) % len(regs)])
+
+    @gluon.constexpr_function
+    def _vf_nib(odd, which):
+        """The folded 1-bit Values' nibble step operands (`VF_NIB`): which 0 the rotation, 1 the kept nibbles, for
+        lanes whose lane bit 3 is `odd`."""
+        return VF_NIB[odd][which]
 
     @gluon.constexpr_function
     def _vf_pair_sel(k):
@@ -603,6 +634,12 @@ if HAVE_GLUON:
         """Operand constraints of a block of `pack` codes: pack / 2 output registers, pack word copies, and with
         stats pack / 2 scale and pack / 2 offset pairs."""
         return ",".join(["=r"] * (pack // 2) + ["r"] * (2 * pack if stats else pack))
+
+    @gluon.constexpr_function
+    def _fold_cons(n):
+        """Operand constraints of the block "vf" with n output registers: n outputs, n copies of the 16-bit element
+        pair (2 n elements a block)."""
+        return ",".join(["=r"] * n + ["r"] * n)
 
     @gluon.constexpr_function
     def _lut_cons(pack):
@@ -663,26 +700,18 @@ if HAVE_GLUON:
             shape=[bt, 4, 2])
 
     @gluon.constexpr_function
-    def _fold_layout(bt):
-        """Folded 4-bit Values (`_kivi_decode_kernel` VF) as [t(bt), k(8), i(4)]: code i of the 16-bit element k of
-        a Value group's 16-byte chunk of token t (channel 32 c + 4 k + i of group c); registers (t % 2, i) first (one
-        inline-asm block: two tokens, four codes), lanes (t // 2 % 4, k). Its slice over i is `ldmatrix.trans`'s
-        fragment of the chunk ([t, k] as the mma's B operand), its reshape to v_c^T [32 (8 i + k), bt] the mma's A
-        fragment."""
+    def _fold_layout(bt, n):
+        """Folded Values (`_kivi_decode_kernel` VF) as [t(bt), k(8), r(n)]: register r of the block "vf" (n = 16 /
+        bits: code r % 4 of group r // 4 of a 16-byte chunk; at 4 bits code r of the 16-bit element k of a group's
+        chunk, channel 32 c + 4 k + r of group c) for the element pair that lane k holds after the exchange (none at 4
+        bits), token t; registers (t % 2, r) first (one asm block: two tokens, n codes), lanes (t // 2 % 4, k). Its
+        slice over r is `ldmatrix.trans`'s fragment of the chunk ([t, k] as the mma's B operand), a group's [t, k, 4]
+        reshaped to v_c^T [32 (8 i + k), bt] the mma's A fragment."""
         return gl.DistributedLinearLayout(
-            reg_bases=[[1, 0, 0], [0, 0, 1], [0, 0, 2]] + [[8 << i, 0, 0] for i in range(bt.bit_length() - 4)],
+            reg_bases=[[1, 0, 0]] + [[0, 0, 1 << j] for j in range(n.bit_length() - 1)]
+            + [[8 << i, 0, 0] for i in range(bt.bit_length() - 4)],
             lane_bases=[[2, 0, 0], [4, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]], warp_bases=[], block_bases=[],
-            shape=[bt, 8, 4])
-
-    @gluon.constexpr_function
-    def _fold_layout2(bt):
-        """Folded 2-bit Values (`_kivi_decode_kernel` VF) as [t(bt), k(8), r(8)]: after the exchange (`_VF_EXCHANGE`)
-        code r % 4 of group r // 4 of the chunk in the element that lane k holds, token t; registers (t % 2, r) first
-        (one "kqs8" block of 2-bit codes: two tokens, eight codes), lanes (t // 2 % 4, k) as `_fold_layout`."""
-        return gl.DistributedLinearLayout(
-            reg_bases=[[1, 0, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]] + [[8 << i, 0, 0] for i in range(bt.bit_length() - 4)],
-            lane_bases=[[2, 0, 0], [4, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]], warp_bases=[], block_bases=[],
-            shape=[bt, 8, 8])
+            shape=[bt, 8, n])
 
     @gluon.constexpr_function
     def _fold_stats_layout(bt):
@@ -706,12 +735,9 @@ if HAVE_GLUON:
         chunk of each token's codes by `ldmatrix.trans` (vt16: the tile's code rows as [BT, 32] 16-bit elements), its
         codes bare (the subnormal Key block "kqs8", VF_BITS), the group's per-token half-ranges hc [BT] folded into
         p'^T (pT: the B operand). Rows of the result: 8 i + k, channel 32 C + 4 k + i (`_fold_finish` scales and reorders them)."""
-        PF: gl.constexpr = _fold_layout(BT)
+        PF: gl.constexpr = _fold_layout(BT, 4)
         codes = vt16.slice(8 * C, 8, dim=1).load(gl.SliceLayout(2, PF))                 # [BT, 8] 16-bit elements
-        i4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, PF)))
-        w, _ = gl.broadcast(gl.expand_dims(codes, 2), gl.expand_dims(gl.expand_dims(i4, 0), 0))   # [BT, 8, 4]
-        e = gl.inline_asm_elementwise(_asm("kqs8", 4, True), "=r,=r,=r,=r,r,r,r,r", [w], dtype=gl.bfloat16,
-                                      is_pure=True, pack=8)
+        e = _fold_codes(codes, PF, 4)
         return _fold_mma(e, hc, pT, acc, a_l, b_l, BT)
 
     @gluon.jit
@@ -728,20 +754,54 @@ if HAVE_GLUON:
         """(acc_a, acc_b) + the folded 2-bit Values of chunk CH (groups 2 CH, 2 CH + 1; vt16: the tile's code rows as
         [BT, 16] 16-bit elements) against (p' ha)^T and (p' hb)^T: `ldmatrix.trans`, the byte exchange
         (`_VF_EXCHANGE`), the 2-bit "kqs8" block. Rows of each result: 8 i + k, in-group channel 4 (2 (k % 4) + k // 4) + i."""
-        PF: gl.constexpr = _fold_layout2(BT)
+        PF: gl.constexpr = _fold_layout(BT, 8)
         LE: gl.constexpr = gl.SliceLayout(2, PF)
         codes = vt16.slice(8 * CH, 8, dim=1).load(LE)                                     # [BT, 8] 16-bit elements
         k8 = gl.arange(0, 8, layout=gl.SliceLayout(0, LE))
-        sel = gl.where(k8 < 4, _vf_pair_sel(0), _vf_pair_sel(4)).to(gl.int16)
-        sel, _ = gl.broadcast(gl.expand_dims(sel, 0), codes)
+        sel = _lane_operand(gl.where(k8 < 4, _vf_pair_sel(0), _vf_pair_sel(4)), codes)
         x = gl.inline_asm_elementwise(_asm("vfx", 2, True), "=r,r,r", [codes, sel], dtype=gl.int16, is_pure=True,
                                       pack=2)
-        r8 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, PF)))
-        w, _ = gl.broadcast(gl.expand_dims(x, 2), gl.expand_dims(gl.expand_dims(r8, 0), 0))   # [BT, 8, 8]
-        e = gl.inline_asm_elementwise(_asm("kqs8", 2, True), "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r", [w],
-                                      dtype=gl.bfloat16, is_pure=True, pack=16)
+        e = _fold_codes(x, PF, 8)
         ea, eb = gl.split(e.reshape([BT, 8, 2, 4]).permute([0, 1, 3, 2]))                  # r = i + 4 (group)
         return _fold_mma(ea, ha, pT, acc_a, a_l, b_l, BT), _fold_mma(eb, hb, pT, acc_b, a_l, b_l, BT)
+
+    @gluon.jit
+    def _fold_chunk1(vt16, h0, h1, h2, h3, pT, acc0, acc1, acc2, acc3, a_l: gl.constexpr, b_l: gl.constexpr,
+                     BT: gl.constexpr):
+        """The four accumulators + the folded 1-bit Values of a tile (vt16: its code rows as [BT, 8] 16-bit elements,
+        one chunk of four groups) against (p' h_c)^T: `ldmatrix.trans`, the nibble transpose (`_VF_EXCHANGE4`), the
+        1-bit block "vf". Rows of each result: 8 i + k, in-group channel 16 (k % 2) + 4 (k // 2) + i."""
+        PF: gl.constexpr = _fold_layout(BT, 16)
+        LE: gl.constexpr = gl.SliceLayout(2, PF)
+        codes = vt16.load(LE)                                                             # [BT, 8] 16-bit elements
+        k8 = gl.arange(0, 8, layout=gl.SliceLayout(0, LE))
+        sel = _lane_operand(gl.where(k8 < 4, _vf_pair_sel(0), _vf_pair_sel(4)), codes)
+        odd = (k8 // 2) % 2 == 1
+        rot = _lane_operand(gl.where(odd, _vf_nib(1, 0), _vf_nib(0, 0)), codes)
+        keep = _lane_operand(gl.where(odd, _vf_nib(1, 1), _vf_nib(0, 1)), codes)
+        x = gl.inline_asm_elementwise(_asm("vfx", 1, True), "=r,r,r,r,r", [codes, sel, rot, keep], dtype=gl.int16,
+                                      is_pure=True, pack=2)
+        e = _fold_codes(x, PF, 16)
+        e0, e1 = gl.split(e.reshape([BT, 8, 2, 2, 4]).permute([0, 1, 4, 2, 3]))           # r = i + 4 (2 g1 + g0)
+        ea, ec = gl.split(e0)
+        eb, ed = gl.split(e1)
+        return (_fold_mma(ea, h0, pT, acc0, a_l, b_l, BT), _fold_mma(eb, h1, pT, acc1, a_l, b_l, BT),
+                _fold_mma(ec, h2, pT, acc2, a_l, b_l, BT), _fold_mma(ed, h3, pT, acc3, a_l, b_l, BT))
+
+    @gluon.jit
+    def _lane_operand(x, like):
+        """A per-element int16 operand of an exchange block (`_VF_EXCHANGE`, `_VF_EXCHANGE4`): x [8] by the element
+        k that a lane holds, broadcast over the tokens of `like` [BT, 8] (a token pair's register: (x, x))."""
+        y, _ = gl.broadcast(gl.expand_dims(x.to(gl.int16), 0), like)
+        return y
+
+    @gluon.jit
+    def _fold_codes(x, PF: gl.constexpr, N: gl.constexpr):
+        """The block "vf" over element pairs x [BT, 8] (16-bit, in PF's slice): [BT, 8, N] bf16 codes (register r)."""
+        r = gl.arange(0, N, layout=gl.SliceLayout(0, gl.SliceLayout(0, PF)))
+        w, _ = gl.broadcast(gl.expand_dims(x, 2), gl.expand_dims(gl.expand_dims(r, 0), 0))   # [BT, 8, N]
+        return gl.inline_asm_elementwise(_asm("vf", 16 // N, True), _fold_cons(N), [w], dtype=gl.bfloat16,
+                                         is_pure=True, pack=2 * N)
 
     @gluon.jit
     def _fold_values(vtile, vhtile, pT, acc0, acc1, acc2, acc3, t0, stop, VF16: gl.constexpr, VBITS: gl.constexpr,
@@ -762,29 +822,35 @@ if HAVE_GLUON:
             acc1 = _fold_group(vt16, h1, pT, acc1, 1, a_l, b_l, BT)
             acc2 = _fold_group(vt16, h2, pT, acc2, 2, a_l, b_l, BT)
             acc3 = _fold_group(vt16, h3, pT, acc3, 3, a_l, b_l, BT)
-        else:
+        elif VBITS == 2:
             acc0, acc1 = _fold_chunk2(vt16, h0, h1, pT, acc0, acc1, 0, a_l, b_l, BT)
             acc2, acc3 = _fold_chunk2(vt16, h2, h3, pT, acc2, acc3, 1, a_l, b_l, BT)
+        else:
+            acc0, acc1, acc2, acc3 = _fold_chunk1(vt16, h0, h1, h2, h3, pT, acc0, acc1, acc2, acc3, a_l, b_l, BT)
         return acc0, acc1, acc2, acc3
+
+    @gluon.jit
+    def _fold_rows(i, VBITS: gl.constexpr, C: gl.constexpr):
+        """Group C's row factors a 2^(133 - VF_E - bit) (`_vf_row`) by code i [32] of each row, as a [32, 1] column."""
+        VAF: gl.constexpr = 2.0 / ((1 << VBITS) - 1)
+        F0: gl.constexpr = VAF * _vf_row(VBITS, C, 0)
+        F1: gl.constexpr = VAF * _vf_row(VBITS, C, 1)
+        F2: gl.constexpr = VAF * _vf_row(VBITS, C, 2)
+        F3: gl.constexpr = VAF * _vf_row(VBITS, C, 3)
+        return gl.expand_dims(gl.where(i < 2, gl.where(i == 0, F0, F1), gl.where(i == 2, F2, F3)), 1)
 
     @gluon.jit
     def _fold_finish(acc0, acc1, acc2, acc3, accz, VBITS: gl.constexpr, mma: gl.constexpr):
         """out^T [128, 8] (row 32 c + n: `_fold_group`'s row n of group c) from the four groups' accumulators (each
         row times a 2^(133 - VF_E - bit): the level spacing a, the codes' 2^(bit - 133) and p's 2^VF_E) and the
         offsets' share (accz: `_zero_rows`' rows, group (r % 8) // 2, times 2^-VF_E)."""
-        VAF: gl.constexpr = 2.0 / ((1 << VBITS) - 1)
-        F0: gl.constexpr = VAF * _vf_row(VBITS, 0)
-        F1: gl.constexpr = VAF * _vf_row(VBITS, 1)
-        F2: gl.constexpr = VAF * _vf_row(VBITS, 2)
-        F3: gl.constexpr = VAF * _vf_row(VBITS, 3)
         i = (gl.arange(0, 32, layout=gl.SliceLayout(1, mma)) >> 3) % 4     # code i = (n // 8) % 4
-        rf = gl.expand_dims(gl.where(i < 2, gl.where(i == 0, F0, F1), gl.where(i == 2, F2, F3)), 1)
         grp = gl.expand_dims((gl.arange(0, 16, layout=gl.SliceLayout(1, mma)) % 8) // 2, 1)   # accz's row groups
         az = accz * VF_DOWN_   # (the rows of a group are equal: their max is any of them)
-        o0 = acc0 * rf + gl.expand_dims(gl.max(gl.where(grp == 0, az, float("-inf")), 0), 0)
-        o1 = acc1 * rf + gl.expand_dims(gl.max(gl.where(grp == 1, az, float("-inf")), 0), 0)
-        o2 = acc2 * rf + gl.expand_dims(gl.max(gl.where(grp == 2, az, float("-inf")), 0), 0)
-        o3 = acc3 * rf + gl.expand_dims(gl.max(gl.where(grp == 3, az, float("-inf")), 0), 0)
+        o0 = acc0 * _fold_rows(i, VBITS, 0) + gl.expand_dims(gl.max(gl.where(grp == 0, az, float("-inf")), 0), 0)
+        o1 = acc1 * _fold_rows(i, VBITS, 1) + gl.expand_dims(gl.max(gl.where(grp == 1, az, float("-inf")), 0), 0)
+        o2 = acc2 * _fold_rows(i, VBITS, 2) + gl.expand_dims(gl.max(gl.where(grp == 2, az, float("-inf")), 0), 0)
+        o3 = acc3 * _fold_rows(i, VBITS, 3) + gl.expand_dims(gl.max(gl.where(grp == 3, az, float("-inf")), 0), 0)
         x = gl.join(gl.join(o0, o1), gl.join(o2, o3))                    # [32, 8, 2 (c % 2), 2 (c // 2)]
         return gl.convert_layout(x.permute([3, 2, 0, 1]).reshape([128, 8]), mma)
 
@@ -1021,6 +1087,8 @@ if HAVE_GLUON:
             chan = (n & 96) + 4 * (n & 7) + ((n >> 3) & 3)
         elif FOLD == 2:   # the same rows, channel 32 c + 4 (2 (k % 4) + k // 4) + i (`_fold_chunk2`)
             chan = (n & 96) + 8 * (n & 3) + 4 * ((n >> 2) & 1) + ((n >> 3) & 3)
+        elif FOLD == 1:   # the same rows, channel 32 c + 16 (k % 2) + 4 (k // 2) + i (`_fold_chunk1`)
+            chan = (n & 96) + 16 * (n & 1) + 4 * ((n >> 1) & 3) + ((n >> 3) & 3)
         else:      # n = 8 j + w, channel 16 w + j
             chan = 16 * (n & 7) + (n >> 3)
         gl.store(OUT_ACC + gl.expand_dims(o8, 0) * 128 + gl.expand_dims(chan, 1), acc,
@@ -1551,17 +1619,17 @@ if HAVE_GLUON:
         both tiles' logits (`_softmax_pair`), in slices of whole slots (`_slice` UNIT 2); where a row's last slice
         ends after a slot's first tile, the second one's logits are -inf (its Values finite: p V = 0). Not bit-equal
         with a step per tile: p rounds to the cache dtype against the slot's max.
-        VF (`VALUE_FOLD`, `fold_flags`: KIVI's 4- or 2-bit bf16 Values through the ring, with VZ; at 4 bits a step
-        per tile): each Value group's scale folded into p, one accumulator [32, 8] per group (`_fold_values`: rows
-        8 i + k, channel 32 c + 4 k + i at 4 bits, 32 c + 4 (2 (k % 4) + k // 4) + i at 2 (`_fold_chunk2`'s byte
-        exchange)), p' = p 2^VF_E from the softmax step (`_softmax_step` / `_softmax_pair` PE: so that the products of the
+        VF (`VALUE_FOLD`, `fold_flags`: KIVI's bf16 Values through the ring, with VZ; at 4 bits a step per tile):
+        each Value group's scale folded into p, one accumulator [32, 8] per group (`_fold_values`: rows 8 i + k,
+        channel 32 c + 4 k + i at 4 bits, 32 c + 4 (2 (k % 4) + k // 4) + i at 2 (`_fold_chunk2`'s byte exchange),
+        32 c + 16 (k % 2) + 4 (k // 2) + i at 1 (`_fold_chunk1`'s nibble transpose)), p' = p 2^VF_E from the softmax step (`_softmax_step` / `_softmax_pair` PE: so that the products of the
         bare codes stay normal fp32), the partial sums and the offsets' share scaled back by 2^-VF_E at the end
         (`_fold_finish`). Exact where p half >= 2^-57 (below, that token's code products drop out: less than 2^-56
         of absolute error each), half < 2^64 (p' half in bf16) and |z| sum p < 2^64 (the offsets' share in fp32), z
         the group's offset (VF_E)."""
         gl.static_assert(KPOST or not QZROWS, "QZROWS computes the post-scaled Keys' q . z")
         gl.static_assert(not (VZ and (INNER or not IS_BF16)), "VZ: KIVI's Values in bf16")
-        gl.static_assert((not VF) or (VZ and TMA and (VBITS == 4 or VBITS == 2)), "VF: KIVI's 2- or 4-bit bf16 Values, ring")
+        gl.static_assert((not VF) or (VZ and TMA and ((VBITS < 4) or not PAIR)), "VF: KIVI's bf16 Values, ring")
         gl.static_assert((not KSUB) or (KSW == 7) or (KSW == 8), "KSW: a code window of 7 or 8 bits")
         bh = gl.program_id(0)
         split = gl.program_id(1)
@@ -2600,15 +2668,17 @@ PAIR_SOFTMAX = True   # KIVI's ring with two tiles a slot: one online-softmax st
 BF16_SUBNORMAL_KEYS = True   # KIVI's post-scaled bf16 Keys as bf16 subnormals (code 2^(b - 133), `_kpost_asm` sub):
 # no magic 128, so no -128 sum q' mma per tile (8 of a tile's 42 HMMA): kivi-2 2.7-4.7% faster, kivi-4 1.1-4.2%,
 # xquant-1.38 1.2-4.7% at batch x context >= 64k (H200, session 30, calls 8-9)
-VALUE_FOLD = True   # KIVI's 4- and 2-bit bf16 Values through the ring (`VALUE_FOLD_BITS`): each group's scale folded
+VALUE_FOLD = True   # KIVI's 4-, 2- and 1-bit bf16 Values through the ring (`VALUE_FOLD_BITS`): each group's scale folded
 # into p (`_kivi_decode_kernel` VF): the codes bare from `ldmatrix.trans`, 4 mma per tile (one per group) against p'
 # scaled per group. Offline sm_90 (kivi-4, `SUB_WINDOW` 8): 649 -> 567 SASS instructions a tile, 128 -> 168 registers
 # (16 -> 12 programs per SM); 5.2-13.2% less time at batch x context >= 64k (H200, bench/RESULTS.md session 31, call
 # 4; call 1, window 7 and unswizzled rows: 0.0-3.2%). kivi-2 (one softmax step per slot, the byte exchange of
-# `_fold_chunk2`): 534 -> 469 instructions a tile, 161 -> 156 registers, 4.4-8.0% less time (session 32, call 1)
-VALUE_FOLD_BITS = (2, 4)   # the Value widths VALUE_FOLD takes (2 bits: `_fold_chunk2`, one softmax step per tile or
-# per slot)
-VF_SWIZZLE = {2: 32, 4: 64}   # the folded Values' code rows (32 / 64 bytes) in the ring, swizzled by bits: `ldmatrix`
+# `_fold_chunk2`): 534 -> 469 instructions a tile, 161 -> 156 registers, 4.4-8.0% less time (session 32, call 1);
+# k2v1 (xquant-1.38's 1-bit Value layers, the nibble transpose of `_fold_chunk1`): 570 -> 470, 158 -> 156 registers,
+# xquant-1.38 8.8-12.3% less time (call 2)
+VALUE_FOLD_BITS = (1, 2, 4)   # the Value widths VALUE_FOLD takes (2 and 1 bits: `_fold_chunk2`, `_fold_chunk1`, one
+# softmax step per tile or per slot)
+VF_SWIZZLE = {1: 0, 2: 32, 4: 64}   # the folded Values' code rows (32 / 64 bytes) in the ring, swizzled by bits: `ldmatrix`
 # reads 8 rows of 16 bytes at once, which unswizzled fall on the same banks 2 / 4 ways; kivi-4 0.9-4.5% faster with
 # 64 than with 0 (H200, session 31, call 2); kivi-2 the same with 32 as with 0 (within 0.7% at six shapes, session 32,
 # call 1: 156 registers against 162)
@@ -2805,7 +2875,7 @@ def fold_flags(tma: bool, bf16: bool, vbits: int, pair: bool) -> dict:
     `VALUE_FOLD_BITS` through the ring, each group's scale folded into p (`VALUE_FOLD`), with their offsets by their
     own mma (VZ); at 4 bits with one softmax step per tile (two-tile slots are 2-bit ones)."""
     return dict(VF=bool(VALUE_FOLD and VALUE_ZERO_APART and tma and bf16 and vbits in VALUE_FOLD_BITS
-                        and (vbits == 2 or not pair)))
+                        and (vbits < 4 or not pair)))
 
 
 def vf_swizzle(vf: bool, vbits: int) -> int:

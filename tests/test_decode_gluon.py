@@ -452,9 +452,10 @@ def test_compiles_for_sm90_into_registers_only():
         if tma:  # the ring: filled by TMA copies (six per tile, five with QZROWS: no Key centers; in the prologue and
             # the loop), read by LDS; QZROWS stores its q . z rows (2 STS per refill). The Value statistics widened
             # over a lane bit (`WIDEN_IN_LANES`): no byte select by a lane-dependent selector (a register join took
-            # 16) but the folded 2-bit Values' exchange (`_fold_chunk2`: one per `ldmatrix` register, 8 a tile)
+            # 16) but the folded 2- and 1-bit Values' exchange (`_fold_chunk2`, `_fold_chunk1`: one per `ldmatrix`
+            # register, 8 and 4 a tile)
             assert shared > 0 and sts == (2 if qz else 0) and lds > 0 and tma_loads == (5 if qz else 6) * 3, rows
-            assert sel == (8 * (2 if pair else 1) if vf and vb == 2 else 0) or not dag.WIDEN_IN_LANES, rows
+            assert sel == ({1: 4, 2: 8}.get(vb, 0) * (2 if pair else 1) if vf else 0) or not dag.WIDEN_IN_LANES, rows
             # instructions run per tile (`ring_tile`): 469 for this build (bf16, 2 bits, bool mask; session 32: the
             # Values' scales folded into p, `VALUE_FOLD_BITS`), 534 without (session 31: the
             # Keys' 8-bit code window, `SUB_WINDOW`), 542 with a 7-bit one (session 30: the Keys as bf16 subnormals,
@@ -515,31 +516,32 @@ FOLD_SCRIPT = textwrap.dedent('''
         b = compile_sm90(dag._kivi_decode_kernel, sig(vf), dict(cx, VF=vf), (0, 12, 13, 14, 22, 23))
         run, ops = ring_tile(b.sass, 1 if pair else tps, refill=dag.QZ_ROWS)
         trip = 2 if pair else 1   # PAIR: a loop trip runs a slot (two tiles)
-        out.append((vf, b.regs, b.stack + b.local, round(run / trip), ops["HFMA2"] / trip, ops["LDSM"] / trip,
+        out.append((vf, b.regs, b.stack + b.local, round(run / trip), ops["HFMA2"] / trip,
+                    b.sass.count("LDSM.16.MT88") / trip,   # `ldmatrix.trans` (1-bit Keys take plain `ldmatrix`)
                     dag.programs_per_sm(b.regs, b.shared, (9, 0))))
     # one softmax step per tile (at 2 bits: no PAIR) and no WT (no recent window: tiles may cross their slice's end,
     # the fold's half-ranges masked past it)
     b = compile_sm90(dag._kivi_decode_kernel, sig(True), dict(cx, VF=True, R=0, WT=False, PAIR=False),
                      (0, 12, 13, 14, 22, 23))
-    out.append((b.stack + b.local, b.sass.count("LDSM")))
+    out.append((b.stack + b.local, b.sass.count("LDSM.16.MT88")))
     # 16-token tiles (`KIVI_BT` 16): the same fold, half the tokens per `ldmatrix`
     dag.KIVI_BT = 16
     b = compile_sm90(dag._kivi_decode_kernel, sig(True, 1), dict(cx, VF=True, BT=16, TPS=1, PAIR=False),
                      (0, 12, 13, 14, 22, 23))
-    out.append((b.stack + b.local, b.sass.count("LDSM")))
+    out.append((b.stack + b.local, b.sass.count("LDSM.16.MT88")))
     print(out)
 ''')
 
 
 @pytest.mark.skipif(not dag.HAVE_GLUON or not dag.HAVE_TMA, reason="triton without Gluon's TMA")
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [1, 2, 4])
 def test_folded_values_compile_for_sm90(bits):
-    """kivi-4's and kivi-2's ring builds (bf16) with each Value group's scale folded into p (VF, `VALUE_FOLD`): the
-    codes by `ldmatrix.trans` (x4: four a tile at 4 bits, one per group; two at 2 bits, one per two groups,
-    `_fold_chunk2`) and
+    """kivi-4's, kivi-2's and k1v1's ring builds (bf16) with each Value group's scale folded into p (VF,
+    `VALUE_FOLD`): the codes by `ldmatrix.trans` (x4: four a tile at 4 bits, one per group; two at 2 bits, one per
+    two groups, `_fold_chunk2`; one at 1 bit, `_fold_chunk1`) and
     no packed multiply-add per Value register (64 HFMA2 a tile without the fold), fewer instructions per tile, no
-    spills, at least 12 programs per SM (3 warps a scheduler); kivi-2's with one softmax step per slot (PAIR) as
-    `_plan` builds it, and both without it (no WT) and with 16-token tiles."""
+    spills, at least 12 programs per SM (3 warps a scheduler); at 2 and 1 bits with one softmax step per slot (PAIR)
+    as `_plan` builds it, and every width without it (no WT) and with 16-token tiles."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__)] + [p for p in [env.get("PYTHONPATH")] if p])
     r = subprocess.run([sys.executable, "-c", FOLD_SCRIPT, str(bits)], env=env, capture_output=True, text=True,
@@ -548,8 +550,8 @@ def test_folded_values_compile_for_sm90(bits):
     (_, regs0, spill0, run0, hfma0, ldsm0, progs0), (_, regs1, spill1, run1, hfma1, ldsm1, progs1), (spill2, ldsm2), \
         (spill3, ldsm3) = eval(r.stdout.strip().splitlines()[-1])  # noqa: S307
     # the builds without WT and with 16-token tiles compile too, the codes by `ldmatrix`
-    assert spill2 == spill3 == 0 and ldsm2 >= 2 and ldsm3 >= 2, (spill2, ldsm2, spill3, ldsm3)
-    assert spill0 == spill1 == 0 and ldsm0 == 0 and ldsm1 == {2: 2, 4: 4}[bits] and hfma0 >= 64 and hfma1 <= 8, (regs1, run1, hfma1)
+    assert spill2 == spill3 == 0 and ldsm2 >= 1 and ldsm3 >= 1, (spill2, ldsm2, spill3, ldsm3)
+    assert spill0 == spill1 == 0 and ldsm0 == 0 and ldsm1 == bits and hfma0 >= 64 and hfma1 <= 8, (regs1, run1, hfma1)
     assert run1 < run0 - 30 and progs1 >= 12, (run0, run1, regs0, regs1)
 
 
@@ -874,36 +876,50 @@ def test_value_fold_block_places_each_code():
                 assert float(val) == (((lo, hi)[h] >> 4 * i) & 15) * 2.0 ** (bit - 133), (trial, i, h)
 
 
-def test_value_fold_2bit_exchange_places_each_code():
-    """The folded 2-bit Values (`_fold_chunk2`) over a whole warp: random 2-bit codes of 16 tokens x 64 channels (one
-    16-byte chunk of each token's row, two Value groups, packed as `pack_bits` does), each lane's `ldmatrix.trans`
-    register (element k = lane // 4 of tokens 2 (lane % 4) and 2 (lane % 4) + 1), the byte exchange (`_VF_EXCHANGE`,
-    its `shfl.bfly` by 16 emulated across the warp), the 2-bit block "kqs8": register r of lane k holds, for both
-    tokens, code r % 4 of group r // 4 at bit VF_BITS[2][r % 4] (bf16 value code * 2^(bit - 133)), of the in-group
-    channel that `_store_partials` maps the accumulator row n = 32 group + 8 (r % 4) + k back to."""
+@pytest.mark.parametrize("bits", [2, 1])
+def test_value_fold_exchange_places_each_code(bits):
+    """The folded 2- and 1-bit Values (`_fold_chunk2`, `_fold_chunk1`) over a whole warp: random codes of 16 tokens
+    x one 16-byte chunk of each token's row (2 bits: 64 channels, two Value groups; 1 bit: 128, four), packed as
+    `pack_bits` does; each lane's `ldmatrix.trans` register (element k = lane // 4 of tokens 2 (lane % 4) and
+    2 (lane % 4) + 1); the exchange (`_VF_EXCHANGE` / `_VF_EXCHANGE4`, its butterfly shuffles emulated across the
+    warp in lockstep) with the kernel's lane selectors; the block "vf": register r of lane k holds, for both tokens,
+    code r % 4 of group r // 4 of the chunk at bit VF_BITS[bits][r] (bf16 value code * 2^(bit - 133)), of the channel
+    that `_store_partials` maps the accumulator row n = 32 group + 8 (r % 4) + k back to."""
     from kvq_compile.reference import pack_bits
-    from ptx_emulator import run
+    from ptx_emulator import run_warp
+
+    def lane_operands(lane, x):   # the kernel's selectors (`_fold_chunk2`, `_fold_chunk1`) as int16 pairs
+        k = lane // 4
+        sel = dag.VF_PAIR_SEL[k // 4]
+        ops = {1: x, 2: sel | sel << 16}
+        if bits == 1:
+            rot, keep = dag.VF_NIB[k // 2 % 2]
+            ops.update({3: rot | rot << 16, 4: (keep & 0xFFFF) * 0x10001})
+        return ops
 
     gen = torch.Generator().manual_seed(11)
-    for trial in range(6):
-        codes = torch.randint(0, 4, (16, 64), generator=gen, dtype=torch.int32)    # [token, channel of the chunk]
-        rows = pack_bits(codes, 2)                                                 # [16, 4] int32: 16 bytes a token
+    n_ch, n_reg = 128 // bits, 16 // bits   # channels of a 16-byte chunk, registers of a block
+    for trial in range(4):
+        codes = torch.randint(0, 1 << bits, (16, n_ch), generator=gen, dtype=torch.int32)   # [token, chunk channel]
+        rows = pack_bits(codes, bits)                                             # [16, 4] int32: 16 bytes a token
         elem = [[int(w) >> 16 * h & 0xFFFF for w in rows[t].tolist() for h in (0, 1)] for t in range(16)]  # [t][k]
         for j in range(2):   # the two 8-token matrices of a k16 step
-            src = {lane: elem[8 * j + 2 * (lane % 4)][lane // 4] | elem[8 * j + 2 * (lane % 4) + 1][lane // 4] << 16
-                   for lane in range(32)}
+            src = [elem[8 * j + 2 * (lane % 4)][lane // 4] | elem[8 * j + 2 * (lane % 4) + 1][lane // 4] << 16
+                   for lane in range(32)]
+            xs = [r["$0"] for r in run_warp(dag._ASM[("vfx", bits, True)],
+                                            [lane_operands(lane, src[lane]) for lane in range(32)])]
             for lane in range(32):
                 k, te = lane // 4, 8 * j + 2 * (lane % 4)
-                sel = dag.VF_PAIR_SEL[k // 4]
-                x = run(dag._ASM[("vfx", 2, True)], {1: src[lane], 2: sel | sel << 16},
-                        shfl=lambda v, m, lane=lane: src[lane ^ m])["$0"]
-                out = run(dag._ASM[("kqs8", 2, True)], {8 + r: x for r in range(8)})
-                for r in range(8):
+                out = run_warp(dag._ASM[("vf", bits, True)], [{n_reg + r: xs[lane] for r in range(n_reg)}])[0]
+                for r in range(n_reg):
                     g, i = r // 4, r % 4
                     n = 32 * g + 8 * i + k   # the row of `_fold_finish`'s output, and its channel (`_store_partials`)
-                    chan = (n & 96) + 8 * (n & 3) + 4 * ((n >> 2) & 1) + ((n >> 3) & 3)
-                    bit = dag.VF_BITS[2][i]
-                    assert bit == 2 * i
+                    if bits == 2:
+                        chan = (n & 96) + 8 * (n & 3) + 4 * ((n >> 2) & 1) + ((n >> 3) & 3)
+                    else:
+                        chan = (n & 96) + 16 * (n & 1) + 4 * ((n >> 1) & 3) + ((n >> 3) & 3)
+                    bit = dag.VF_BITS[bits][r]
+                    assert bit == (bits * r) % 8
                     for h in (0, 1):
                         half = out[f"${r}"] >> 16 * h & 0xFFFF
                         want = int(codes[te + h, chan])
@@ -1172,9 +1188,9 @@ RING_GPU = pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() < (
 
 @RING_GPU
 @pytest.mark.parametrize("size", [1e-12, 1.0, 1e12])
-@pytest.mark.parametrize("layout", ["kivi-4", "kivi-2"])
+@pytest.mark.parametrize("layout", ["kivi-4", "kivi-2", "k2v1"])
 def test_folded_values_over_magnitudes_on_gpu(layout, size, monkeypatch):
-    """kivi-4's and kivi-2's folded Values (VF: p' = p 2^VF_E times each group's half-range in bf16, the codes as bf16 subnormals,
+    """Folded 4-, 2- and 1-bit Values (VF: p' = p 2^VF_E times each group's half-range in bf16, the codes as bf16 subnormals,
     the offsets' share by their own mma) on Keys and Values of magnitude 1e-12 to 1e12 (half-ranges ~2^-40 to 2^40,
     inside the fold's exact range 2^-57 .. 2^64): finite and within the reference op's tolerance."""
     plan, built = dag._plan, []
@@ -1193,10 +1209,10 @@ def test_folded_values_over_magnitudes_on_gpu(layout, size, monkeypatch):
 @RING_GPU
 @pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[7], CASES[9]])
 @pytest.mark.parametrize("num_splits", [None, 1])
-@pytest.mark.parametrize("layout", ["kivi-4", "kivi-2"])
+@pytest.mark.parametrize("layout", ["kivi-4", "kivi-2", "k4v2", "k1v1"])
 def test_folded_values_match_unfolded_on_gpu(layout, case, num_splits, monkeypatch):
-    """`VALUE_FOLD` on against off (kivi-4 and kivi-2, bf16, the ring): the same output up to the bf16 roundings that
-    move (p' half instead of s code per element). Each is about 8e-3 off the reference op in relative norm (kivi-4
+    """`VALUE_FOLD` on against off (bf16, the ring; 4-, 2- and 1-bit Values, one softmax step per tile or per slot):
+    the same output up to the bf16 roundings that move (p' half instead of s code per element). Each is about 8e-3 off the reference op in relative norm (kivi-4
     bf16, `bench_decode_attention.py`, either build); between them up to 6.9e-3 was measured (session 31, case 3)."""
     B, n0 = case[0], case[4]
     _close_by_flag(layout, case, torch.bfloat16, B * 37 + n0, "VALUE_FOLD", "VF", monkeypatch, tol=1e-2,
