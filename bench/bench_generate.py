@@ -184,8 +184,9 @@ def kernel_groups(rows, steps: int) -> dict:
     return out
 
 
-def profile_step(model, preset, B: int = 8, P: int = 2048):
-    """Top CUDA kernels of 8 kvq decode steps at (B, P), after warm-up (decode steps only: `profiled_decode`)."""
+def profile_step(model, preset, B: int = 8, P: int = 2048, order: int = 0):
+    """Top CUDA kernels of 8 kvq decode steps at (B, P), after warm-up (decode steps only: `profiled_decode`); with
+    order, also the first `order` of them in the order they ran (name, start and duration in us)."""
     from transformers import CompileConfig
 
     from kvq_compile import kvq_backend, lowering
@@ -199,6 +200,12 @@ def profile_step(model, preset, B: int = 8, P: int = 2048):
     prof = profiled_decode(model, ids, 8, **kw)
     print(f"{preset} B={B} P={P}: kernels of 8 decode steps")
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=70))
+    if order:
+        runs = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                      if e.device_type == torch.autograd.DeviceType.CUDA)[:order]
+        t0 = runs[0][0] if runs else 0
+        for start, end, name in runs:
+            print(f"  {start - t0:9.1f} {end - start:7.1f}  {name[:90]}")
     groups = kernel_groups([(e.key, e.self_device_time_total) for e in prof.key_averages()
                             if e.self_device_time_total > 0], 8)
     print("per decode step (self device time, ms): " + ", ".join(f"{g} {ms:.3f}" for g, ms in groups.items())
@@ -280,6 +287,7 @@ def main():
     ap.add_argument("--profile", default=None,
                     help="presets whose decode steps are profiled (top kernels, and ms per step by group)")
     ap.add_argument("--profile-shape", default="8x2048", help="(batch)x(prompt) of the profiled steps")
+    ap.add_argument("--profile-order", type=int, default=0, help="with --profile: print the first N kernels in order")
     ap.add_argument("--gpu-time", action="store_true",
                     help="also the GPU time of a decode step (kernels of 8 profiled steps), for compiled runs")
     ap.add_argument("--one-process", action="store_true",
@@ -357,7 +365,7 @@ def main():
                   flush=True)
     for preset in (args.profile or "").split(","):
         if preset:
-            profile_step(model, preset, *map(int, args.profile_shape.split("x")))
+            profile_step(model, preset, *map(int, args.profile_shape.split("x")), order=args.profile_order)
     if args.out:
         write_rows(args.out, bw, args.layers, rows)
 

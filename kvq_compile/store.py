@@ -47,6 +47,14 @@ class Geometry:
     dtype: str  # cache dtype name
 
     @property
+    def rows(self) -> int:
+        """Rows of the per-token buffers: the cache length rounded up to even, so that every head's rows start
+        16-byte aligned in the 8-byte-a-token Value statistics that KIVI's TMA ring copies (HF's `generate` makes
+        static caches of prompt + new tokens - 1: odd lengths took plain loads there until session 32); the last
+        row of an odd length is never written or read."""
+        return self.max_len + self.max_len % 2
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
 
@@ -70,7 +78,7 @@ def ring_size(recent: int, tokens_per_group: int) -> int:
 def side_shapes(q: QuantizerSpec, geo: Geometry, sink: int, recent: int, shared_codes: bool,
                 is_key: bool, key_norm: bool) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Name -> (shape, dtype) of one side's buffers. The single source of truth for allocation and bytes."""
-    B, H, T, D = geo.batch, geo.heads, geo.max_len, geo.head_dim
+    B, H, T, D = geo.batch, geo.heads, geo.rows, geo.head_dim
     dt = geo.torch_dtype
     if not q.quantized:
         return {"data": ((B, H, T, D), dt)}
@@ -115,8 +123,8 @@ def _nbytes(shapes) -> int:
 
 
 def rope_table_shapes(geo: Geometry) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    return {"rope.cos": ((geo.batch, geo.max_len, geo.head_dim), geo.torch_dtype),
-            "rope.sin": ((geo.batch, geo.max_len, geo.head_dim), geo.torch_dtype)}
+    return {"rope.cos": ((geo.batch, geo.rows, geo.head_dim), geo.torch_dtype),
+            "rope.sin": ((geo.batch, geo.rows, geo.head_dim), geo.torch_dtype)}
 
 
 def model_store_bytes(cfg: KVQConfig, num_layers: int, batch: int, heads: int, max_len: int, head_dim: int,

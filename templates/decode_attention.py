@@ -1045,7 +1045,7 @@ def fused_plan(query, bufs: dict, key, value, positions, attn_mask, scale: float
     bufs_out = [alloc("m", slots), alloc("l", slots), alloc("acc", slots * D)]
     args = (*_program_args(kp, vp, key, value, bufs["rope.cos"] if rope else query,
                            bufs["rope.sin"] if rope else query, positions, amask, smb, smh, query, bufs_out, scale,
-                           geo.max_len, kc, vc, nsplit), alloc("cnt", B * H))
+                           geo.rows, kc, vc, nsplit), alloc("cnt", B * H))
     consts = dict(**_program_consts(cfg, kc, vc, H, rep, rep_pad, D, rope, mask_kind, smh, is_causal, 0, block_t,
                                     post_scaling, query.dtype == torch.float32, nwin), WBLOCK_T=wblock_t)
     return dict(args=args, consts=consts, grid=(B * H, nsplit + nwin), nsplit=nsplit, nwin=nwin)
@@ -1115,7 +1115,7 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
         raise ValueError(f"query heads {Hq} are not a multiple of KV heads {H}")
     rep = Hq // H
     rep_pad = max(16, triton.next_power_of_2(rep))
-    T = geo.max_len
+    T = geo.rows   # the buffers' rows (`Geometry.rows`)
     if query.stride(-1) != 1:
         query = query.contiguous()
     key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (key, value))

@@ -210,7 +210,7 @@ def prefill_attention(query, bufs: dict, key, value, positions, attn_mask, scale
         raise ValueError(f"block_m must be a power of two with block_m * {rep_p2} >= 16, got {block_m}")
     if block_t < 16 or block_t & (block_t - 1):
         raise ValueError(f"block_t must be a power of two >= 16 (the p @ V dot), got {block_t}")
-    T = geo.max_len
+    T = geo.rows   # the buffers' rows (`Geometry.rows`)
     query, key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))
     kp, kc = _side_args(bufs, "k", spec.key, geo, cfg)
     vp, vc = _side_args(bufs, "v", spec.value, geo, cfg)

@@ -436,7 +436,7 @@ def append_decode(bufs: dict, cfg, spec, geo, key, value, positions, cos=None, s
         kp["oidx"], kp["sink"], kp["ring"], kp["lev"], kp["norm"],
         value, value.stride(0), value.stride(1), vp["data"], vp["codes"], vp["cen"], vp["half"], vp["hmask"],
         vp["oval"], vp["oidx"], vp["sink"], vp["ring"], vp["lev"],
-        positions, cos, sin, stride_cb, cos_t, sin_t, geo.max_len, kc["NGC"], vc["NGC"],
+        positions, cos, sin, stride_cb, cos_t, sin_t, geo.rows, kc["NGC"], vc["NGC"],
         H=H, D=D, S=cfg.sink, R=cfg.recent, ROPE=rope,
         **{f"{k}_K": v for k, v in kc.items() if k != "NGC"},
         **{f"{k}_V": v for k, v in vc.items() if k not in ("NGC", "NORM")},

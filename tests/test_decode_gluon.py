@@ -1569,6 +1569,13 @@ def test_use_tma_decides_per_layout(monkeypatch):
     assert dag._use_tma(q, 0, 224, None, "kivi") and not dag._use_tma(q, 33, 224, None, "kivi")
     assert not dag._use_tma(q, 0, 701, None, "kivi")
     assert all(dag._use_tma(q, 33, 701, None, k) for k in ("lut", "post", "inner"))
+    # a store of an odd cache length (HF's `generate`: prompt + new tokens - 1) has an even row count, which is what
+    # the launch passes as T: its KIVI launches take the ring too
+    geo = st.Geometry(2, 2, 701, 128, "bfloat16")
+    lay = st.ModelStore(KVQConfig.preset("kivi-2"), 1, geo, "cpu").layers[0]
+    assert geo.rows == 702 and all(t.shape[2] == 702 for n, t in zip(*lay.attend_tensors())
+                                   if n.endswith(("codes", "v.half", "v.center")))
+    assert dag._use_tma(q, 0, geo.rows, None, "kivi")
     assert not dag._use_tma(q, 0, 224, None, "sym8")
     monkeypatch.setattr(dag, "POST_TMA", False)
     monkeypatch.setattr(dag, "INNER_TMA", False)
