@@ -50,8 +50,9 @@ class Geometry:
     def rows(self) -> int:
         """Rows of the per-token buffers: the cache length rounded up to even, so that every head's rows start
         16-byte aligned in the 8-byte-a-token Value statistics that KIVI's TMA ring copies (HF's `generate` makes
-        static caches of prompt + new tokens - 1: odd lengths took plain loads there until session 32); the last
-        row of an odd length is never written or read."""
+        static caches of prompt + new tokens - 1: odd lengths took plain loads there until session 32). The padding
+        row of an odd length holds nothing: only an append past the cache writes it, and a kernel that reads it
+        (a TMA box crossing the region's end) masks it out."""
         return self.max_len + self.max_len % 2
 
     @property

@@ -150,7 +150,7 @@ factors; QZROWS / QZ_N the Keys' q . z per QZ_N groups (`QZ_ROWS`); VZ the Value
 (`VALUE_ZERO_APART`); WL the ring's Value statistics widened over a lane bit (`WIDEN_IN_LANES`); WT no tile crosses
 its slice's end (`WHOLE_TILES`, `whole_tiles`); TPS tiles per ring slot (`RING_TILES`); PAIR one softmax step
 per slot (`PAIR_SOFTMAX`, `pair_flags`); KSUB bf16 post-scaled Keys as subnormals (`BF16_SUBNORMAL_KEYS`, SUB_E); VF
-4- and 2-bit bf16 Values with their scales folded into p (`VALUE_FOLD`, `VALUE_FOLD_BITS`, `fold_flags`, VF_E, VF_BITS,
+4-, 2- and 1-bit bf16 Values with their scales folded into p (`VALUE_FOLD`, `VALUE_FOLD_BITS`, `fold_flags`, VF_E, VF_BITS,
 `VF_SWIZZLE`, `VF_PAIR_SEL`, `VF_NIB`).
 """
 from __future__ import annotations
@@ -841,7 +841,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _fold_finish(acc0, acc1, acc2, acc3, accz, VBITS: gl.constexpr, mma: gl.constexpr):
-        """out^T [128, 8] (row 32 c + n: `_fold_group`'s row n of group c) from the four groups' accumulators (each
+        """out^T [128, 8] (row 32 c + n: `_fold_values`' row n of group c) from the four groups' accumulators (each
         row times a 2^(133 - VF_E - bit): the level spacing a, the codes' 2^(bit - 133) and p's 2^VF_E) and the
         offsets' share (accz: `_zero_rows`' rows, group (r % 8) // 2, times 2^-VF_E)."""
         i = (gl.arange(0, 32, layout=gl.SliceLayout(1, mma)) >> 3) % 4     # code i = (n // 8) % 4
@@ -1816,7 +1816,7 @@ if HAVE_GLUON:
             sscale = qscale * up
             cinv = 1.0 / up
         trow, tcol, m8, lacc, acc = _softmax_state(BT, mma)
-        if VF:  # one accumulator per Value group: rows 8 i + k (`_fold_group`)
+        if VF:  # one accumulator per Value group: rows 8 i + k (`_fold_values`)
             acc = gl.zeros([32, 8], gl.float32, mma)
             acc1 = gl.zeros([32, 8], gl.float32, mma)
             acc2 = gl.zeros([32, 8], gl.float32, mma)
@@ -1876,8 +1876,8 @@ if HAVE_GLUON:
                                                      BT, WL)
                         vz = _offset(vh, vcen, IS_BF16)
                         acc, acc1, acc2, acc3 = _fold_values(vtile.index(2 * st + sub), vhtile.index(2 * st + sub), pT,
-                                                             acc, acc1, acc2, acc3, t0, stop, VF16, VBITS, WT, a_l,
-                                                             b_l, BT)
+                                                             acc, acc1, acc2, acc3, t0 + sub * BT, stop, VF16, VBITS,
+                                                             WT, a_l, b_l, BT)
                     else:
                         vwords, vh, vcen = _smem_values(vtile.index(2 * st + sub), vhtile.index(2 * st + sub),
                                                         vztile.index(2 * st + sub), VW, VW3, L4, BT, VBITS, WL)
@@ -1912,7 +1912,7 @@ if HAVE_GLUON:
                     r = st * TPS + sub
                     kwords, kh, kcen = _smem_keys(ktile.index(r), khtile.index(r), kztile.index(r), KW, KS, BT, KBITS,
                                                   KP)
-                    if VF:   # the codes by `_fold_group`
+                    if VF:   # the codes by `_fold_values`
                         vh, vcen = _smem_value_stats(vhtile.index(r), vztile.index(r), VW, L4, BT, WL)
                     else:
                         vwords, vh, vcen = _smem_values(vtile.index(r), vhtile.index(r), vztile.index(r), VW, VW3, L4,
@@ -2873,7 +2873,7 @@ def pair_flags(tps: int, key_post: bool, wt: bool, recent: int, qz_rows: bool) -
 def fold_flags(tma: bool, bf16: bool, vbits: int, pair: bool) -> dict:
     """The KIVI kernel's VF constexpr as `_plan` passes it (offline builds take it from here too): bf16 Values of
     `VALUE_FOLD_BITS` through the ring, each group's scale folded into p (`VALUE_FOLD`), with their offsets by their
-    own mma (VZ); at 4 bits with one softmax step per tile (two-tile slots are 2-bit ones)."""
+    own mma (VZ); at 4 bits with one softmax step per tile (two-tile slots and PAIR are 2- and 1-bit ones)."""
     return dict(VF=bool(VALUE_FOLD and VALUE_ZERO_APART and tma and bf16 and vbits in VALUE_FOLD_BITS
                         and (vbits < 4 or not pair)))
 

@@ -23,7 +23,9 @@ token x = chunk[b, h, 0] at device position p0 and the side's fill boundary Q(L)
     ring:              p0 not quantized at once (Q(p0 + 1) <= p0): ring[p0 % WR] = x, after the group's
                        ring slots were read (a CTA barrier between the read and the write)
     RoPE table (Keys stored before RoPE): cos/sin[b, p0] = the step's cos/sin row.
-    A position past the cache (p0 >= T) writes nothing (the reference raises or clamps; no memory is touched).
+    A position past the buffers' rows (p0 >= T, `Geometry.rows`: the cache length rounded up to even) writes
+    nothing (the reference raises or clamps; no memory is touched); at an odd cache length p0 = length writes the
+    padding row, which nothing reads.
 
 Layout in registers: a group is [GP, WP, CP] (tokens, words, codes per word, each padded to a power of
 two); channel d = w * CPW + j, so packing is a reduction over the last dimension for every bit width

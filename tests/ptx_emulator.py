@@ -40,7 +40,7 @@ def run_warp(asm: str, operands: list[dict[int, int]]) -> list[dict[int, int]]:
         op, args = ins.split(None, 1)
         a = [t.strip() for t in args.split(",")]
         if op == "shfl.sync.bfly.b32":   # d, a, lane mask, clamp, member mask
-            if len(lanes) != 32 or _val(lanes[0], a[4]) != 0xFFFFFFFF:
+            if len(lanes) != 32 or _val(lanes[0], a[4]) != 0xFFFFFFFF or _val(lanes[0], a[3]) != 0x1F:
                 raise NotImplementedError(f"{ins}: a butterfly shuffle needs the whole warp")
             src = [_val(r, a[1]) for r in lanes]
             for lane, r in enumerate(lanes):

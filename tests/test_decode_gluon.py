@@ -617,7 +617,7 @@ CASES = [  # B, H, rep, T, n0, sink, magnitude of K / V
                                        # an odd start: KIVI's plain loads (a TMA box of Value statistics would be
                                        # misaligned; InnerQ's, kvquant's and calibquant's rings take it)
     (1, 2, 4, 700, 600, 34, 1.0),      # an even sink (the TMA path: groups and rows counted from 34)
-    (1, 1, 4, 701, 500, None, 1.0),    # an odd cache length (KIVI's plain loads)
+    (1, 1, 4, 701, 500, None, 1.0),    # an odd cache length (702 rows, `Geometry.rows`: KIVI's ring too)
     (2, 1, 4, 900, 800, None, 1e-3),   # small statistics (fp16 scales near the subnormal range)
 ]
 
@@ -919,7 +919,9 @@ def test_value_fold_exchange_places_each_code(bits):
                     else:
                         chan = (n & 96) + 16 * (n & 1) + 4 * ((n >> 1) & 3) + ((n >> 3) & 3)
                     bit = dag.VF_BITS[bits][r]
-                    assert bit == (bits * r) % 8
+                    # `_fold_rows`' factor of group g of either chunk (2 bits: groups 2 ch + g; 1 bit: one chunk)
+                    assert bit == (bits * r) % 8 and all(dag._vf_row.fn(bits, 2 * ch * (bits == 2) + g, i) ==
+                                                         2.0 ** (133 - dag.VF_E - bit) for ch in (0, 1))
                     for h in (0, 1):
                         half = out[f"${r}"] >> 16 * h & 0xFFFF
                         want = int(codes[te + h, chan])
@@ -1052,7 +1054,6 @@ def test_codebook_blocks_look_up_every_level(bf16):
     """kvquant's 4-bit codebook blocks (`_lut_decode_kernel`): every output register holds level(code) * s + z of
     the right channel / token, rounded once, for random codebooks (16 levels, rounded to the cache dtype), random
     words (every code) and statistics; and the RoPE blocks x cos -/+ partner sin with the product rounded first."""
-    from kvq_compile.reference import pack_bits
     from ptx_emulator import run
 
     gen = torch.Generator().manual_seed(11)
