@@ -281,13 +281,12 @@ class KVQConfig:
     def equivalent_bits(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int,
                         batch: int = 1, dtype_bytes: int = 2) -> float:
         """True bits per cached K/V element: every byte the store allocates (codes, scales, zero-points,
-        hybrid masks, outliers, fp16 windows, RoPE tables, codebooks) over 2*layers*batch*heads*rows*dim, rows
-        the buffers' (`Geometry.rows`: an odd length's padding row counted on both sides, so fp16 stays 16)."""
+        hybrid masks, outliers, fp16 windows, RoPE tables, codebooks) over 2*layers*batch*heads*len*dim. An odd
+        length's padding row (`Geometry.rows`) is allocated, so it counts: fp16 then gives 16 (len + 1) / len."""
         from .store import model_store_bytes
 
         nbytes = model_store_bytes(self, num_layers, batch, num_kv_heads, max_len, head_dim, dtype_bytes)
-        rows = max_len + max_len % 2
-        return nbytes * 8 / (2 * num_layers * batch * num_kv_heads * rows * head_dim)
+        return nbytes * 8 / (2 * num_layers * batch * num_kv_heads * max_len * head_dim)
 
     # ---- serialization ------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
