@@ -168,7 +168,10 @@ KERNEL_GROUPS = (   # (group, name pattern) of a decode step's CUDA kernels, fir
 # options, not both). frozen: the weights constants, so that Inductor's patterns may concatenate same-input GEMMs;
 # gemm-tuned: Inductor autotunes every GEMM (`max_autotune_gemm`: its Triton templates against cuBLAS), while the
 # kvq::attend lowering keeps its default launch (it widens its choices under `max_autotune` alone)
-KVQ_OPTIONS = {"kvq-frozen": {"freezing": True}, "kvq-gemm-tuned": {"max_autotune_gemm": True}}
+# combo: Inductor's horizontal fusion of independent small kernels (`combo_kernels`: the RoPE of q and k and the
+# append's input copies are separate launches of 1-3 us each, per layer)
+KVQ_OPTIONS = {"kvq-frozen": {"freezing": True}, "kvq-gemm-tuned": {"max_autotune_gemm": True},
+               "kvq-combo": {"combo_kernels": True}}
 KVQ_COMPILED = ("kvq", "kvq-opaque", *KVQ_OPTIONS)   # the runs compiled by kvq_backend in `generate`
 
 
@@ -219,6 +222,7 @@ def run_specs(args) -> list:
     runs += [("kvqcache", p) for p in args.kvqcache.split(",") if p]
     runs += [("kvq-frozen", p) for p in args.frozen.split(",") if p]
     runs += [("kvq-gemm-tuned", p) for p in args.gemm_tuned.split(",") if p]
+    runs += [("kvq-combo", p) for p in args.combo.split(",") if p]
     return runs
 
 
@@ -280,6 +284,9 @@ def main():
                     help="presets also run with Inductor's GEMM autotuning (`max_autotune_gemm`; kvq::attend keeps "
                          "its default launch). Session 30, H200: its Triton picks made the step slower (2.56 against "
                          "2.25 ms of GPU time at (32, 4096)): not recommended")
+    ap.add_argument("--combo", default="",
+                    help="presets also run with Inductor's combo kernels (`combo_kernels`: independent small kernels "
+                         "fused horizontally into one launch)")
     ap.add_argument("--process-per-run", action="store_true",
                     help="each run (baseline or preset) of each shape in a process of its own (fairer wall-clock)")
     ap.add_argument("--only", default=None, help=argparse.SUPPRESS)   # KIND:PRESET, set by --process-per-run
