@@ -1,5 +1,6 @@
 """Read `ncu_stalls.sh`'s per-SASS-instruction CSV: the warp stall samples by reason over the whole kernel, by opcode,
-the instructions with the most samples, and the global loads' excess sectors.
+the instructions with the most samples, the shared-memory accesses with excess wavefronts (bank conflicts) and the
+global loads' excess sectors.
 
     python bench/debug/ncu_stalls.py <name>_sass.csv [top]
 """
@@ -52,6 +53,12 @@ def main(path: str, top: int = 40):
     glob = [(r[col["Address"]], r[col["Source"]].strip()[:50], num(r[col["L2 Theoretical Sectors Global"]]),
              num(r[col["L2 Theoretical Sectors Global Excessive"]])) for r in body
             if num(r[col["L2 Theoretical Sectors Global"]])]
+    shared = [(r[col["Address"]], r[col["Source"]].strip()[:50], num(r[col["Instructions Executed"]]),
+               num(r[col["L1 Wavefronts Shared"]]), num(r[col["L1 Wavefronts Shared Ideal"]]))
+              for r in body if num(r[col["L1 Wavefronts Shared Excessive"]])]
+    print("shared accesses with excess wavefronts (address, instruction, executed, wavefronts, ideal):")
+    for g in sorted(shared, key=lambda g: g[4] - g[3])[:12]:
+        print("  ", g)
     print("global accesses (address, instruction, sectors, excessive):")
     for g in sorted(glob, key=lambda g: -g[2])[:12]:
         print("  ", g)
