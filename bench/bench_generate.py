@@ -286,7 +286,8 @@ def main():
                          "2.25 ms of GPU time at (32, 4096)): not recommended")
     ap.add_argument("--combo", default="",
                     help="presets also run with Inductor's combo kernels (`combo_kernels`: independent small kernels "
-                         "fused horizontally into one launch)")
+                         "fused horizontally into one launch). Session 33, H100: slower (2.65 against 2.59 ms of GPU "
+                         "time per step, xquant-1.38 at (32, 4096)): not recommended")
     ap.add_argument("--process-per-run", action="store_true",
                     help="each run (baseline or preset) of each shape in a process of its own (fairer wall-clock)")
     ap.add_argument("--only", default=None, help=argparse.SUPPRESS)   # KIND:PRESET, set by --process-per-run
