@@ -952,8 +952,17 @@ def _fill_splits(bh: int, max_len: int, device, resident: int) -> int:
     four tiles beat two by 0-12% (bench/RESULTS.md, session 11)."""
     import torch
 
+    if FILL_PER_SM:
+        resident = min(resident, FILL_PER_SM)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     return max(1, min(resident * sms // bh, max_len // (4 * dag.BT), 1024))
+
+
+FILL_PER_SM = None   # a cap on the programs per SM that `_fill_splits` fills (None: as many as fit). For A/Bs
+# (`bench/debug/with_flags.py "da.FILL_PER_SM = 8" ...`): about 8 per SM instead of 12 was 0.9-7.2% faster for kivi-2
+# and kivi-4 at the six target shapes on an H100 and 7.2-7.3% slower for xquant-1.38's 1-bit layer at the three
+# large ones (bench/RESULTS.md, session 33, calls 8-9, by slice counts); not yet measured on the landed code, end to
+# end or on an H200
 
 
 FUSED_WINDOW_TILE = 16   # tokens per window tile of `_fused_decode` (32 over outliers on a GPU: see decode_attention)

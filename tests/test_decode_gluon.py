@@ -230,6 +230,23 @@ def test_kivi_ring_boxes_hold_a_slots_tiles(kb, vb, monkeypatch):
     assert dag._plan(q, kp, vp, use_tma=True, **common)[2]["TPS"] == 1
 
 
+def test_fill_splits_fills_the_sms_up_to_the_cap(monkeypatch):
+    """`decode_attention._fill_splits`: slices per KV head so that B * H programs fill the SMs once (132 of them, the
+    resident programs each), never slices under four tiles nor over 1024; `FILL_PER_SM` caps the programs per SM
+    (the session-33 A/B's knob: 8 instead of 12 gives 132 / 16 / 4 slices at B * H = 8 / 64 / 256)."""
+    import types
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(
+        multi_processor_count=132))
+    fill = da._fill_splits
+    assert [fill(bh, 65536, "cuda", 12) for bh in (8, 64, 256)] == [198, 24, 6]
+    assert fill(256, 4096, "cuda", 12) == 6 and fill(8, 512, "cuda", 12) == 4      # four 32-token tiles at least
+    assert fill(1, 1 << 20, "cuda", 12) == 1024 and fill(4096, 65536, "cuda", 12) == 1
+    monkeypatch.setattr(da, "FILL_PER_SM", 8)
+    assert [fill(bh, 65536, "cuda", 12) for bh in (8, 64, 256)] == [132, 16, 4]
+    assert fill(256, 65536, "cuda", 6) == 3      # a cap above the resident count leaves it
+
+
 def test_programs_per_sm_follows_the_occupancy_rules():
     """The Gluon launch's slice count rests on this: one-warp programs per SM from registers, shared memory and the
     blocks-per-SM limit, as Nsight Compute reported them on an H100 (bench/RESULTS.md, session 11: 157 and 168
