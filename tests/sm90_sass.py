@@ -93,3 +93,34 @@ def ring_tile(sass: str, tps: int = 1, refill: bool = False) -> tuple[float, col
         ops[_opcode(ln)] += 1
         run += 1.0 / tps if any(f < a < t for f, t in issue) else 1.0
     return run, ops
+
+
+def kivi_ring_build(kbits: int, vbits: int, tps: int, vf: bool) -> tuple[dict, dict]:
+    """(argument types, constexprs) of `_kivi_decode_kernel`'s TMA-ring build as `_plan` builds it for a bf16 cache
+    with HF's bool mask, post-scaled Keys and a 128-token recent window, tps tiles a ring slot (PAIR as
+    `pair_flags` gives it): the descriptors' types from small CPU tensors of the store's shapes, the Value codes
+    swizzled for the fold where vf. The VF constexpr itself is the caller's to set. Its pointers: indices 0, 12, 13,
+    14, 22, 23."""
+    import torch
+    from triton.runtime.jit import mangle_type
+
+    from kvq_compile.templates import decode_attention_gluon as dag
+
+    bf = torch.bfloat16
+    kp = dict(codes=torch.zeros(2, 2, 64, 4 * kbits, dtype=torch.int32), cen=torch.zeros(2, 2, 2, 128, dtype=bf),
+              half=torch.zeros(2, 2, 2, 128, dtype=bf))
+    vp = dict(codes=torch.zeros(2, 2, 64, 4 * vbits, dtype=torch.int32), cen=torch.zeros(2, 2, 64, 4, dtype=bf),
+              half=torch.zeros(2, 2, 64, 4, dtype=bf))
+    descs = dag.descriptors(kp, vp, kbits, vbits, tps, dag.vf_swizzle(vf, vbits))
+    ty = "*bf16"
+    sig = dict(Q=ty, stride_qb="i32", stride_qh="i32",
+               **dict(zip(("KC", "KCEN", "KHALF", "VC", "VCEN", "VHALF"), map(mangle_type, descs))),
+               POS="*i64", AMASK="*i1", stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32", OUT_ACC="*fp32",
+               scale="fp32", T="i32", NG_K="i32", NSPLIT="i32", KMASK=ty, VMASK=ty, KNORM=ty, KHROWS=ty, KCROWS=ty)
+    ka, va = (dag.split_scale(2 / (2 ** b - 1), True) for b in (kbits, vbits))
+    cx = dict(H=8, REP=4, S=0, R=128, TPG_K=32, TPG_V=1, MASK_KIND=1, IS_BF16=True, BT=32, KBITS=kbits,
+              VBITS=vbits, KA_HI=ka[0], KA_LO=ka[1], VA_HI=va[0], VA_LO=va[1], NWIN=3, TMA=True, NST=dag.NSTAGES,
+              PDL=True, KPOST=True, QZROWS=dag.QZ_ROWS, QZ_N=dag.QZ_N, VZ=True, WL=dag.WIDEN_IN_LANES,
+              WT=dag.WHOLE_TILES, TPS=tps, KSUB=dag.BF16_SUBNORMAL_KEYS, KSW=dag.SUB_WINDOW,
+              **dag.pair_flags(tps, True, dag.WHOLE_TILES, 128, dag.QZ_ROWS))
+    return sig, cx

@@ -504,29 +504,14 @@ def test_compiles_for_sm90_into_registers_only():
 
 FOLD_SCRIPT = textwrap.dedent('''
     import sys
-    import torch
-    from triton.runtime.jit import mangle_type
     from kvq_compile.templates import decode_attention_gluon as dag
-    from sm90_sass import compile_sm90, ring_tile
+    from sm90_sass import compile_sm90, kivi_ring_build, ring_tile
 
     bits = int(sys.argv[1])
-    ty = "*bf16"
-    z = dict(codes=torch.zeros(2, 2, 64, 4 * bits, dtype=torch.int32))
-    kp = dict(z, cen=torch.zeros(2, 2, 2, 128, dtype=torch.bfloat16), half=torch.zeros(2, 2, 2, 128, dtype=torch.bfloat16))
-    vp = dict(z, cen=torch.zeros(2, 2, 64, 4, dtype=torch.bfloat16), half=torch.zeros(2, 2, 64, 4, dtype=torch.bfloat16))
     tps = dag.RING_TILES.get(bits, 1)
     def sig(vf, tps=tps):   # the Value codes' descriptor swizzled with VF, as `_plan` builds it
-        return dict(Q=ty, stride_qb="i32", stride_qh="i32",
-                    **dict(zip(("KC", "KCEN", "KHALF", "VC", "VCEN", "VHALF"),
-                               map(mangle_type, dag.descriptors(kp, vp, bits, bits, tps, dag.vf_swizzle(vf, bits))))),
-                    POS="*i64", AMASK="*i1", stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32", OUT_ACC="*fp32",
-                    scale="fp32", T="i32", NG_K="i32", NSPLIT="i32", KMASK=ty, VMASK=ty, KNORM=ty, KHROWS=ty, KCROWS=ty)
-    a = dag.split_scale(2 / (2 ** bits - 1), True)
-    cx = dict(H=8, REP=4, S=0, R=128, TPG_K=32, TPG_V=1, MASK_KIND=1, IS_BF16=True, BT=32, KBITS=bits, VBITS=bits,
-              KA_HI=a[0], KA_LO=a[1], VA_HI=a[0], VA_LO=a[1], NWIN=3, TMA=True, NST=dag.NSTAGES, PDL=True, KPOST=True,
-              QZROWS=dag.QZ_ROWS, QZ_N=dag.QZ_N, VZ=True, WL=dag.WIDEN_IN_LANES, WT=dag.WHOLE_TILES, TPS=tps,
-              KSUB=dag.BF16_SUBNORMAL_KEYS, KSW=dag.SUB_WINDOW, **dag.pair_flags(tps, True, dag.WHOLE_TILES, 128,
-                                                                              dag.QZ_ROWS))
+        return kivi_ring_build(bits, bits, tps, vf)[0]
+    cx = kivi_ring_build(bits, bits, tps, False)[1]
     pair = cx["PAIR"]
     out = []
     for vf in (False, True):
