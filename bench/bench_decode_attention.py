@@ -34,6 +34,7 @@ from kvq_compile import reference as ref  # noqa: E402
 from kvq_compile import store as st  # noqa: E402
 from kvq_compile.ops import attend_cpu_reference  # noqa: E402  (the reference, whatever device)
 from kvq_compile.templates.decode_attention import decode_attention  # noqa: E402
+from kvq_compile.templates import decode_attention as da  # noqa: E402  (its FILL_PER_SM knob)
 
 PRESETS = ["fp16", "int8", "kivi-4", "kvquant-4", "kivi-2", "innerq-2", "xquant-1.38", "calibquant-1"]
 HQ, H, D = 32, 8, 128
@@ -226,7 +227,8 @@ def main():
     ap.add_argument("--shapes", default=None, help="e.g. 32x16384,8x8192")
     ap.add_argument("--splits", default=None, help="sweep only these split counts (with --sweep), e.g. 2,4,8,16")
     ap.add_argument("--variants", default=None,
-                    help="time these launches of each preset, e.g. 'default;block_t=32;block_t=128,num_warps=8'")
+                    help="time these launches of each preset, e.g. 'default;block_t=32;block_t=128,num_warps=8' "
+                         "(fill_per_sm=N: the Gluon launch's slices fill N programs per SM, decode_attention.FILL_PER_SM)")
     ap.add_argument("--mask", default="none", choices=("none", "bool", "additive", "bool-heads"),
                     help="an attention mask for both kernels, every position allowed: [B, 1, 1, ctx] (HF's decode "
                          "mask is a bool one), or bool-heads: one row per query head [B, 32, 1, ctx]")
@@ -293,13 +295,18 @@ def main():
                             for v in args.variants.split(";")]
             best = None
             for var in variants:
+                launch = {k: x for k, x in var.items() if k != "fill_per_sm"}
                 fn = lambda: decode_attention(q, bufs, kc, vc, pos, am, D ** -0.5, False, cfg, lay.spec,  # noqa: E731
-                                              ms.geo, **var)
+                                              ms.geo, **launch)
+                saved = da.FILL_PER_SM   # fill_per_sm=N: the Gluon launch's slices fill N programs per SM
+                da.FILL_PER_SM = var.get("fill_per_sm", saved)
                 try:
                     t = graph_time(fn) / 1e3  # ms, GPU time of one call (CUDA graph replay: no launch overhead)
                 except Exception as e:  # a variant that does not fit (shared memory) is skipped
                     print(f"  {name} {var}: {type(e).__name__}: {str(e)[:100]}")
                     continue
+                finally:
+                    da.FILL_PER_SM = saved
                 if args.splits or args.variants:
                     print(f"  {name} B={B} ctx={ctx} {var or 'default'}: {t * 1e3:.1f} us", flush=True)
                 from kvq_compile.templates.decode_attention import LAST_KERNELS
