@@ -944,25 +944,48 @@ def _num_splits(bh: int, max_len: int, block_t: int, device, programs_per_sm: in
 
 
 def _fill_splits(bh: int, max_len: int, device, resident: int) -> int:
-    """Slices per KV head for the Gluon launch: as many programs as the SMs hold at once (`resident` each), in one
-    wave, never slices shorter than 128 tokens (four 32-token tiles, eight of kvquant's 16-token ones). Its one-warp
+    """Slices per KV head for the Gluon launch: as many programs as the SMs hold at once (`resident` each, capped
+    by `_fill_cap`), in one wave, never slices shorter than 128 tokens (four 32-token tiles, eight of kvquant's
+    16-token ones). Its one-warp
     programs each keep one tile in flight, so the more of them the better, up to a second wave: with 5 slices at
     batch 32 (1280 programs, 12 fit per SM) Nsight Compute showed 0.8 waves, 2.4 warps per scheduler and an
     instruction issued on 59% of cycles. At batch 1-4 slices of
     four tiles beat two by 0-12% (bench/RESULTS.md, session 11)."""
     import torch
 
-    if FILL_PER_SM:
-        resident = min(resident, FILL_PER_SM)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     return max(1, min(resident * sms // bh, max_len // (4 * dag.BT), 1024))
 
 
-FILL_PER_SM = None   # a cap on the programs per SM that `_fill_splits` fills (None: as many as fit). For A/Bs
-# (`bench/debug/with_flags.py "da.FILL_PER_SM = 8" ...`): about 8 per SM instead of 12 was 0.9-7.2% faster for kivi-2
-# and kivi-4 at the six target shapes on an H100 and 7.2-7.3% slower for xquant-1.38's 1-bit layer at the three
-# large ones (bench/RESULTS.md, session 33, calls 8-9, by slice counts); not yet measured on the landed code, end to
-# end or on an H200
+FILL_PER_SM = None   # programs per SM that `_fill_splits` fills at most, for every layout (None: `_fill_cap`'s rule).
+# For A/Bs: `bench_decode_attention.py --variants 'default;fill_per_sm=99'` (99: the old fill, as many as fit)
+KIVI_FILL_PER_SM = 8     # `_fill_cap` of KIVI's layout where the fill's slices are short
+SHORT_SLICE = 1024       # tokens: a slice shorter than this is short (fewer than 32 tiles)
+
+
+def _fill_cap(kind: str | None, max_len: int, fill_slices: int) -> int | None:
+    """The most programs per SM the Gluon launch's slices fill (None: as many as fit): FILL_PER_SM where set, else
+    KIVI_FILL_PER_SM (8) for KIVI's layout (any bits) where the fill (`fill_slices` slices per KV head) would cut
+    the max_len tokens into slices shorter than SHORT_SLICE: fewer, longer slices then pay each program's fixed
+    costs (its prologue, q . z refills, partial results) over more tiles.
+    Measured (bench/RESULTS.md, session 34; fills of 12 and 8 per SM): at (1, 65536), (8, 16384) and (32, 4096),
+    where the fill's slices are 330-680 tokens, 8 was faster for kivi-2 and kivi-4 on an H100 (1.1-8.0%) and an
+    H200 (1.3-6.3%), and for xquant's 1-bit layers on an H100 (0.9-11%). At (8, 65536), (32, 16384) and
+    (32, 65536) (2730-10920-token slices) it was 2.1-3.6% faster for kivi-2 and kivi-4 on the H100 but up to 11%
+    slower on the H200 (kivi-2 at (32, 65536): its higher bandwidth needs more loads in flight), and 5.9-7.5%
+    slower for 1-bit layers on the H100. The other layouts were slower with 8 at almost every one of these shapes
+    (int8, kvquant-4, innerq-2, calibquant-1 on the H100: up to 38%)."""
+    if FILL_PER_SM:
+        return FILL_PER_SM
+    return KIVI_FILL_PER_SM if kind == "kivi" and max_len < SHORT_SLICE * fill_slices else None
+
+
+def _gluon_splits(kind: str, bh: int, max_len: int, device, resident: int) -> int:
+    """Slices per KV head for the Gluon launch of a `kind` layout (`dag.layout_kind`) whose SMs hold `resident`
+    programs each: `_fill_splits` of them, or of `_fill_cap`'s cap where it is lower."""
+    fill = _fill_splits(bh, max_len, device, resident)
+    cap = _fill_cap(kind, max_len, fill)
+    return _fill_splits(bh, max_len, device, cap) if cap and cap < resident else fill
 
 
 FUSED_WINDOW_TILE = 16   # tokens per window tile of `_fused_decode` (32 over outliers on a GPU: see decode_attention)
@@ -1163,8 +1186,8 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
         if num_splits:
             return num_splits
         if use_gluon:  # the calibrated softmax's phases differ in registers, hence in programs per SM
-            return _fill_splits(B * H, T, query.device,
-                                dag.resident_programs(query, kp, vp, phase=phase, **gluon_layer))
+            return _gluon_splits(kind, B * H, T, query.device,
+                                 dag.resident_programs(query, kp, vp, phase=phase, **gluon_layer))
         return _num_splits(B * H, T, block_t, query.device, programs_per_sm)
 
     def new_buffer(n):  # fp32 scratch of n elements (NaN-filled under POISON)

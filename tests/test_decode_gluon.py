@@ -230,21 +230,50 @@ def test_kivi_ring_boxes_hold_a_slots_tiles(kb, vb, monkeypatch):
     assert dag._plan(q, kp, vp, use_tma=True, **common)[2]["TPS"] == 1
 
 
-def test_fill_splits_fills_the_sms_up_to_the_cap(monkeypatch):
+def test_fill_splits_fills_the_sms(monkeypatch):
     """`decode_attention._fill_splits`: slices per KV head so that B * H programs fill the SMs once (132 of them, the
-    resident programs each), never slices under four tiles nor over 1024; `FILL_PER_SM` caps the programs per SM
-    (the session-33 A/B's knob: 8 instead of 12 gives 132 / 16 / 4 slices at B * H = 8 / 64 / 256)."""
+    resident programs each), never slices under four tiles nor over 1024; `_gluon_splits`: fewer for KIVI's layout
+    where those slices are short."""
     import types
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(
         multi_processor_count=132))
     fill = da._fill_splits
     assert [fill(bh, 65536, "cuda", 12) for bh in (8, 64, 256)] == [198, 24, 6]
+    assert [fill(bh, 65536, "cuda", 8) for bh in (8, 64, 256)] == [132, 16, 4]
     assert fill(256, 4096, "cuda", 12) == 6 and fill(8, 512, "cuda", 12) == 4      # four 32-token tiles at least
     assert fill(1, 1 << 20, "cuda", 12) == 1024 and fill(4096, 65536, "cuda", 12) == 1
-    monkeypatch.setattr(da, "FILL_PER_SM", 8)
-    assert [fill(bh, 65536, "cuda", 12) for bh in (8, 64, 256)] == [132, 16, 4]
-    assert fill(256, 65536, "cuda", 6) == 3      # a cap above the resident count leaves it
+    # KIVI's layout: 8 per SM where the fill's slices are short (`_fill_cap`): the small target shapes
+    # (1, 65536), (8, 16384), (32, 4096), (8, 8192); not (8, 65536), (32, 16384), (32, 8192) (1365-token slices)
+    # nor the other layouts
+    split = da._gluon_splits
+    assert [split("kivi", bh, ctx, "cuda", 12) for bh, ctx in ((8, 65536), (64, 16384), (256, 4096), (64, 8192))] \
+        == [132, 16, 4, 16]
+    assert [split("kivi", bh, ctx, "cuda", 12) for bh, ctx in ((64, 65536), (256, 16384), (256, 8192))] == [24, 6, 6]
+    assert split("lut", 8, 65536, "cuda", 12) == 198 and split("kivi", 8, 65536, "cuda", 6) == 99
+
+
+@pytest.mark.skipif(CUDA, reason="the Triton launches run on CPU tensors: the interpreter, without a GPU")
+@pytest.mark.parametrize("preset, kivi", [("kivi-2", True), ("kivi-4", True), ("k4v2", True), ("k2v1", True),
+                                          ("k1v1", True), ("int8", False), ("kvquant-4", False),
+                                          ("innerq-2", False)])
+def test_fill_cap_by_layout(monkeypatch, preset, kivi):
+    """The programs per SM the Gluon launch's slices fill (`_fill_cap`, kernels stubbed on the CPU): at most
+    KIVI_FILL_PER_SM (8) for KIVI's layout where the fill's slices would be shorter than SHORT_SLICE tokens, as
+    many as fit (here 12) where they would not and for every other layout; FILL_PER_SM overrides the rule for every
+    layout (an A/B's knob)."""
+    _stub_gluon(monkeypatch)
+    monkeypatch.setattr(dag, "resident_programs", lambda *a, **kw: 12)
+    monkeypatch.setattr(da, "_fill_splits", lambda bh, max_len, device, resident: resident)   # slices = programs
+    cfg, ms, lay, k, v, p = _store(preset, 1, 2, 256, 200, torch.float16, "cpu")
+    bufs = dict(zip(*lay.attend_tensors()))
+    q = torch.randn(1, 8, 1, 128).half()
+    # 256 rows in 12 slices: short under the default SHORT_SLICE (1024), long under one of 16
+    for short, knob, want in ((1024, None, 8 if kivi else 12), (16, None, 12), (1024, 99, 12), (16, 6, 6)):
+        monkeypatch.setattr(da, "SHORT_SLICE", short)
+        monkeypatch.setattr(da, "FILL_PER_SM", knob)
+        da.decode_attention(q, bufs, k, v, p, None, 0.1, False, cfg, lay.spec, ms.geo, gluon=True)
+        assert da.LAST_KERNELS["splits"] == want, (preset, short, knob)
 
 
 def test_programs_per_sm_follows_the_occupancy_rules():
