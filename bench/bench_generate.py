@@ -257,8 +257,10 @@ def per_shape(args, shapes: list) -> None:
             with open(out) as f:
                 head = json.load(f)
             rows += head["rows"]
-    if args.out and head is not None:   # copy_bw: the last process's (each row's roofline used its own process's)
-        write_rows(args.out, head["copy_bw"], args.layers, rows)
+        # after every process, so that a run stopped by a time limit keeps the rows before it (session 34, call 5,
+        # lost a whole shape's); copy_bw: the last process's (each row's roofline used its own process's)
+        if args.out and head is not None:
+            write_rows(args.out, head["copy_bw"], args.layers, rows)
 
 
 def main():
