@@ -34,7 +34,7 @@ from kvq_compile import reference as ref  # noqa: E402
 from kvq_compile import store as st  # noqa: E402
 from kvq_compile.ops import attend_cpu_reference  # noqa: E402  (the reference, whatever device)
 from kvq_compile.templates.decode_attention import decode_attention  # noqa: E402
-from kvq_compile.templates import decode_attention as da  # noqa: E402  (its FILL_PER_SM knob)
+from kvq_compile.templates import decode_attention as da  # noqa: E402  (its flags, for --variants)
 
 PRESETS = ["fp16", "int8", "kivi-4", "kvquant-4", "kivi-2", "innerq-2", "xquant-1.38", "calibquant-1"]
 HQ, H, D = 32, 8, 128
@@ -228,7 +228,7 @@ def main():
     ap.add_argument("--splits", default=None, help="sweep only these split counts (with --sweep), e.g. 2,4,8,16")
     ap.add_argument("--variants", default=None,
                     help="time these launches of each preset, e.g. 'default;block_t=32;block_t=128,num_warps=8' "
-                         "(fill_per_sm=N: the Gluon launch's slices fill N programs per SM, decode_attention.FILL_PER_SM)")
+                         "(upper-case keys set flags of decode_attention for that variant: FILL_PER_SM=99, COMBINE_WARPS=4)")
     ap.add_argument("--mask", default="none", choices=("none", "bool", "additive", "bool-heads"),
                     help="an attention mask for both kernels, every position allowed: [B, 1, 1, ctx] (HF's decode "
                          "mask is a bool one), or bool-heads: one row per query head [B, 32, 1, ctx]")
@@ -295,18 +295,25 @@ def main():
                             for v in args.variants.split(";")]
             best = None
             for var in variants:
-                launch = {k: x for k, x in var.items() if k != "fill_per_sm"}
+                # upper-case keys: flags of decode_attention (e.g. FILL_PER_SM, COMBINE_WARPS) set for this variant
+                flags = {k: x for k, x in var.items() if k.isupper()}
+                launch = {k: x for k, x in var.items() if not k.isupper()}
+                for k in flags:
+                    if not hasattr(da, k):
+                        sys.exit(f"--variants: {k} is not a flag of kvq_compile.templates.decode_attention")
                 fn = lambda: decode_attention(q, bufs, kc, vc, pos, am, D ** -0.5, False, cfg, lay.spec,  # noqa: E731
                                               ms.geo, **launch)
-                saved = da.FILL_PER_SM   # fill_per_sm=N: the Gluon launch's slices fill N programs per SM
-                da.FILL_PER_SM = var.get("fill_per_sm", saved)
+                saved = {k: getattr(da, k) for k in flags}
+                for k, x in flags.items():
+                    setattr(da, k, x)
                 try:
                     t = graph_time(fn) / 1e3  # ms, GPU time of one call (CUDA graph replay: no launch overhead)
                 except Exception as e:  # a variant that does not fit (shared memory) is skipped
                     print(f"  {name} {var}: {type(e).__name__}: {str(e)[:100]}")
                     continue
                 finally:
-                    da.FILL_PER_SM = saved
+                    for k, x in saved.items():
+                        setattr(da, k, x)
                 if args.splits or args.variants:
                     print(f"  {name} B={B} ctx={ctx} {var or 'default'}: {t * 1e3:.1f} us", flush=True)
                 from kvq_compile.templates.decode_attention import LAST_KERNELS

@@ -1,5 +1,5 @@
-"""Decode attention (CUDA-graph timed, bool mask) at small batch with the Gluon launch's slices capped at k tiles each
-(k = 2: the default cap of `_fill_splits`): is a longer slice better where the SMs would hold more programs?
+"""Decode attention (CUDA-graph timed, bool mask) at small batch with the Gluon launch's slices at least k tiles long
+(k = 4: the shortest slice `_fill_splits` makes): is a longer slice better where the SMs would hold more programs?
 
     python bench/sweep_slices.py
 """

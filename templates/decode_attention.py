@@ -899,7 +899,8 @@ def _window_tiles(cfg, kc: dict, vc: dict, block_t: int) -> int:
     return -(-cfg.sink // block_t) + -(-max(1, cfg.recent + max(quantized) - 1) // block_t)
 
 
-COMBINE_WARPS = 4       # warps of each program of the final reduction (bench/check_gluon.py --sweep flips it)
+COMBINE_WARPS = None    # warps of each program of the final reduction (None: `_combine_warps`; bench/check_gluon.py
+                        # --sweep flips it)
 PDL = None              # programmatic dependent launch of the window launch and the final reduction (each may start
                         # before the launch ahead of it ends; the window launch waits for the quantized region's
                         # before it ends, the reduction for the window's before it reads; with calibquant's windows
@@ -908,6 +909,14 @@ PDL = None              # programmatic dependent launch of the window launch and
 POISON = False          # partial-result buffers filled with NaN before each call (a check that nothing reads a slot
                         # before it is written: bench/check_gluon.py --pdl, tests/test_templates.py on a GPU)
 LAST_KERNELS: dict = {}  # the last launch's compiled kernels (registers, spills) and slices per KV head: see bench/
+
+
+def _combine_warps(ns: int) -> int:
+    """Warps of each program of the final reduction, which merges `ns` slots a row: COMBINE_WARPS where set, else 2
+    for at most 16 slots, 4 for more. On an H100 (bench/RESULTS.md, session 34, call 7) 2 warps against 4 at
+    (32, 4096) (8 slots): kivi-4 76.2 against 77.3 us, kivi-2 57.7 against 58.2; at (1, 65536) (136 slots) 2 were
+    slower (kivi-4 42.2 against 39.6)."""
+    return COMBINE_WARPS or (2 if ns <= 16 else 4)
 
 
 def _window_triggers(programs: int, device) -> bool:
@@ -944,8 +953,8 @@ def _num_splits(bh: int, max_len: int, block_t: int, device, programs_per_sm: in
 
 
 def _fill_splits(bh: int, max_len: int, device, resident: int) -> int:
-    """Slices per KV head for the Gluon launch: as many programs as the SMs hold at once (`resident` each, capped
-    by `_fill_cap`), in one wave, never slices shorter than 128 tokens (four 32-token tiles, eight of kvquant's
+    """Slices per KV head for the Gluon launch: as many programs as the SMs hold at once (`resident` each; the
+    launch passes `_gluon_splits`'s cap as `resident` where the cap is lower), in one wave, never slices shorter than 128 tokens (four 32-token tiles, eight of kvquant's
     16-token ones). Its one-warp
     programs each keep one tile in flight, so the more of them the better, up to a second wave: with 5 slices at
     batch 32 (1280 programs, 12 fit per SM) Nsight Compute showed 0.8 waves, 2.4 warps per scheduler and an
@@ -958,7 +967,7 @@ def _fill_splits(bh: int, max_len: int, device, resident: int) -> int:
 
 
 FILL_PER_SM = None   # programs per SM that `_fill_splits` fills at most, for every layout (None: `_fill_cap`'s rule).
-# For A/Bs: `bench_decode_attention.py --variants 'default;fill_per_sm=99'` (99: the old fill, as many as fit)
+# For A/Bs: `bench_decode_attention.py --variants 'default;FILL_PER_SM=99'` (99: the old fill, as many as fit)
 KIVI_FILL_PER_SM = 8     # `_fill_cap` of KIVI's layout where the fill's slices are short
 SHORT_SLICE = 1024       # tokens: a slice shorter than this is short (fewer than 32 tiles)
 
@@ -969,10 +978,11 @@ def _fill_cap(kind: str | None, max_len: int, fill_slices: int) -> int | None:
     the max_len tokens into slices shorter than SHORT_SLICE: fewer, longer slices then pay each program's fixed
     costs (its prologue, q . z refills, partial results) over more tiles.
     Measured (bench/RESULTS.md, session 34; fills of 12 and 8 per SM): at (1, 65536), (8, 16384) and (32, 4096),
-    where the fill's slices are 330-680 tokens, 8 was faster for kivi-2 and kivi-4 on an H100 (1.1-8.0%) and an
+    where the fill's slices are 331-683 tokens, 8 was faster for kivi-2 and kivi-4 on an H100 (1.1-8.0%) and an
     H200 (1.3-6.3%), and for xquant's 1-bit layers on an H100 (0.9-11%). At (8, 65536), (32, 16384) and
-    (32, 65536) (2730-10920-token slices) it was 2.1-3.6% faster for kivi-2 and kivi-4 on the H100 but up to 11%
-    slower on the H200 (kivi-2 at (32, 65536): its higher bandwidth needs more loads in flight), and 5.9-7.5%
+    (32, 65536) (2731-10923-token slices) it was 2.1-3.6% faster for kivi-2 and kivi-4 on the H100 but up to 11%
+    slower on the H200 (kivi-2 at (32, 65536); a guess, not profiled: its higher bandwidth needs more loads in
+    flight), and 5.9-7.5%
     slower for 1-bit layers on the H100. The other layouts were slower with 8 at almost every one of these shapes
     (int8, kvquant-4, innerq-2, calibquant-1 on the H100: up to 38%)."""
     if FILL_PER_SM:
@@ -980,7 +990,7 @@ def _fill_cap(kind: str | None, max_len: int, fill_slices: int) -> int | None:
     return KIVI_FILL_PER_SM if kind == "kivi" and max_len < SHORT_SLICE * fill_slices else None
 
 
-def _gluon_splits(kind: str, bh: int, max_len: int, device, resident: int) -> int:
+def _gluon_splits(kind: str | None, bh: int, max_len: int, device, resident: int) -> int:
     """Slices per KV head for the Gluon launch of a `kind` layout (`dag.layout_kind`) whose SMs hold `resident`
     programs each: `_fill_splits` of them, or of `_fill_cap`'s cap where it is lower."""
     fill = _fill_splits(bh, max_len, device, resident)
@@ -1126,7 +1136,7 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
     gluon: run the quantized region through `decode_attention_gluon` where it supports the layout (None: unless
     KVQ_GLUON=0; False: never; True: required, ValueError where unsupported). That launch has its own fixed
     configuration (one warp, 32-token tiles (`KIVI_BT`; 16 for kvquant's and int8's), as many slices as fill the
-    SMs once: `_fill_splits`): block_t, num_warps and num_stages then apply to the window launch only (block_t; for
+    SMs once, fewer for KIVI's layout where those slices are short: `_gluon_splits`): block_t, num_warps and num_stages then apply to the window launch only (block_t; for
     calibquant, whose Gluon launches attend the windows too, to nothing) or not at all, programs_per_sm not at all;
     block_t None then means 32 (faster than 64 by 2-7% on an H100, session 10).
     window_warps: warps of each window-launch program.
@@ -1240,5 +1250,5 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
     else:
         launch(0, query, nsplit, m_buf, l_buf, acc_buf)
     _combine_kernel[(B * Hq,)](m_buf, l_buf, acc_buf, out, H=H, REP=rep, REP_PAD=rep_pad, D=D, NS=ns,
-                               num_warps=COMBINE_WARPS, NS_PAD=triton.next_power_of_2(ns), PDL=pdl, **early)
+                               num_warps=_combine_warps(ns), NS_PAD=triton.next_power_of_2(ns), PDL=pdl, **early)
     return out

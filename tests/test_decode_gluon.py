@@ -244,13 +244,22 @@ def test_fill_splits_fills_the_sms(monkeypatch):
     assert fill(256, 4096, "cuda", 12) == 6 and fill(8, 512, "cuda", 12) == 4      # four 32-token tiles at least
     assert fill(1, 1 << 20, "cuda", 12) == 1024 and fill(4096, 65536, "cuda", 12) == 1
     # KIVI's layout: 8 per SM where the fill's slices are short (`_fill_cap`): the small target shapes
-    # (1, 65536), (8, 16384), (32, 4096), (8, 8192); not (8, 65536), (32, 16384), (32, 8192) (1365-token slices)
-    # nor the other layouts
+    # (1, 65536), (8, 16384), (32, 4096), (8, 8192); not (8, 65536), (32, 16384) (2731-token slices), (32, 8192)
+    # (1365) nor the other layouts; a slice of exactly SHORT_SLICE tokens is not short
     split = da._gluon_splits
     assert [split("kivi", bh, ctx, "cuda", 12) for bh, ctx in ((8, 65536), (64, 16384), (256, 4096), (64, 8192))] \
         == [132, 16, 4, 16]
     assert [split("kivi", bh, ctx, "cuda", 12) for bh, ctx in ((64, 65536), (256, 16384), (256, 8192))] == [24, 6, 6]
     assert split("lut", 8, 65536, "cuda", 12) == 198 and split("kivi", 8, 65536, "cuda", 6) == 99
+    assert split("kivi", 64, 24576, "cuda", 12) == 24 and split("kivi", 64, 24575, "cuda", 12) == 16
+
+
+def test_combine_warps_by_slots(monkeypatch):
+    """The final reduction's warps (`_combine_warps`): 2 for at most 16 slots a row, 4 for more; COMBINE_WARPS
+    overrides."""
+    assert [da._combine_warps(ns) for ns in (1, 8, 16, 17, 136)] == [2, 2, 2, 4, 4]
+    monkeypatch.setattr(da, "COMBINE_WARPS", 8)
+    assert da._combine_warps(8) == 8 and da._combine_warps(136) == 8
 
 
 @pytest.mark.skipif(CUDA, reason="the Triton launches run on CPU tensors: the interpreter, without a GPU")
@@ -668,6 +677,25 @@ KERNELS = {"calibquant-1": "_post_decode_kernel", "kvquant-4": "_lut_decode_kern
            "kvquant-4-after-rope": "_lut_decode_kernel", "kvquant-4-1%": "_lut_decode_kernel",
            "kvquant-4-1%-recent": "_lut_decode_kernel", "kvquant-4-nout3": "_lut_decode_kernel",
            "int8": "_sym8_decode_kernel"}
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("layout", ["kivi-2", "kivi-4", "k1v1"])
+def test_capped_fill_matches_reference_on_gpu(layout):
+    """Where `_fill_cap` takes fewer slices than the fill (B * H = 64, 8190 tokens: slices of about 340 tokens at
+    the fill), the Gluon launch still matches the reference op, bf16 with HF's bool mask (GPU_CASES' caches are too
+    short for the cap to change a split count)."""
+    B, H, rep, T, n0 = 8, 8, 4, 8192, 8190
+    cfg, ms, lay, k, v, p = _store(layout, B, H, T, n0, torch.bfloat16, "cuda", seed=7)
+    names, tensors = lay.attend_tensors()
+    q = torch.randn(B, H * rep, 1, 128, device="cuda").to(torch.bfloat16)
+    am = random_mask("bool", B, T, n0, torch.bfloat16, "cuda")
+    ref = attend_cpu_reference(q, tensors, k, v, p, am, 128 ** -0.5, False, lay.descriptor(names)).float()
+    out = da.decode_attention(q, dict(zip(names, tensors)), k, v, p, am, 128 ** -0.5, False, cfg, lay.spec, ms.geo,
+                              gluon=True).float()
+    resident = 12   # what the fill would take at most: the cap must have lowered the count
+    assert da.LAST_KERNELS["splits"] < da._fill_splits(B * H, T, q.device, resident)
+    assert torch.isfinite(out).all() and ((out - ref).norm() / ref.norm()).item() < 1.5e-2
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")

@@ -1,5 +1,5 @@
-"""The Gluon launch's split count around its default (`decode_attention._fill_splits`: as many programs as the SMs
-hold at once), CUDA-graph timed (debug).
+"""The Gluon launch's split count around its default (`decode_attention._gluon_splits`: as many programs as the SMs
+hold at once, at most 8 per SM for KIVI's layout where those slices would be short), CUDA-graph timed (debug).
 
     python bench/debug/splits.py [presets] [shapes] [factors]     e.g. kivi-2 8x8192 0.5,0.75,1,1.5,2
 """
