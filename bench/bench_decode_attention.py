@@ -228,7 +228,8 @@ def main():
     ap.add_argument("--splits", default=None, help="sweep only these split counts (with --sweep), e.g. 2,4,8,16")
     ap.add_argument("--variants", default=None,
                     help="time these launches of each preset, e.g. 'default;block_t=32;block_t=128,num_warps=8' "
-                         "(upper-case keys set flags of decode_attention for that variant: FILL_PER_SM=99, COMBINE_WARPS=4)")
+                         "(upper-case keys set flags of decode_attention for that variant: FILL_PER_SM=99, "
+                         "COMBINE_WARPS=4)")
     ap.add_argument("--mask", default="none", choices=("none", "bool", "additive", "bool-heads"),
                     help="an attention mask for both kernels, every position allowed: [B, 1, 1, ctx] (HF's decode "
                          "mask is a bool one), or bool-heads: one row per query head [B, 32, 1, ctx]")

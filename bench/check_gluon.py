@@ -95,7 +95,8 @@ def timing(presets=("kivi-2", "kivi-4", "xquant-1.38", "calibquant-1"),
            shapes=((32, 4096), (8, 8192), (1, 65536), (32, 16384))):
     """Decode attention, one call (CUDA-graph timed, HF's bool mask, so the KIVI-layout launch takes the TMA ring),
     with the Gluon launch's split count chosen two ways, session 10's (about 8 programs per SM) and the default (as
-    many as the SMs hold at once, at most 8 per SM for KIVI's layout where those slices are short: `_gluon_splits`); then where one call's GPU time goes (default path). Session 11
+    many as the SMs hold at once, at most 8 per SM for KIVI's layout where those slices are short: `_gluon_splits`);
+    then where one call's GPU time goes (default path). Session 11
     also timed a 128-register cap (16 programs per SM, a few spills), twice the default split count and post-scaled
     Keys (commit 176ac78): none faster (bench/RESULTS.md).
     (A second stream for the window launch, beside the Gluon launch, gained 0-3% in session 10: not kept.)"""

@@ -913,9 +913,10 @@ LAST_KERNELS: dict = {}  # the last launch's compiled kernels (registers, spills
 
 def _combine_warps(ns: int) -> int:
     """Warps of each program of the final reduction, which merges `ns` slots a row: COMBINE_WARPS where set, else 2
-    for at most 16 slots, 4 for more. On an H100 (bench/RESULTS.md, session 34, call 7) 2 warps against 4 at
-    (32, 4096) (8 slots): kivi-4 76.2 against 77.3 us, kivi-2 57.7 against 58.2; at (1, 65536) (136 slots) 2 were
-    slower (kivi-4 42.2 against 39.6)."""
+    for at most 16 slots, 4 for more. On an H100 (bench/RESULTS.md, session 34, calls 7-8), 2 warps against 4 at
+    batch 32 (8-12 slots): 0.5-3.5% faster at (32, 4096) and (32, 16384) for six presets (kivi-4 at (32, 4096) 75.4
+    against 76.9 us), within 0.3% at (32, 65536) but innerq-2 (4.1% faster); at (1, 65536) (136 slots) 2 were slower
+    (kivi-4 42.2 against 39.6 us). Not measured on an H200."""
     return COMBINE_WARPS or (2 if ns <= 16 else 4)
 
 
@@ -953,10 +954,10 @@ def _num_splits(bh: int, max_len: int, block_t: int, device, programs_per_sm: in
 
 
 def _fill_splits(bh: int, max_len: int, device, resident: int) -> int:
-    """Slices per KV head for the Gluon launch: as many programs as the SMs hold at once (`resident` each; the
-    launch passes `_gluon_splits`'s cap as `resident` where the cap is lower), in one wave, never slices shorter than 128 tokens (four 32-token tiles, eight of kvquant's
-    16-token ones). Its one-warp
-    programs each keep one tile in flight, so the more of them the better, up to a second wave: with 5 slices at
+    """Slices per KV head for the Gluon launch: as many programs as the SMs hold at once (`resident` each;
+    `_gluon_splits` passes its cap as `resident` where the cap is lower), in one wave, never slices shorter than 128
+    tokens (four 32-token tiles, eight of kvquant's 16-token ones). Its one-warp programs each keep one tile in
+    flight, so the more of them the better, up to a second wave: with 5 slices at
     batch 32 (1280 programs, 12 fit per SM) Nsight Compute showed 0.8 waves, 2.4 warps per scheduler and an
     instruction issued on 59% of cycles. At batch 1-4 slices of
     four tiles beat two by 0-12% (bench/RESULTS.md, session 11)."""
@@ -966,7 +967,7 @@ def _fill_splits(bh: int, max_len: int, device, resident: int) -> int:
     return max(1, min(resident * sms // bh, max_len // (4 * dag.BT), 1024))
 
 
-FILL_PER_SM = None   # programs per SM that `_fill_splits` fills at most, for every layout (None: `_fill_cap`'s rule).
+FILL_PER_SM = None   # programs per SM the Gluon launch's slices fill at most, every layout (None: `_fill_cap`'s rule).
 # For A/Bs: `bench_decode_attention.py --variants 'default;FILL_PER_SM=99'` (99: the old fill, as many as fit)
 KIVI_FILL_PER_SM = 8     # `_fill_cap` of KIVI's layout where the fill's slices are short
 SHORT_SLICE = 1024       # tokens: a slice shorter than this is short (fewer than 32 tiles)
@@ -982,9 +983,8 @@ def _fill_cap(kind: str | None, max_len: int, fill_slices: int) -> int | None:
     H200 (1.3-6.3%), and for xquant's 1-bit layers on an H100 (0.9-11%). At (8, 65536), (32, 16384) and
     (32, 65536) (2731-10923-token slices) it was 2.1-3.6% faster for kivi-2 and kivi-4 on the H100 but up to 11%
     slower on the H200 (kivi-2 at (32, 65536); a guess, not profiled: its higher bandwidth needs more loads in
-    flight), and 5.9-7.5%
-    slower for 1-bit layers on the H100. The other layouts were slower with 8 at almost every one of these shapes
-    (int8, kvquant-4, innerq-2, calibquant-1 on the H100: up to 38%)."""
+    flight), and 5.9-7.5% slower for 1-bit layers on the H100. The other layouts were slower with 8 at almost
+    every one of these shapes (int8, kvquant-4, innerq-2, calibquant-1 on the H100: up to 38%)."""
     if FILL_PER_SM:
         return FILL_PER_SM
     return KIVI_FILL_PER_SM if kind == "kivi" and max_len < SHORT_SLICE * fill_slices else None
@@ -1136,9 +1136,10 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
     gluon: run the quantized region through `decode_attention_gluon` where it supports the layout (None: unless
     KVQ_GLUON=0; False: never; True: required, ValueError where unsupported). That launch has its own fixed
     configuration (one warp, 32-token tiles (`KIVI_BT`; 16 for kvquant's and int8's), as many slices as fill the
-    SMs once, fewer for KIVI's layout where those slices are short: `_gluon_splits`): block_t, num_warps and num_stages then apply to the window launch only (block_t; for
-    calibquant, whose Gluon launches attend the windows too, to nothing) or not at all, programs_per_sm not at all;
-    block_t None then means 32 (faster than 64 by 2-7% on an H100, session 10).
+    SMs once, fewer for KIVI's layout where those slices are short: `_gluon_splits`): block_t, num_warps and
+    num_stages then apply to the window launch only (block_t; for calibquant, whose Gluon launches attend the
+    windows too, to nothing) or not at all, programs_per_sm not at all; block_t None then means 32 (faster than 64
+    by 2-7% on an H100, session 10).
     window_warps: warps of each window-launch program.
     fused: the whole call in one Triton launch (`_fused_decode_kernel`: the quantized region's slices and the
     window tiles in one grid, the last program of each KV head merges): what the Inductor template of
