@@ -20,14 +20,17 @@ class Sm90Build(NamedTuple):
 
 
 def compile_sm90(fn, sig: dict, cx: dict, pointers, arch: int = 90, **options) -> Sm90Build:
-    """`fn` (a Gluon kernel) compiled for sm_90 (or `arch`) with these argument types, constexprs and options
-    (num_warps 1 unless given); `pointers`: indices of the arguments declared 16-byte aligned."""
+    """`fn` (a Gluon kernel, or a plain Triton one) compiled for sm_90 (or `arch`) with these argument types,
+    constexprs and options (num_warps 1 unless given); `pointers`: indices of the arguments declared 16-byte
+    aligned."""
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 
     sig = dict(sig, **{n: "constexpr" for n in cx})
-    src = GluonASTSource(fn=fn, signature=sig, constexprs=cx, attrs={(i,): [["tt.divisibility", 16]] for i in pointers})
+    source = GluonASTSource if isinstance(fn, GluonJITFunction) else ASTSource
+    src = source(fn=fn, signature=sig, constexprs=cx, attrs={(i,): [["tt.divisibility", 16]] for i in pointers})
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(dict(num_warps=1), **options))
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(k.asm["cubin"])
