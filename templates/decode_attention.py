@@ -64,6 +64,27 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
+def _trace_now():
+    """Debug (`TRACE`): the GPU's global nanosecond timer (`%globaltimer`), comparable across SMs and launches."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _trace_store(P, t0, t1, t2, t3):
+    """Debug (`TRACE`): one program's record, 8 int64 at P (the KIVI-layout kernel's format, `decode_attention_gluon.
+    _trace_store`): t0, t1, t2, t2, t3, its SM (`%smid`), 0, 0."""
+    smid = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    tl.store(P, t0)
+    tl.store(P + 1, t1)
+    tl.store(P + 2, t2)
+    tl.store(P + 3, t2)
+    tl.store(P + 4, t3)
+    tl.store(P + 5, smid.to(tl.int64))
+    tl.store(P + 6, t3 * 0)
+    tl.store(P + 7, t3 * 0)
+
+
+@triton.jit
 def _fill_boundary(L, S: tl.constexpr, R: tl.constexpr, TPG: tl.constexpr):
     """Q(L) = S + floor(max(0, L - S - R) / TPG) * TPG (store.fill_boundary)."""
     return S + tl.maximum(L - S - R, 0) // TPG * TPG
@@ -469,11 +490,13 @@ def _decode_program(
         ROPE: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHARED: tl.constexpr, IS_CAUSAL: tl.constexpr,
         TAU_PHASE: tl.constexpr,
         KPOST: tl.constexpr, VPOST: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr,
-        WINDOW: tl.constexpr, NWIN: tl.constexpr, PDL: tl.constexpr):
+        WINDOW: tl.constexpr, NWIN: tl.constexpr, PDL: tl.constexpr, TRB=None, TRACE: tl.constexpr = False, tr0=0):
     """One program of the quantized-region launch (WINDOW False: slice `slot` of KV head row bh = b * H + h) or
     of the window launch (WINDOW: window tile `slot`), given the query rows q [REP_PAD, D] of its GQA group
     (`_load_query`): its (max, sum, acc) into slot `slot` (WINDOW: NSPLIT + `slot`) of each real row. The
-    launches (`_decode_kernel`, `_fused_decode`) only say which program runs where."""
+    launches (`_decode_kernel`, `_fused_decode`) only say which program runs where. TRACE (debug, `TRACE`): the
+    record (`_trace_store`) of timer reads tr0 (the launch's start), before and after the wait for the quantized
+    region's launch, and at the end, at TRB + 8 (bh NWIN + slot) (the window launch only)."""
     split = NSPLIT + slot if WINDOW else slot
     b = bh // H
     h = bh % H
@@ -562,8 +585,12 @@ def _decode_program(
             acc = acc * alpha[:, None] + pv
             m_i = m_new
 
+    if TRACE:
+        tr1 = _trace_now()
     if PDL and WINDOW:
         gdc_wait()   # ends after the quantized-region launch: the launches after this one wait for both
+    if TRACE:
+        tr2 = _trace_now()
     o = (bh * REP_PAD + r) * (NSPLIT + NWIN) + split   # rows REP..REP_PAD-1 are never read
     tl.store(OUT_M + o, m_i, mask=rvalid)
     if TAU_PHASE == 1:
@@ -571,6 +598,8 @@ def _decode_program(
     else:
         tl.store(OUT_L + o, l_i, mask=rvalid)
         tl.store(OUT_ACC + o[:, None] * D + d[None, :], acc, mask=rvalid[:, None])
+    if TRACE:
+        _trace_store(TRB + (bh * NWIN + slot).to(tl.int64) * 8, tr0, tr1, tr2, _trace_now())
 
 
 @triton.jit
@@ -590,9 +619,11 @@ def _decode_kernel(
         ROPE: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHARED: tl.constexpr, IS_CAUSAL: tl.constexpr,
         TAU_PHASE: tl.constexpr,
         KPOST: tl.constexpr, VPOST: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr,
-        WINDOW: tl.constexpr, NWIN: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr = False):
+        WINDOW: tl.constexpr, NWIN: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr = False, TRB=None,
+        TRACE: tl.constexpr = False):
     """The quantized-region launch (grid (B * H, NSPLIT)) or the window launch (WINDOW, grid (B * H, NWIN)):
-    `_decode_program` per program."""
+    `_decode_program` per program (TRACE: its debug records, the window launch only)."""
+    tr0 = _trace_now() if TRACE else 0
     if PDL and (TRIGGER or not WINDOW):
         # the next launch may start now: the window launch reads nothing the quantized region's launch writes; the
         # final reduction (after a window launch with TRIGGER) waits for this launch's end before it reads
@@ -604,7 +635,7 @@ def _decode_kernel(
         COS, SIN, POS, AMASK, stride_mb, stride_mh, TEMP, OUT_M, OUT_L, OUT_ACC, scale, T, NG_K, NG_V, NSPLIT, bh,
         tl.program_id(1), H, REP, REP_PAD, D, S, R, BITS_K, AXIS_K, GS_K, SYM_K, LUT_K, NOUT_K, NORM_K, TPG_K,
         WR_K, BITS_V, AXIS_V, GS_V, SYM_V, LUT_V, NOUT_V, TPG_V, WR_V, ROPE, MASK_KIND, MASK_SHARED, IS_CAUSAL,
-        TAU_PHASE, KPOST, VPOST, BLOCK_T, IEEE, INTERP, WINDOW, NWIN, PDL)
+        TAU_PHASE, KPOST, VPOST, BLOCK_T, IEEE, INTERP, WINDOW, NWIN, PDL, TRB, TRACE and WINDOW, tr0)
 
 
 @triton.jit
@@ -755,10 +786,17 @@ def _temperature_kernel(OUT_M, OUT_L, TEMP, tau_sum, REP: tl.constexpr, REP_PAD:
 
 @triton.jit
 def _combine_kernel(OUT_M, OUT_L, OUT_ACC, O, H: tl.constexpr, REP: tl.constexpr, REP_PAD: tl.constexpr,
-                    D: tl.constexpr, NS: tl.constexpr, NS_PAD: tl.constexpr, PDL: tl.constexpr):
-    """out = sum_j exp(m_j - m) acc_j / sum_j exp(m_j - m) l_j over the NS partial results of one row."""
+                    D: tl.constexpr, NS: tl.constexpr, NS_PAD: tl.constexpr, PDL: tl.constexpr, TRB=None,
+                    TRACE: tl.constexpr = False):
+    """out = sum_j exp(m_j - m) acc_j / sum_j exp(m_j - m) l_j over the NS partial results of one row. TRACE
+    (debug, `TRACE`): the record (`_trace_store`) of timer reads at the start, after the wait and at the end at
+    TRB + 8 row."""
+    if TRACE:
+        tr0 = _trace_now()
     if PDL:
         gdc_wait()   # launched early behind the window launch (or calibquant's attention pass): its results first
+    if TRACE:
+        tr1 = _trace_now()
     row = tl.program_id(0)  # (b * H + h) * REP + r
     bh = row // REP
     r = row % REP
@@ -776,6 +814,8 @@ def _combine_kernel(OUT_M, OUT_L, OUT_ACC, O, H: tl.constexpr, REP: tl.constexpr
     den = tl.sum(w * l, 0)
     out = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), 0.0)
     tl.store(O + row * D + d, out.to(O.dtype.element_ty))
+    if TRACE:
+        _trace_store(TRB + row.to(tl.int64) * 8, tr0, tr1, tr1, _trace_now())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -908,6 +948,10 @@ PDL = None              # programmatic dependent launch of the window launch and
                         # and the reduction for the attention pass): None = on sm_90+, False off
 POISON = False          # partial-result buffers filled with NaN before each call (a check that nothing reads a slot
                         # before it is written: bench/check_gluon.py --pdl, tests/test_templates.py on a GPU)
+TRACE: dict | None = None  # debug (bench/debug/timeline.py): {"main", "window", "combine"} int64 CUDA buffers of 8
+                           # per program, where the KIVI-layout Gluon launch, the window launch and the final
+                           # reduction write their timer records (`_trace_store`); None: no records, the kernels build
+                           # as without them
 LAST_KERNELS: dict = {}  # the last launch's compiled kernels (registers, spills) and slices per KV head: see bench/
 
 
@@ -1228,12 +1272,14 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
         if use_gluon:
             LAST_KERNELS["main"] = dag.launch(query, kp, vp, m_buf=m_buf, l_buf=l_buf, acc_buf=acc_buf, scale=scale,
                                               nsplit=nsplit, phase=phase, temp=temp if phase == 2 else None,
-                                              logits=logits, ranges=ranges, **gluon_layer)
+                                              logits=logits, ranges=ranges, **gluon_layer,
+                                              trace=TRACE["main"] if TRACE else None)
         else:
             LAST_KERNELS["main"] = _decode_kernel[(B * H, nsplit)](*args, **consts, WINDOW=False,
                                                                    num_warps=num_warps, num_stages=num_stages)
         LAST_KERNELS["window"] = None if win_in else _decode_kernel[(B * H, nwin)](
-            *args, **consts, WINDOW=True, num_warps=window_warps, num_stages=1, TRIGGER=trigger, **early)
+            *args, **consts, WINDOW=True, num_warps=window_warps, num_stages=1, TRIGGER=trigger, **early,
+            **(dict(TRB=TRACE["window"], TRACE=True) if TRACE else {}))
 
     if cfg.softmax_tau is not None:
         n1 = splits(1)   # the range pass: its own slices (and buffers of max and min, no acc)
@@ -1253,5 +1299,6 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
     else:
         launch(0, query, nsplit, m_buf, l_buf, acc_buf)
     _combine_kernel[(B * Hq,)](m_buf, l_buf, acc_buf, out, H=H, REP=rep, REP_PAD=rep_pad, D=D, NS=ns,
-                               num_warps=_combine_warps(ns), NS_PAD=triton.next_power_of_2(ns), PDL=pdl, **early)
+                               num_warps=_combine_warps(ns), NS_PAD=triton.next_power_of_2(ns), PDL=pdl, **early,
+                               **(dict(TRB=TRACE["combine"], TRACE=True) if TRACE else {}))
     return out

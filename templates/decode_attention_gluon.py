@@ -1094,6 +1094,29 @@ if HAVE_GLUON:
         gl.store(OUT_ACC + gl.expand_dims(o8, 0) * 128 + gl.expand_dims(chan, 1), acc,
                  mask=gl.expand_dims(r8 < REP, 0))
 
+    @gluon.jit
+    def _trace_now():
+        """Debug (TRACE): the GPU's global nanosecond timer (`%globaltimer`), comparable across SMs and launches."""
+        return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False,
+                                         pack=1)
+
+    @gluon.jit
+    def _trace_store(P, t0, t1, t2, t3, t4, smid, n):
+        """Debug (TRACE): one program's record, 8 int64 at P: five timer reads, its SM, a count, 0."""
+        gl.store(P, t0)
+        gl.store(P + 1, t1)
+        gl.store(P + 2, t2)
+        gl.store(P + 3, t3)
+        gl.store(P + 4, t4)
+        gl.store(P + 5, smid.to(gl.int64))
+        gl.store(P + 6, n.to(gl.int64))
+        gl.store(P + 7, t4 * 0)
+
+    @gluon.jit
+    def _trace_smid():
+        """Debug (TRACE): the SM this program runs on (`%smid`)."""
+        return gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
     @gluon.constexpr_function
     def _rows_layout(bt):
         """[bt, 128] rows of the cache dtype, 8 channels (16 bytes) a register block: the exact windows' Values."""
@@ -1581,7 +1604,8 @@ if HAVE_GLUON:
             VHYB: gl.constexpr = False, NORM: gl.constexpr = False, KPOST: gl.constexpr = False,
             QZROWS: gl.constexpr = False, QZ_N: gl.constexpr = 8, VZ: gl.constexpr = False,
             WL: gl.constexpr = True, WT: gl.constexpr = False, TPS: gl.constexpr = 1, PAIR: gl.constexpr = False,
-            KSUB: gl.constexpr = False, VF: gl.constexpr = False, KSW: gl.constexpr = 7):
+            KSUB: gl.constexpr = False, VF: gl.constexpr = False, KSW: gl.constexpr = 7, TRB=None,
+            TRACE: gl.constexpr = False):
         """KIVI's layout, or with INNER InnerQ's (Keys per token in groups of 32 channels, Values per channel in
         groups of 32 tokens: the same packed words, the statistics the other way round, the codes alone through the
         ring where TMA). NG_K: the
@@ -1626,7 +1650,10 @@ if HAVE_GLUON:
         bare codes stay normal fp32), the partial sums and the offsets' share scaled back by 2^-VF_E at the end
         (`_fold_finish`). Exact where p half >= 2^-57 (below, that token's code products drop out: less than 2^-56
         of absolute error each), half < 2^64 (p' half in bf16) and |z| sum p < 2^64 (the offsets' share in fp32), z
-        the group's offset (VF_E)."""
+        the group's offset (VF_E).
+        TRACE (debug, `decode_attention.TRACE`, bench/debug/timeline.py): each program writes 8 int64 to TRB at
+        8 (bh NSPLIT + split): the global timer at its start, before its loop, once its first ring slot has landed
+        (TMA; else before its loop again), after its loop and after its stores, then its SM and its tile count."""
         gl.static_assert(KPOST or not QZROWS, "QZROWS computes the post-scaled Keys' q . z")
         gl.static_assert(not (VZ and (INNER or not IS_BF16)), "VZ: KIVI's Values in bf16")
         gl.static_assert((not VF) or (VZ and TMA and ((VBITS < 4) or not PAIR)), "VF: KIVI's bf16 Values, ring")
@@ -1643,6 +1670,8 @@ if HAVE_GLUON:
         D: gl.constexpr = D_
         gl.static_assert((not WT) or _whole_tiles(R, TPG_K, TPG_V, BT), "WT: no tile may cross its slice's stop")
         gl.static_assert((TPS == 1) or (TMA and not INNER), "TPS: KIVI's ring (InnerQ's fills a tile a slot)")
+        if TRACE:
+            tr0 = _trace_now()
 
         start, stop, n_iter = _slice(POS, split, NSPLIT, S, R, TPG_K, TPG_V, BT, PDL, 0, 0,   # this program's slice
                                      2 if PAIR else 1)
@@ -1826,6 +1855,12 @@ if HAVE_GLUON:
             PEV: gl.constexpr = VF_E_
         else:
             PEV: gl.constexpr = 0
+        if TRACE:  # the setup's end; then (TMA) the first slot's landing, which the loop would wait for first
+            tr1 = _trace_now()
+            if TMA:
+                if n_iter > 0:
+                    mbarrier.wait(bars.index(0), 0)
+            tr2 = _trace_now()
 
         if PAIR:  # two tiles (one ring slot) per online-softmax step: one max, one rescale per 64 tokens
             gl.static_assert(TMA and (not INNER) and KPOST and (TPS == 2) and WT, "PAIR: KIVI's ring, 2 tiles a slot")
@@ -1988,6 +2023,8 @@ if HAVE_GLUON:
                                kzbuf.index(st), vhbuf.index(st), vzbuf.index(st), bars.index(st), row0, grow0,
                                t0 + (NST * TPS - TPS + 1) * BT, S, (slot + NST) * TPS < n_iter, NBYTES, not QZROWS)
 
+        if TRACE:
+            tr3 = _trace_now()
         lsum = gl.sum(lacc, 0)
         if VF:  # everything times 2^VF_E: the scale of p'
             acc = _fold_finish(acc, acc1, acc2, acc3, accz, VBITS, mma)
@@ -1995,6 +2032,9 @@ if HAVE_GLUON:
         elif VZ:
             acc = acc + _rows128(accz, mma)
         _store_partials(OUT_M, OUT_L, OUT_ACC, bh, split, NSPLIT, NWIN, m8, lsum, acc, REP, mma, VBITS if VF else 0)
+        if TRACE:
+            _trace_store(TRB + (bh * NSPLIT + split).to(gl.int64) * 8, tr0, tr1, tr2, tr3, _trace_now(),
+                         _trace_smid(), n_iter)
 
     @gluon.jit
     def _issue(KC, VC, KHALF, KCEN, VHALF, VCEN, kb, vb, khb, kzb, vhb, vzb, bar, row0, grow0, t0, S: gl.constexpr,
@@ -2781,7 +2821,7 @@ def _ring_device(query, use_tma: bool | None) -> bool:
 def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int, m_buf, l_buf, acc_buf,
           scale: float, T: int, ng_k: int, nsplit: int, nwin: int, H: int, rep: int, sink: int, recent: int,
           tpg_v: int, kbits: int, vbits: int, kind: str, use_tma: bool | None, phase: int, temp, rope,
-          nout: tuple = (0, 0), pdl: bool = False, logits=None, exact=None, ranges=None):
+          nout: tuple = (0, 0), pdl: bool = False, logits=None, exact=None, ranges=None, trace=None):
     """(kernel, arguments, keywords) of the quantized-region launch (see `launch`)."""
     import torch
 
@@ -2841,7 +2881,7 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
             H=H, REP=rep, S=sink, R=recent, TPG_K=1, TPG_V=32, MASK_KIND=mask_kind, IS_BF16=bf16, BT=KIVI_BT,
             KBITS=kbits, VBITS=vbits, KA_HI=ka_hi, KA_LO=ka_lo, VA_HI=va_hi, VA_LO=va_lo, NWIN=nwin, TMA=tma_on,
             NST=NSTAGES, PDL=pdl, INNER=True, KHYB=khyb, VHYB=vhyb, NORM=norm, WL=WIDEN_IN_LANES,
-            WT=WHOLE_TILES and whole_tiles(recent, 1, 32, KIVI_BT), num_warps=1)
+            WT=WHOLE_TILES and whole_tiles(recent, 1, 32, KIVI_BT), **_trace_kw(trace), num_warps=1)
     ka_hi, ka_lo = split_scale(2.0 / (2 ** kbits - 1), bf16)
     va_hi, va_lo = split_scale(2.0 / (2 ** vbits - 1), bf16)
     use_tma = _use_tma(query, sink, T, use_tma)
@@ -2859,7 +2899,14 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
         IS_BF16=bf16, BT=KIVI_BT, KBITS=kbits, VBITS=vbits, KA_HI=ka_hi, KA_LO=ka_lo, VA_HI=va_hi, VA_LO=va_lo,
         NWIN=nwin, TMA=use_tma, NST=NSTAGES, PDL=pdl, KPOST=KEY_POST, QZROWS=qz, QZ_N=QZ_N,
         VZ=VALUE_ZERO_APART and bf16, WL=WIDEN_IN_LANES, WT=wt, TPS=tps,
-        KSUB=BF16_SUBNORMAL_KEYS and KEY_POST and bf16, KSW=SUB_WINDOW, **pair, **fold, num_warps=1)
+        KSUB=BF16_SUBNORMAL_KEYS and KEY_POST and bf16, KSW=SUB_WINDOW, **pair, **fold, **_trace_kw(trace),
+        num_warps=1)
+
+
+def _trace_kw(trace) -> dict:
+    """The KIVI-layout kernel's debug keywords (TRACE): its record buffer where `trace` is one, else none at all, so
+    that the kernel builds as without them."""
+    return {} if trace is None else dict(TRB=trace, TRACE=True)
 
 
 def pair_flags(tps: int, key_post: bool, wt: bool, recent: int, qz_rows: bool) -> dict:
@@ -2915,7 +2962,8 @@ def inner_flags(kp: dict, vp: dict) -> tuple[bool, bool, bool]:
 def launch(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int, m_buf, l_buf, acc_buf,
            scale: float, T: int, ng_k: int, nsplit: int, nwin: int, H: int, rep: int, sink: int, recent: int,
            tpg_v: int, kbits: int, vbits: int, *, kind: str, use_tma: bool | None = None, phase: int = 0,
-           temp=None, rope=None, nout: tuple = (0, 0), pdl: bool = False, logits=None, exact=None, ranges=None):
+           temp=None, rope=None, nout: tuple = (0, 0), pdl: bool = False, logits=None, exact=None, ranges=None,
+           trace=None):
     """Run the quantized-region launch into slots [0, nsplit) of the partial buffers (grid (B * H, nsplit); each
     row has nsplit + nwin slots, the last nwin the window launch's). kind: `layout_kind` of the store. ng_k: the
     statistics rows per KV head of the token-grouped side (KIVI's Keys, InnerQ's Values). use_tma (KIVI's, InnerQ's,
@@ -2929,12 +2977,15 @@ def launch(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int
     `decode_attention._use_pdl`). exact (calibquant's layout, `window_inside`): the exact windows' buffers, which
     this launch then attends too, into the last nwin slots (`_exact_args`), else None; with it, phase 2 takes
     ranges = (the range pass's max and min buffers, their slots per row, tau1 + tau2) instead of temp and computes
-    the temperatures itself (with pdl it is then launched as the range pass's programmatic dependent)."""
+    the temperatures itself (with pdl it is then launched as the range pass's programmatic dependent). trace (debug,
+    KIVI's and InnerQ's layouts only): an int64 buffer of 8 per program for the kernel's TRACE records, else None."""
     if kind == "post" and phase == 2 and exact is not None and ranges is None:
         raise ValueError("calibquant's attention pass with the windows inside needs the range pass's results (ranges)")
+    if trace is not None and kind not in ("kivi", "inner"):
+        raise ValueError(f"TRACE records come from the KIVI-layout kernel only, not layout {kind!r}")
     fn, args, kw = _plan(query, kp, vp, positions, amask, smb, mask_kind, m_buf, l_buf, acc_buf, scale, T, ng_k,
                          nsplit, nwin, H, rep, sink, recent, tpg_v, kbits, vbits, kind, use_tma, phase, temp, rope,
-                         nout, pdl, logits, exact, ranges)
+                         nout, pdl, logits, exact, ranges, trace)
     if kind == "post" and phase == 2 and exact is not None and pdl:
         kw = dict(kw, launch_pdl=True)
     return fn[(query.shape[0] * H, nsplit)](*args, **kw)

@@ -699,6 +699,68 @@ def test_capped_fill_matches_reference_on_gpu(layout):
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("layout", ["kivi-2", "innerq-2"])
+def test_trace_records_leave_the_output_unchanged_on_gpu(layout, monkeypatch):
+    """`decode_attention.TRACE` (bench/debug/timeline.py): the traced kernels write the same output, bit for bit,
+    inside a CUDA graph as outside (the KIVI ring's build and the plain-load one), and one record per program of
+    each launch whose timer reads run in order, with the Gluon programs' tiles covering the quantized region."""
+    B, H, rep, T, n0 = 3, 8, 4, 2048, 2000
+    cfg, ms, lay, k, v, p = _store(layout, B, H, T, n0, torch.bfloat16, "cuda", seed=11)
+    names, tensors = lay.attend_tensors()
+    bufs = dict(zip(names, tensors))
+    q = torch.randn(B, H * rep, 1, 128, device="cuda").to(torch.bfloat16)
+    am = random_mask("bool", B, T, n0, torch.bfloat16, "cuda")
+
+    def call():
+        return da.decode_attention(q, bufs, k, v, p, am, 128 ** -0.5, False, cfg, lay.spec, ms.geo, gluon=True)
+
+    for graph in (False, True):
+        plain = call() if not graph else None
+        rec = {n: torch.zeros(4096, 8, dtype=torch.int64, device="cuda") for n in ("main", "window", "combine")}
+        monkeypatch.setattr(da, "TRACE", rec)
+        if graph:   # the ring's build: inside a capture (`USE_TMA`); the untraced graph's output to compare with
+            monkeypatch.setattr(da, "TRACE", None)
+            call()
+            g0 = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g0):
+                out0 = call()
+            monkeypatch.setattr(da, "TRACE", rec)
+            call()
+            g1 = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g1):
+                out1 = call()
+            for x in rec.values():
+                x.zero_()
+            g0.replay()
+            g1.replay()
+            plain, traced = out0, out1
+        else:
+            traced = call()
+        monkeypatch.setattr(da, "TRACE", None)
+        torch.cuda.synchronize()
+        assert torch.equal(plain, traced)
+        nsplit = da.LAST_KERNELS["splits"]
+        counts = {"main": B * H * nsplit, "window": None, "combine": B * H * rep}
+        for name, x in rec.items():
+            r = x[x[:, 0] != 0].cpu()
+            if counts[name] is not None:
+                assert len(r) == counts[name], name
+            assert len(r) > 0 and (r[:, 1:5] >= r[:, 0:4]).all(), name
+        main = rec["main"][: B * H * nsplit].cpu()
+        # the slices' tiles: the quantized region [S, S + (L - S - R) // 32 * 32) of every row, once
+        L = int(p.reshape(-1)[0]) + 1
+        assert main[:, 6].sum().item() == B * H * (max(L - cfg.sink - cfg.recent, 0) // 32)
+
+
+def test_trace_is_refused_for_other_layouts():
+    """A TRACE buffer for a Gluon launch that does not write records is an error, not silently ignored."""
+    q = torch.zeros(1, 8, 1, 128)
+    with pytest.raises(ValueError, match="TRACE"):
+        dag.launch(q, {}, {}, None, None, 0, 0, None, None, None, 1.0, 8, 1, 1, 1, 1, 8, 0, 0, 1, 4, 4, kind="lut",
+                   trace=torch.zeros(8, 8, dtype=torch.int64))
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("layout,case,mask", GPU_CASES)
 def test_matches_reference_on_gpu(dtype, layout, case, mask, monkeypatch):
