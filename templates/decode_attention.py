@@ -959,8 +959,9 @@ def _combine_warps(ns: int) -> int:
     """Warps of each program of the final reduction, which merges `ns` slots a row: COMBINE_WARPS where set, else 2
     for at most 16 slots, 4 for more. On an H100 (bench/RESULTS.md, session 34, calls 7-8), 2 warps against 4 at
     batch 32 (8-12 slots): 0.5-3.5% faster at (32, 4096) and (32, 16384) for six presets (kivi-4 at (32, 4096) 75.4
-    against 76.9 us), within 0.3% at (32, 65536) but innerq-2 (4.1% faster); at (1, 65536) (136 slots) 2 were slower
-    (kivi-4 42.2 against 39.6 us). Not measured on an H200."""
+    against 76.9 us), within 0.3% at (32, 65536) but innerq-2 (4.1% faster); at (1, 65536) (137 slots) 2 were slower
+    (kivi-4 42.2 against 39.6 us). On an H200 (session 35, call 6) 1.4-1.8 us faster at (32, 4096) for six presets,
+    0.5-1.4% at (32, 16384), within run-to-run noise at (32, 65536)."""
     return COMBINE_WARPS or (2 if ns <= 16 else 4)
 
 
