@@ -787,10 +787,11 @@ def _temperature_kernel(OUT_M, OUT_L, TEMP, tau_sum, REP: tl.constexpr, REP_PAD:
 @triton.jit
 def _combine_kernel(OUT_M, OUT_L, OUT_ACC, O, H: tl.constexpr, REP: tl.constexpr, REP_PAD: tl.constexpr,
                     D: tl.constexpr, NS: tl.constexpr, NS_PAD: tl.constexpr, PDL: tl.constexpr, TRB=None,
-                    TRACE: tl.constexpr = False):
-    """out = sum_j exp(m_j - m) acc_j / sum_j exp(m_j - m) l_j over the NS partial results of one row. TRACE
+                    TRACE: tl.constexpr = False, DB: tl.constexpr = 0):
+    """out = sum_j exp(m_j - m) acc_j / sum_j exp(m_j - m) l_j over the NS partial results of one row: grid
+    (rows, D / DB), program (row, c) the channels [c DB, (c + 1) DB) (DB 0: all D; `_combine_blocks`). TRACE
     (debug, `TRACE`): the record (`_trace_store`) of timer reads at the start, after the wait and at the end at
-    TRB + 8 row."""
+    TRB + 8 (row D / DB + c)."""
     if TRACE:
         tr0 = _trace_now()
     if PDL:
@@ -801,7 +802,8 @@ def _combine_kernel(OUT_M, OUT_L, OUT_ACC, O, H: tl.constexpr, REP: tl.constexpr
     bh = row // REP
     r = row % REP
     j = tl.arange(0, NS_PAD)
-    d = tl.arange(0, D)
+    BLK: tl.constexpr = DB if DB else D
+    d = tl.program_id(1) * BLK + tl.arange(0, BLK)
     base = (bh * REP_PAD + r) * NS
     jm = j < NS
     m = tl.load(OUT_M + base + j, mask=jm, other=float("-inf"))
@@ -815,7 +817,7 @@ def _combine_kernel(OUT_M, OUT_L, OUT_ACC, O, H: tl.constexpr, REP: tl.constexpr
     out = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), 0.0)
     tl.store(O + row * D + d, out.to(O.dtype.element_ty))
     if TRACE:
-        _trace_store(TRB + row.to(tl.int64) * 8, tr0, tr1, tr1, _trace_now())
+        _trace_store(TRB + (row * (D // BLK) + tl.program_id(1)).to(tl.int64) * 8, tr0, tr1, tr1, _trace_now())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -963,6 +965,26 @@ def _combine_warps(ns: int) -> int:
     (kivi-4 42.2 against 39.6 us). On an H200 (session 35, call 6) 1.4-1.8 us faster at (32, 4096) for six presets,
     0.5-1.4% at (32, 16384), within run-to-run noise at (32, 65536)."""
     return COMBINE_WARPS or (2 if ns <= 16 else 4)
+
+
+COMBINE_BLOCKS = None   # channel blocks per row of the final reduction (None: `_combine_blocks`'s rule; 1: none)
+
+
+def _combine_blocks(rows: int, D: int, device) -> int:
+    """Channels per program of the final reduction (`_combine_kernel` DB; 0: a row's D in one program): where its
+    `rows` programs would not fill the SMs once (batch 1: 32 rows on 132 SMs, each merging over a hundred slots of
+    128 channels), each row's channels in 4 blocks (`COMBINE_BLOCKS` overrides the count); D / blocks at least 16.
+    On an H100 (bench/RESULTS.md, session 35, call 8) against one program a row at (1, 65536) and (1, 16384): 0-5.7%
+    faster for seven presets (int8 63.7 against 67.0 us, innerq-2 38.0 against 40.3 at (1, 65536)), but kivi-4 at
+    (1, 16384) (13.6 against 13.5); 2 and 8 blocks within 0.3 us of 4."""
+    import torch
+
+    blocks = COMBINE_BLOCKS
+    if blocks is None:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+        blocks = 4 if rows < sms else 1
+    blocks = max(1, min(blocks, D // 16))
+    return D // blocks if blocks > 1 else 0
 
 
 def _window_triggers(programs: int, device) -> bool:
@@ -1299,7 +1321,9 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
             launch(2, temp, nsplit, m_buf, l_buf, acc_buf, logits)
     else:
         launch(0, query, nsplit, m_buf, l_buf, acc_buf)
-    _combine_kernel[(B * Hq,)](m_buf, l_buf, acc_buf, out, H=H, REP=rep, REP_PAD=rep_pad, D=D, NS=ns,
-                               num_warps=_combine_warps(ns), NS_PAD=triton.next_power_of_2(ns), PDL=pdl, **early,
-                               **(dict(TRB=TRACE["combine"], TRACE=True) if TRACE else {}))
+    db = _combine_blocks(B * Hq, D, query.device)
+    LAST_KERNELS["combine_grid"] = (B * Hq, D // db if db else 1)
+    _combine_kernel[LAST_KERNELS["combine_grid"]](
+        m_buf, l_buf, acc_buf, out, H=H, REP=rep, REP_PAD=rep_pad, D=D, NS=ns, DB=db, num_warps=_combine_warps(ns),
+        NS_PAD=triton.next_power_of_2(ns), PDL=pdl, **early, **(dict(TRB=TRACE["combine"], TRACE=True) if TRACE else {}))
     return out

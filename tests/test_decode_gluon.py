@@ -740,7 +740,8 @@ def test_trace_records_leave_the_output_unchanged_on_gpu(layout, monkeypatch):
         torch.cuda.synchronize()
         assert torch.equal(plain, traced)
         nsplit = da.LAST_KERNELS["splits"]
-        counts = {"main": B * H * nsplit, "window": None, "combine": B * H * rep}
+        grid = da.LAST_KERNELS["combine_grid"]
+        counts = {"main": B * H * nsplit, "window": None, "combine": grid[0] * grid[1]}
         for name, x in rec.items():
             r = x[x[:, 0] != 0].cpu()
             if counts[name] is not None:

@@ -307,6 +307,32 @@ def test_window_launch_triggers_the_reduction_only_when_small(sms, trigger, monk
     assert main["PDL"] and not main.get("TRIGGER", False) and combine["PDL"] and combine["launch_pdl"]
 
 
+@pytest.mark.parametrize("rows,D,blocks,db", [(32, 128, None, 32), (1024, 128, None, 0), (32, 128, 1, 0),
+                                                (32, 64, None, 16), (8, 128, 16, 16)])
+def test_combine_blocks_rule(rows, D, blocks, db, monkeypatch):
+    """`_combine_blocks`: a row's channels in 4 blocks where the reduction's rows do not fill the SMs (132 here),
+    one program a row where they do; `COMBINE_BLOCKS` overrides, never below 16 channels a block."""
+    from types import SimpleNamespace
+
+    from kvq_compile.templates import decode_attention as da
+
+    monkeypatch.setattr(da, "COMBINE_BLOCKS", blocks)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(multi_processor_count=132))
+    assert da._combine_blocks(rows, D, torch.device("cuda")) == db
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("blocks", [1, 2])
+def test_combine_blocks_do_not_change_the_result(blocks, monkeypatch):
+    """The final reduction by channel blocks (the CPU tests' rule: 4 at their few rows) or one program a row gives
+    the reference's output."""
+    from kvq_compile.templates import decode_attention as da
+
+    monkeypatch.setattr(da, "COMBINE_BLOCKS", blocks)
+    check(small_windows("kivi-2"), rep=4, D=128, seed=6)
+    assert da.LAST_KERNELS["combine_grid"][1] == blocks
+
+
 @pytest.mark.interpreter
 def test_split_count_does_not_change_the_result():
     cfg = small_windows("kivi-4")
