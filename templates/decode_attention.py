@@ -789,9 +789,9 @@ def _combine_kernel(OUT_M, OUT_L, OUT_ACC, O, H: tl.constexpr, REP: tl.constexpr
                     D: tl.constexpr, NS: tl.constexpr, NS_PAD: tl.constexpr, PDL: tl.constexpr, TRB=None,
                     TRACE: tl.constexpr = False, DB: tl.constexpr = 0):
     """out = sum_j exp(m_j - m) acc_j / sum_j exp(m_j - m) l_j over the NS partial results of one row: grid
-    (rows, D / DB), program (row, c) the channels [c DB, (c + 1) DB) (DB 0: all D; `_combine_blocks`). TRACE
-    (debug, `TRACE`): the record (`_trace_store`) of timer reads at the start, after the wait and at the end at
-    TRB + 8 (row D / DB + c)."""
+    (rows, D / BLK), program (row, c) the channels [c BLK, (c + 1) BLK), BLK = DB (0: BLK = D, one program a row;
+    `_combine_blocks`). TRACE (debug, `TRACE`): the record (`_trace_store`) of timer reads at the start, after the
+    wait and at the end at TRB + 8 (row D / BLK + c)."""
     if TRACE:
         tr0 = _trace_now()
     if PDL:
@@ -967,16 +967,19 @@ def _combine_warps(ns: int) -> int:
     return COMBINE_WARPS or (2 if ns <= 16 else 4)
 
 
-COMBINE_BLOCKS = None   # channel blocks per row of the final reduction (None: `_combine_blocks`'s rule; 1: none)
+COMBINE_BLOCKS = None   # channel blocks per row of the final reduction (None: `_combine_blocks`'s rule; 0 or 1:
+                        # none; else rounded down to a power of two)
 
 
 def _combine_blocks(rows: int, D: int, device) -> int:
     """Channels per program of the final reduction (`_combine_kernel` DB; 0: a row's D in one program): where its
     `rows` programs would not fill the SMs once (batch 1: 32 rows on 132 SMs, each merging over a hundred slots of
-    128 channels), each row's channels in 4 blocks (`COMBINE_BLOCKS` overrides the count); D / blocks at least 16.
+    128 channels), each row's channels in 4 blocks (`COMBINE_BLOCKS` overrides the count). The count is a power of
+    two (so that it divides D, a power of two) and leaves at least 16 channels a block.
     On an H100 (bench/RESULTS.md, session 35, call 8) against one program a row at (1, 65536) and (1, 16384): 0-5.7%
     faster for seven presets (int8 63.7 against 67.0 us, innerq-2 38.0 against 40.3 at (1, 65536)), but kivi-4 at
-    (1, 16384) (13.6 against 13.5); 2 and 8 blocks within 0.3 us of 4."""
+    (1, 16384) (13.6 against 13.5); 2 and 8 blocks within 0.4 us of 4. Batch 2-4 (64-128 rows, also split) was not
+    measured."""
     import torch
 
     blocks = COMBINE_BLOCKS
@@ -984,7 +987,20 @@ def _combine_blocks(rows: int, D: int, device) -> int:
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
         blocks = 4 if rows < sms else 1
     blocks = max(1, min(blocks, D // 16))
+    blocks = 1 << (blocks.bit_length() - 1)   # a power of two: it divides D
     return D // blocks if blocks > 1 else 0
+
+
+def _trace_buffer(name: str, programs: int):
+    """The debug record buffer `TRACE[name]` for a launch of `programs` programs (8 int64 each), or None without
+    TRACE; ValueError where it is too small (the kernels write past no buffer)."""
+    if not TRACE:
+        return None
+    buf = TRACE[name]
+    if buf.numel() < 8 * programs:
+        raise ValueError(f"decode_attention.TRACE[{name!r}] holds {buf.numel() // 8} records; the launch has "
+                         f"{programs} programs")
+    return buf
 
 
 def _window_triggers(programs: int, device) -> bool:
@@ -1296,13 +1312,14 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
             LAST_KERNELS["main"] = dag.launch(query, kp, vp, m_buf=m_buf, l_buf=l_buf, acc_buf=acc_buf, scale=scale,
                                               nsplit=nsplit, phase=phase, temp=temp if phase == 2 else None,
                                               logits=logits, ranges=ranges, **gluon_layer,
-                                              trace=TRACE["main"] if TRACE else None)
+                                              trace=_trace_buffer("main", B * H * nsplit))
         else:
             LAST_KERNELS["main"] = _decode_kernel[(B * H, nsplit)](*args, **consts, WINDOW=False,
                                                                    num_warps=num_warps, num_stages=num_stages)
+        LAST_KERNELS["window_grid"] = None if win_in else (B * H, nwin)
         LAST_KERNELS["window"] = None if win_in else _decode_kernel[(B * H, nwin)](
             *args, **consts, WINDOW=True, num_warps=window_warps, num_stages=1, TRIGGER=trigger, **early,
-            **(dict(TRB=TRACE["window"], TRACE=True) if TRACE else {}))
+            **(dict(TRB=_trace_buffer("window", B * H * nwin), TRACE=True) if TRACE else {}))
 
     if cfg.softmax_tau is not None:
         n1 = splits(1)   # the range pass: its own slices (and buffers of max and min, no acc)
@@ -1322,8 +1339,9 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
     else:
         launch(0, query, nsplit, m_buf, l_buf, acc_buf)
     db = _combine_blocks(B * Hq, D, query.device)
-    LAST_KERNELS["combine_grid"] = (B * Hq, D // db if db else 1)
-    _combine_kernel[LAST_KERNELS["combine_grid"]](
+    grid = LAST_KERNELS["combine_grid"] = (B * Hq, D // db if db else 1)
+    _combine_kernel[grid](
         m_buf, l_buf, acc_buf, out, H=H, REP=rep, REP_PAD=rep_pad, D=D, NS=ns, DB=db, num_warps=_combine_warps(ns),
-        NS_PAD=triton.next_power_of_2(ns), PDL=pdl, **early, **(dict(TRB=TRACE["combine"], TRACE=True) if TRACE else {}))
+        NS_PAD=triton.next_power_of_2(ns), PDL=pdl, **early,
+        **(dict(TRB=_trace_buffer("combine", grid[0] * grid[1]), TRACE=True) if TRACE else {}))
     return out

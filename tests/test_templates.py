@@ -307,11 +307,13 @@ def test_window_launch_triggers_the_reduction_only_when_small(sms, trigger, monk
     assert main["PDL"] and not main.get("TRIGGER", False) and combine["PDL"] and combine["launch_pdl"]
 
 
-@pytest.mark.parametrize("rows,D,blocks,db", [(32, 128, None, 32), (1024, 128, None, 0), (32, 128, 1, 0),
+@pytest.mark.parametrize("rows,D,blocks,db", [(32, 128, None, 32), (1024, 128, None, 0), (132, 128, None, 0),
+                                                (32, 128, 1, 0), (32, 128, 0, 0), (32, 128, 3, 64),
                                                 (32, 64, None, 16), (8, 128, 16, 16)])
 def test_combine_blocks_rule(rows, D, blocks, db, monkeypatch):
     """`_combine_blocks`: a row's channels in 4 blocks where the reduction's rows do not fill the SMs (132 here),
-    one program a row where they do; `COMBINE_BLOCKS` overrides, never below 16 channels a block."""
+    one program a row where they do; `COMBINE_BLOCKS` overrides (0 as 1, rounded down to a power of two), never
+    below 16 channels a block."""
     from types import SimpleNamespace
 
     from kvq_compile.templates import decode_attention as da
@@ -324,8 +326,8 @@ def test_combine_blocks_rule(rows, D, blocks, db, monkeypatch):
 @pytest.mark.interpreter
 @pytest.mark.parametrize("blocks", [1, 2])
 def test_combine_blocks_do_not_change_the_result(blocks, monkeypatch):
-    """The final reduction by channel blocks (the CPU tests' rule: 4 at their few rows) or one program a row gives
-    the reference's output."""
+    """One program a row (1) and 2 channel blocks give the reference's output (4 blocks, the rule at the CPU tests'
+    few rows, run in every other CPU test)."""
     from kvq_compile.templates import decode_attention as da
 
     monkeypatch.setattr(da, "COMBINE_BLOCKS", blocks)

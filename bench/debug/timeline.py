@@ -7,6 +7,9 @@ first ring slot's landing, its loop, its stores.
 
     python bench/debug/timeline.py [presets] [shapes] [variants]
         e.g. kivi-2,kivi-4 1x65536,32x4096 'default;FILL_PER_SM=99'   (variants: upper-case flags of decode_attention)
+
+Presets whose layers take the KIVI-layout Gluon launch (kivi-*, xquant-*, innerq-*) only: the other Gluon launches
+write no records, and `decode_attention_gluon.launch` refuses a record buffer for them (ValueError).
 """
 from __future__ import annotations
 
@@ -63,7 +66,7 @@ def summarize(sets, last: int):
     main, win, comb = (_rows(cur[k]) for k in ("main", "window", "combine"))
     pcomb = _rows(prev["combine"])
     if not len(main):
-        print("  no records from the Gluon launch (not the KIVI layout's, or not traced)")
+        print("  no records from the Gluon launch (the layer took the Triton launch)")
         return
     t_zero = pcomb[:, 4].max() if len(pcomb) else main[:, 0].min()
     rel = lambda x: x - t_zero  # noqa: E731
