@@ -51,8 +51,8 @@ def traced_graph(fn, sets):
 
 
 def _rows(buf):
-    r = buf[buf[:, 0] != 0].cpu()
-    return r
+    """The records written (a nonzero start time), on the CPU."""
+    return buf[buf[:, 0] != 0].cpu()
 
 
 def _q(x, qs=(0, 0.5, 0.9, 1.0)):
@@ -70,8 +70,7 @@ def summarize(sets, last: int):
         return
     t_zero = pcomb[:, 4].max() if len(pcomb) else main[:, 0].min()
     rel = lambda x: x - t_zero  # noqa: E731
-    lines = []
-    lines.append(f"  zero = previous call's final reduction end; times us as min/median/p90/max")
+    lines = ["  zero = previous call's final reduction end; times us as min/median/p90/max"]
     per_sm = torch.bincount(main[:, 5], minlength=1)
     lines.append(f"  main: {len(main)} programs on {int((per_sm > 0).sum())} SMs, {int(per_sm.max())} at most a SM"
                  f" (median {int(per_sm[per_sm > 0].median())}); tiles {_q(main[:, 6].double() * 1e3)}")
@@ -108,7 +107,7 @@ def main():
     sets = [_buffers(), _buffers()]
     for preset in presets:
         for B, ctx in shapes:
-            fn, nbytes = decode_call(preset, B, ctx)
+            fn, _ = decode_call(preset, B, ctx)
             for var in variants:
                 flags = dict(kv.split("=") for kv in var.split(",") if kv != "default")
                 saved = {k: getattr(da, k) for k in flags}
