@@ -18,6 +18,7 @@ bandwidth-bound kernels).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -35,6 +36,23 @@ from kvq_compile import store as st  # noqa: E402
 from kvq_compile.ops import attend_cpu_reference  # noqa: E402  (the reference, whatever device)
 from kvq_compile.templates.decode_attention import decode_attention  # noqa: E402
 from kvq_compile.templates import decode_attention as da  # noqa: E402  (its flags, for --variants)
+
+@contextlib.contextmanager
+def da_flags(flags: dict):
+    """decode_attention's module flags (upper-case names, e.g. FILL_PER_SM, COMBINE_WARPS) set inside the block and
+    restored after it; SystemExit naming any that is not one."""
+    for k in flags:
+        if not hasattr(da, k):
+            sys.exit(f"{k} is not a flag of kvq_compile.templates.decode_attention")
+    saved = {k: getattr(da, k) for k in flags}
+    for k, x in flags.items():
+        setattr(da, k, x)
+    try:
+        yield
+    finally:
+        for k, x in saved.items():
+            setattr(da, k, x)
+
 
 PRESETS = ["fp16", "int8", "kivi-4", "kvquant-4", "kivi-2", "innerq-2", "xquant-1.38", "calibquant-1"]
 HQ, H, D = 32, 8, 128
@@ -299,22 +317,14 @@ def main():
                 # upper-case keys: flags of decode_attention (e.g. FILL_PER_SM, COMBINE_WARPS) set for this variant
                 flags = {k: x for k, x in var.items() if k.isupper()}
                 launch = {k: x for k, x in var.items() if not k.isupper()}
-                for k in flags:
-                    if not hasattr(da, k):
-                        sys.exit(f"--variants: {k} is not a flag of kvq_compile.templates.decode_attention")
                 fn = lambda: decode_attention(q, bufs, kc, vc, pos, am, D ** -0.5, False, cfg, lay.spec,  # noqa: E731
                                               ms.geo, **launch)
-                saved = {k: getattr(da, k) for k in flags}
-                for k, x in flags.items():
-                    setattr(da, k, x)
                 try:
-                    t = graph_time(fn) / 1e3  # ms, GPU time of one call (CUDA graph replay: no launch overhead)
+                    with da_flags(flags):
+                        t = graph_time(fn) / 1e3  # ms, GPU time of one call (CUDA graph replay: no launch overhead)
                 except Exception as e:  # a variant that does not fit (shared memory) is skipped
                     print(f"  {name} {var}: {type(e).__name__}: {str(e)[:100]}")
                     continue
-                finally:
-                    for k, x in saved.items():
-                        setattr(da, k, x)
                 if args.splits or args.variants:
                     print(f"  {name} B={B} ctx={ctx} {var or 'default'}: {t * 1e3:.1f} us", flush=True)
                 from kvq_compile.templates.decode_attention import LAST_KERNELS

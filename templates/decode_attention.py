@@ -1066,9 +1066,11 @@ def _fill_cap(kind: str | None, max_len: int, fill_slices: int) -> int | None:
     H200 (1.3-6.3%), and for xquant's 1-bit layers on an H100 (0.9-11%). At (8, 65536), (32, 16384) and
     (32, 65536) (2731-10923-token slices) it was 2.1-3.6% faster for kivi-2 and kivi-4 on the H100 but up to 11%
     slower on the H200 (kivi-2 at (32, 65536); a guess, not profiled: its higher bandwidth needs more loads in
-    flight), and 5.9-7.5% slower for 1-bit layers on the H100. Why 8 beats 12 was not profiled; the window
-    launch's 4-warp programs (96 registers, offline: `bench/debug/window_regs.py`) fit beside 8 KIVI programs, not
-    12, but kivi-2's 10, which leave room for one, were slower than 12. The other layouts were slower with 8 at
+    flight), and 5.9-7.5% slower for 1-bit layers on the H100. Why, at batch 1 (session 35,
+    `bench/debug/timeline.py`): the window launch's 4-warp programs (96 registers, offline:
+    `bench/debug/window_regs.py`) fit beside 8 KIVI programs a SM, and run there from the start; beside 12 they do
+    not, and start only as the KIVI programs end. (kivi-2 at 10, with room for one, was slower than 12 in session 34:
+    not traced.) The other layouts were slower with 8 at
     almost every one of these shapes (int8, kvquant-4, innerq-2, calibquant-1 on the H100: up to 38%)."""
     if FILL_PER_SM:
         return FILL_PER_SM

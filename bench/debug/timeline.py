@@ -19,7 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench_decode_attention import graph_time  # noqa: E402
+from bench_decode_attention import da_flags, graph_time  # noqa: E402
 from check_gluon import decode_call  # noqa: E402
 
 from kvq_compile.templates import decode_attention as da  # noqa: E402
@@ -55,9 +55,10 @@ def _rows(buf):
     return buf[buf[:, 0] != 0].cpu()
 
 
-def _q(x, qs=(0, 0.5, 0.9, 1.0)):
+def _q(x, scale=1e-3, qs=(0, 0.5, 0.9, 1.0)):
+    """min / median / p90 / max of x times `scale` (ns to us by default)."""
     x = x.double()
-    return "/".join(f"{torch.quantile(x, q).item() / 1e3:.1f}" for q in qs)
+    return "/".join(f"{torch.quantile(x, q).item() * scale:.1f}" for q in qs)
 
 
 def summarize(sets, last: int):
@@ -73,13 +74,13 @@ def summarize(sets, last: int):
     lines = ["  zero = previous call's final reduction end; times us as min/median/p90/max"]
     per_sm = torch.bincount(main[:, 5], minlength=1)
     lines.append(f"  main: {len(main)} programs on {int((per_sm > 0).sum())} SMs, {int(per_sm.max())} at most a SM"
-                 f" (median {int(per_sm[per_sm > 0].median())}); tiles {_q(main[:, 6].double() * 1e3)}")
+                 f" (median {int(per_sm[per_sm > 0].median())}); tiles {_q(main[:, 6], 1)}")
     lines.append(f"    start {_q(rel(main[:, 0]))} | setup {_q(main[:, 1] - main[:, 0])} | first slot "
                  f"{_q(main[:, 2] - main[:, 1])} | loop {_q(main[:, 3] - main[:, 2])} | stores "
                  f"{_q(main[:, 4] - main[:, 3])} | end {_q(rel(main[:, 4]))}")
     busy = (main[:, 4] - main[:, 0]).double()
     ns_tile = ((main[:, 3] - main[:, 2]).double() / main[:, 6].clamp(min=1).double())
-    lines.append(f"    program {_q(busy)} | loop ns per tile {_q(ns_tile * 1e3)}")
+    lines.append(f"    program {_q(busy)} | loop ns per tile {_q(ns_tile, 1)}")
     if len(win):
         lines.append(f"  window: {len(win)} programs; start {_q(rel(win[:, 0]))} | computed {_q(rel(win[:, 1]))} "
                      f"| released {_q(rel(win[:, 2]))} | end {_q(rel(win[:, 4]))}")
@@ -109,30 +110,26 @@ def main():
         for B, ctx in shapes:
             fn, _ = decode_call(preset, B, ctx)
             for var in variants:
-                flags = dict(kv.split("=") for kv in var.split(",") if kv != "default")
-                saved = {k: getattr(da, k) for k in flags}
-                for k, x in flags.items():
-                    setattr(da, k, int(x))
-                base = graph_time(fn)
-                for st in sets:
-                    for b in st.values():
-                        b.zero_()
-                g = traced_graph(fn, sets)
-                g.replay()
-                torch.cuda.synchronize()
-                t = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                t[0].record()
-                for _ in range(5):
+                flags = {k: int(x) for k, x in (kv.split("=") for kv in var.split(",") if kv != "default")}
+                with da_flags(flags):
+                    base = graph_time(fn)
+                    for st in sets:
+                        for b in st.values():
+                            b.zero_()
+                    g = traced_graph(fn, sets)
                     g.replay()
-                t[1].record()
-                torch.cuda.synchronize()
-                traced = t[0].elapsed_time(t[1]) * 1e3 / (5 * REPS)
-                print(f"{preset} ({B}, {ctx}) {var}: {base:.1f} us a call untraced, {traced:.1f} traced; "
-                      f"slices {da.LAST_KERNELS.get('splits')}", flush=True)
-                summarize(sets, (REPS - 1) % 2)
-                for k, x in saved.items():
-                    setattr(da, k, x)
-                del g
+                    torch.cuda.synchronize()
+                    t = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    t[0].record()
+                    for _ in range(5):
+                        g.replay()
+                    t[1].record()
+                    torch.cuda.synchronize()
+                    traced = t[0].elapsed_time(t[1]) * 1e3 / (5 * REPS)
+                    print(f"{preset} ({B}, {ctx}) {var}: {base:.1f} us a call untraced, {traced:.1f} traced; "
+                          f"slices {da.LAST_KERNELS.get('splits')}", flush=True)
+                    summarize(sets, (REPS - 1) % 2)
+                    del g
 
 
 if __name__ == "__main__":
