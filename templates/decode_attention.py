@@ -22,8 +22,9 @@ holds valid positions below S only: the sink's tiles, and the appended token's w
 only one side is quantized; its tiles unpack codes only where they meet them. Each writes its running (max, sum,
 acc); `_combine_kernel` merges them. On sm_90+ the window launch and the merge are programmatic dependent launches
 (PDL): the window launch may start while launch 1 runs, since it reads nothing launch 1 writes (its slots are its
-own), and waits for launch 1 before it ends; the merge waits for the window launch before it reads (a window launch
-of at most one program per SM, TRIGGER, lets the merge launch at once). CalibQuant's
+own), and its last program waits for launch 1 before it ends (`WINDOW_ONE_WAIT`: the others end at once and free
+their slots); the merge waits for the window launch's end, hence launch 1's, before it reads (a window launch of at
+most one program per SM, TRIGGER, lets the merge launch at once). CalibQuant's
 temperature needs each row's logit range first: TAU_PHASE 1 runs both launches without V (with its own split count
 and max / min buffers), `_temperature_kernel` turns each row's range into its temperature, then TAU_PHASE 2
 attends (the Gluon launch's range pass also keeps its logits, which its attention pass reads instead of the Keys).
@@ -490,13 +491,16 @@ def _decode_program(
         ROPE: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHARED: tl.constexpr, IS_CAUSAL: tl.constexpr,
         TAU_PHASE: tl.constexpr,
         KPOST: tl.constexpr, VPOST: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr,
-        WINDOW: tl.constexpr, NWIN: tl.constexpr, PDL: tl.constexpr, TRB=None, TRACE: tl.constexpr = False, tr0=0):
+        WINDOW: tl.constexpr, NWIN: tl.constexpr, PDL: tl.constexpr, TRB=None, TRACE: tl.constexpr = False, tr0=0,
+        waits=True):
     """One program of the quantized-region launch (WINDOW False: slice `slot` of KV head row bh = b * H + h) or
     of the window launch (WINDOW: window tile `slot`), given the query rows q [REP_PAD, D] of its GQA group
     (`_load_query`): its (max, sum, acc) into slot `slot` (WINDOW: NSPLIT + `slot`) of each real row. The
     launches (`_decode_kernel`, `_fused_decode`) only say which program runs where. TRACE (debug, `TRACE`): the
     record (`_trace_store`) of timer reads tr0 (the launch's start), before and after the wait for the quantized
-    region's launch, and at the end, at TRB + 8 (bh NWIN + slot) (the window launch only)."""
+    region's launch, and at the end, at TRB + 8 (bh NWIN + slot) (the window launch only). `waits` (the window
+    launch under PDL): whether this program waits for the quantized region's launch before it ends (one waiter
+    suffices: the launches after this one wait for all its programs' ends)."""
     split = NSPLIT + slot if WINDOW else slot
     b = bh // H
     h = bh % H
@@ -588,7 +592,8 @@ def _decode_program(
     if TRACE:
         tr1 = _trace_now()
     if PDL and WINDOW:
-        gdc_wait()   # ends after the quantized-region launch: the launches after this one wait for both
+        if waits:
+            gdc_wait()   # ends after the quantized-region launch: the launches after this one wait for both
     if TRACE:
         tr2 = _trace_now()
     o = (bh * REP_PAD + r) * (NSPLIT + NWIN) + split   # rows REP..REP_PAD-1 are never read
@@ -620,7 +625,7 @@ def _decode_kernel(
         TAU_PHASE: tl.constexpr,
         KPOST: tl.constexpr, VPOST: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr,
         WINDOW: tl.constexpr, NWIN: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr = False, TRB=None,
-        TRACE: tl.constexpr = False):
+        TRACE: tl.constexpr = False, ONE_WAIT: tl.constexpr = False):
     """The quantized-region launch (grid (B * H, NSPLIT)) or the window launch (WINDOW, grid (B * H, NWIN)):
     `_decode_program` per program (TRACE: its debug records, the window launch only)."""
     tr0 = _trace_now() if TRACE else 0
@@ -629,13 +634,16 @@ def _decode_kernel(
         # final reduction (after a window launch with TRIGGER) waits for this launch's end before it reads
         gdc_launch_dependents()
     bh = tl.program_id(0)
+    waits = True
+    if ONE_WAIT:  # the window launch's last program alone waits for the quantized region's launch (`WINDOW_ONE_WAIT`)
+        waits = (bh == tl.num_programs(0) - 1) & (tl.program_id(1) == tl.num_programs(1) - 1)
     q = _load_query(Q, stride_qb, stride_qh, bh, H, REP, REP_PAD, D)
     _decode_program(q, KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK, stride_kb,
         stride_kh, VC, VCEN, VHALF, VMASK, VOVAL, VOIDX, VLEV, VDATA, VSINK, VRING, VCHUNK, stride_vb, stride_vh,
         COS, SIN, POS, AMASK, stride_mb, stride_mh, TEMP, OUT_M, OUT_L, OUT_ACC, scale, T, NG_K, NG_V, NSPLIT, bh,
         tl.program_id(1), H, REP, REP_PAD, D, S, R, BITS_K, AXIS_K, GS_K, SYM_K, LUT_K, NOUT_K, NORM_K, TPG_K,
         WR_K, BITS_V, AXIS_V, GS_V, SYM_V, LUT_V, NOUT_V, TPG_V, WR_V, ROPE, MASK_KIND, MASK_SHARED, IS_CAUSAL,
-        TAU_PHASE, KPOST, VPOST, BLOCK_T, IEEE, INTERP, WINDOW, NWIN, PDL, TRB, TRACE and WINDOW, tr0)
+        TAU_PHASE, KPOST, VPOST, BLOCK_T, IEEE, INTERP, WINDOW, NWIN, PDL, TRB, TRACE and WINDOW, tr0, waits)
 
 
 @triton.jit
@@ -944,10 +952,16 @@ def _window_tiles(cfg, kc: dict, vc: dict, block_t: int) -> int:
 COMBINE_WARPS = None    # warps of each program of the final reduction (None: `_combine_warps`; bench/check_gluon.py
                         # --sweep flips it)
 PDL = None              # programmatic dependent launch of the window launch and the final reduction (each may start
-                        # before the launch ahead of it ends; the window launch waits for the quantized region's
-                        # before it ends, the reduction for the window's before it reads; with calibquant's windows
-                        # inside its Gluon launches, its attention pass waits for the range pass before it reads
-                        # and the reduction for the attention pass): None = on sm_90+, False off
+                        # before the launch ahead of it ends; the window launch's last program waits for the
+                        # quantized region's before it ends, the reduction for the window's before it reads; with
+                        # calibquant's windows inside its Gluon launches, its attention pass waits for the range
+                        # pass before it reads and the reduction for the attention pass): None = on sm_90+, False off
+WINDOW_ONE_WAIT = True  # under PDL, only the window launch's last program waits for the quantized region's launch
+                        # (its programs that end early free their slots instead of holding them; False: every
+                        # program waits, sessions 13-35). H200, session 36: 2-7% faster at (32, 4096) (kivi-2 48.6
+                        # against 51.4 us, 1243 of kivi-4's 1280 window programs beside the Gluon launch, not 391)
+WINDOW_TRIGGER = None   # whether the window launch lets the final reduction launch early (None: `_window_triggers`'s
+                        # rule; True / False: always / never, for A/Bs)
 POISON = False          # partial-result buffers filled with NaN before each call (a check that nothing reads a slot
                         # before it is written: bench/check_gluon.py --pdl, tests/test_templates.py on a GPU)
 TRACE: dict | None = None  # debug (bench/debug/timeline.py): {"main", "window", "combine"} int64 CUDA buffers of 8
@@ -1012,6 +1026,8 @@ def _window_triggers(programs: int, device) -> bool:
     competes with the window's programs for the SMs' slots."""
     import torch
 
+    if WINDOW_TRIGGER is not None:
+        return bool(WINDOW_TRIGGER)
     return programs <= torch.cuda.get_device_properties(device).multi_processor_count
 
 
@@ -1320,7 +1336,8 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
                                                                    num_warps=num_warps, num_stages=num_stages)
         LAST_KERNELS["window_grid"] = None if win_in else (B * H, nwin)
         LAST_KERNELS["window"] = None if win_in else _decode_kernel[(B * H, nwin)](
-            *args, **consts, WINDOW=True, num_warps=window_warps, num_stages=1, TRIGGER=trigger, **early,
+            *args, **consts, WINDOW=True, num_warps=window_warps, num_stages=1, TRIGGER=trigger,
+            ONE_WAIT=bool(pdl and WINDOW_ONE_WAIT), **early,
             **(dict(TRB=_trace_buffer("window", B * H * nwin), TRACE=True) if TRACE else {}))
 
     if cfg.softmax_tau is not None:

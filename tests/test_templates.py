@@ -270,6 +270,20 @@ def test_early_launches_read_written_slots_only(name, monkeypatch):
         torch.testing.assert_close(out.float(), ref, atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="programmatic dependent launch runs on a GPU")
+@pytest.mark.parametrize("B,one_wait", [(1, True), (3, True), (1, False)])
+def test_reduction_waits_for_the_quantized_region_behind_early_window_programs(B, one_wait, monkeypatch):
+    """At 16k tokens the window launch's tiles end long before the quantized region's slices. With only the window
+    launch's last program waiting for the quantized region (`decode_attention.WINDOW_ONE_WAIT`), the others ending
+    at once, the final reduction still reads every slice's slot after it is written (NaN-filled buffers: POISON)."""
+    from kvq_compile.templates import decode_attention as da
+
+    monkeypatch.setattr(da, "POISON", True)
+    monkeypatch.setattr(da, "WINDOW_ONE_WAIT", one_wait)
+    check(KVQConfig.preset("kivi-2"), B=B, H=2, rep=4, D=128, T=16384, prefill=16000, steps=2,
+          dtype=torch.bfloat16, block_t=32, num_splits=None, seed=B)
+
+
 @pytest.mark.parametrize("sms,trigger", [(132, True), (4, False)])
 def test_window_launch_triggers_the_reduction_only_when_small(sms, trigger, monkeypatch):
     """With PDL the window launch lets the final reduction launch early (TRIGGER) only when it has at most one
@@ -304,6 +318,7 @@ def test_window_launch_triggers_the_reduction_only_when_small(sms, trigger, monk
     programs = window[0][0] * window[0][1]   # KV heads x window tiles: one per SM of 132, not of 4
     assert 4 < programs <= 132
     assert window[1]["TRIGGER"] is trigger and window[1]["PDL"] and window[1]["launch_pdl"]
+    assert window[1]["ONE_WAIT"] is da.WINDOW_ONE_WAIT   # only its last program waits for the quantized region
     assert main["PDL"] and not main.get("TRIGGER", False) and combine["PDL"] and combine["launch_pdl"]
 
 
