@@ -1017,18 +1017,24 @@ def _trace_buffer(name: str, programs: int):
     return buf
 
 
-def _window_triggers(programs: int, device) -> bool:
+def _window_triggers(programs: int, device, kivi_programs: int | None = None) -> bool:
     """Whether the window launch (`programs` programs) lets the final reduction launch early (PDL): when all its
-    programs start at once on their own SMs, the reduction's programs wait on the idle ones (`gdc_wait`) instead of
-    being launched after the window ends. Measured on an H100 (bench/RESULTS.md, session 17, the trigger in every
-    window launch, CUDA-graph timed): at batch 1 (8-40 window programs) 3-11% faster for kivi-2, kivi-4, kvquant-4
-    and int8; within +-1.5% at batch 8 (64-320); up to 4% slower at batch 32 (256-1280), where the early reduction
-    competes with the window's programs for the SMs' slots."""
+    programs start at once on their own SMs, or when KIVI's layout's Gluon launch (`kivi_programs` programs; None:
+    another launch) holds at most KIVI_FILL_PER_SM a SM (`_fill_cap`'s short slices), the reduction's programs wait
+    beside them (`gdc_wait`) instead of being launched after the window ends. WINDOW_TRIGGER overrides.
+    Measured on an H100 (bench/RESULTS.md, session 17, the trigger in every window launch, every program of it
+    waiting, CUDA-graph timed): at batch 1 (8-40 window programs) 3-11% faster for kivi-2, kivi-4, kvquant-4 and
+    int8; within +-1.5% at batch 8 (64-320); up to 4% slower at batch 32 (256-1280), where the early reduction
+    competed with the window's programs for the SMs' slots. With only the window's last program waiting
+    (`WINDOW_ONE_WAIT`), on an H200 (session 36, call 2, two rounds): at (8, 16384) and (32, 4096), where KIVI's
+    launch holds 8 a SM, 0.2-1.1 us faster for kivi-4, kivi-2 and xquant-1.38 (kivi-4 at (32, 4096) 58.0 against
+    59.1 us), 0.2-0.8 us slower for innerq-2; at (32, 16384) and (8, 65536) (12 a SM) int8 0.2-9.7 us slower."""
     import torch
 
     if WINDOW_TRIGGER is not None:
         return bool(WINDOW_TRIGGER)
-    return programs <= torch.cuda.get_device_properties(device).multi_processor_count
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return programs <= sms or (kivi_programs is not None and kivi_programs <= KIVI_FILL_PER_SM * sms)
 
 
 def _use_pdl(query) -> bool:
@@ -1286,8 +1292,6 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
     nwin = _window_tiles(cfg, kc, vc, dag.BT if win_in else block_t)
     pdl = _use_pdl(query)   # the window launch and the final reduction start early (sm_90+)
     early = dict(launch_pdl=True) if pdl else {}
-    # a window launch of at most one program per SM lets the final reduction start at once (`_window_triggers`)
-    trigger = pdl and _window_triggers(B * H * nwin, query.device)
     # the layer as both `dag.resident_programs` and `dag.launch` take it
     gluon_layer = dict(positions=positions, amask=amask, smb=smb, mask_kind=mask_kind, T=T, nwin=nwin,
                        ng_k=vc["NG"] if kind == "inner" else kc["NG"],   # the token-grouped side's statistics rows
@@ -1315,6 +1319,9 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
 
     nsplit = splits(0 if cfg.softmax_tau is None else 2)
     ns = nsplit + nwin
+    # the final reduction launches early where the SMs hold its programs beside the others (`_window_triggers`)
+    trigger = pdl and _window_triggers(B * H * nwin, query.device,
+                                       B * H * nsplit if use_gluon and kind == "kivi" else None)
     LAST_KERNELS["splits"] = nsplit
     m_buf, l_buf, acc_buf = partials(nsplit)
     out = _output(out, query)

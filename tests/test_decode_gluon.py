@@ -285,6 +285,41 @@ def test_fill_cap_by_layout(monkeypatch, preset, kivi):
         assert da.LAST_KERNELS["splits"] == want, (preset, short, knob)
 
 
+@pytest.mark.skipif(CUDA, reason="the Triton launches run on CPU tensors: the interpreter, without a GPU")
+@pytest.mark.parametrize("preset, kivi", [("kivi-2", True), ("k1v1", True), ("innerq-2", False), ("int8", False)])
+def test_reduction_launches_early_beside_a_capped_kivi_launch(monkeypatch, preset, kivi):
+    """With PDL, the window launch lets the final reduction launch early (TRIGGER) where KIVI's layout's Gluon
+    launch holds at most KIVI_FILL_PER_SM (8) programs a SM (`_window_triggers`), not where it holds more, nor beside
+    the other layouts' launches; WINDOW_TRIGGER overrides. Kernels stubbed and captured on the CPU (one SM, more
+    window programs than SMs)."""
+    import types
+
+    _stub_gluon(monkeypatch)
+    monkeypatch.setattr(da, "_use_pdl", lambda q: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(
+        multi_processor_count=1))
+    launches = []
+
+    class Capture:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((grid, kw))
+
+    monkeypatch.setattr(da, "_decode_kernel", Capture())
+    monkeypatch.setattr(da, "_combine_kernel", Capture())
+    cfg, ms, lay, k, v, p = _store(preset, 1, 2, 256, 200, torch.float16, "cpu")
+    bufs = dict(zip(*lay.attend_tensors()))
+    q = torch.randn(1, 8, 1, 128).half()
+    for slices, knob, want in ((4, None, kivi), (5, None, False), (5, 1, True), (4, 0, False)):
+        monkeypatch.setattr(da, "_fill_splits", lambda bh, max_len, device, resident, n=slices: n)
+        monkeypatch.setattr(da, "WINDOW_TRIGGER", knob)
+        launches.clear()
+        da.decode_attention(q, bufs, k, v, p, None, 0.1, False, cfg, lay.spec, ms.geo, gluon=True)
+        (window,) = [(grid, kw) for grid, kw in launches if kw.get("WINDOW")]
+        assert window[0][0] * window[0][1] > 1   # more window programs than SMs: that rule alone says no
+        assert da.LAST_KERNELS["splits"] == slices   # 2 KV heads: 8 programs (8 a SM) or 10
+        assert window[1]["TRIGGER"] is want, (preset, slices, knob)
+
+
 def test_programs_per_sm_follows_the_occupancy_rules():
     """The Gluon launch's slice count rests on this: one-warp programs per SM from registers, shared memory and the
     blocks-per-SM limit, as Nsight Compute reported them on an H100 (bench/RESULTS.md, session 11: 157 and 168

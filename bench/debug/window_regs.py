@@ -46,7 +46,7 @@ def window_launch(preset: str, B: int = 2, H: int = 8, T: int = 1024) -> tuple:
     dag.launch = lambda *a, **k: None
     da._fill_splits = lambda bh, max_len, device, resident: resident   # no GPU to count the SMs of
     da._use_pdl = lambda q: True
-    da._window_triggers = lambda programs, device: False
+    da._window_triggers = lambda programs, device, kivi_programs=None: False
     cfg = KVQConfig.preset(preset)
     ms = st.ModelStore(cfg, 1, st.Geometry(B, H, T, 128, "bfloat16"), "cpu")
     lay = ms.layers[0]
