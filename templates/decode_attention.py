@@ -23,8 +23,8 @@ only one side is quantized; its tiles unpack codes only where they meet them. Ea
 acc); `_combine_kernel` merges them. On sm_90+ the window launch and the merge are programmatic dependent launches
 (PDL): the window launch may start while launch 1 runs, since it reads nothing launch 1 writes (its slots are its
 own), and its last program waits for launch 1 before it ends (`WINDOW_ONE_WAIT`: the others end at once and free
-their slots); the merge waits for the window launch's end, hence launch 1's, before it reads (a window launch of at
-most one program per SM, TRIGGER, lets the merge launch at once). CalibQuant's
+their slots); the merge waits for the window launch's end, hence launch 1's, before it reads (TRIGGER lets the merge
+launch at once where the SMs hold its programs beside the others: `_window_triggers`). CalibQuant's
 temperature needs each row's logit range first: TAU_PHASE 1 runs both launches without V (with its own split count
 and max / min buffers), `_temperature_kernel` turns each row's range into its temperature, then TAU_PHASE 2
 attends (the Gluon launch's range pass also keeps its logits, which its attention pass reads instead of the Keys).
@@ -498,9 +498,10 @@ def _decode_program(
     (`_load_query`): its (max, sum, acc) into slot `slot` (WINDOW: NSPLIT + `slot`) of each real row. The
     launches (`_decode_kernel`, `_fused_decode`) only say which program runs where. TRACE (debug, `TRACE`): the
     record (`_trace_store`) of timer reads tr0 (the launch's start), before and after the wait for the quantized
-    region's launch, and at the end, at TRB + 8 (bh NWIN + slot) (the window launch only). `waits` (the window
-    launch under PDL): whether this program waits for the quantized region's launch before it ends (one waiter
-    suffices: the launches after this one wait for all its programs' ends)."""
+    region's launch (in a program that does not wait, the two reads agree), and at the end, at TRB + 8
+    (bh NWIN + slot) (the window launch only). `waits` (the window launch under PDL): whether this program waits for
+    the quantized region's launch before it ends (one waiter suffices: the launches after this one wait for all its
+    programs' ends)."""
     split = NSPLIT + slot if WINDOW else slot
     b = bh // H
     h = bh % H
@@ -592,6 +593,8 @@ def _decode_program(
     if TRACE:
         tr1 = _trace_now()
     if PDL and WINDOW:
+        # the waiting program must reach this line whatever its tile (no early return above): the launches after
+        # this one rely on it to end after the quantized-region launch
         if waits:
             gdc_wait()   # ends after the quantized-region launch: the launches after this one wait for both
     if TRACE:
@@ -958,7 +961,7 @@ PDL = None              # programmatic dependent launch of the window launch and
                         # pass before it reads and the reduction for the attention pass): None = on sm_90+, False off
 WINDOW_ONE_WAIT = True  # under PDL, only the window launch's last program waits for the quantized region's launch
                         # (its programs that end early free their slots instead of holding them; False: every
-                        # program waits, sessions 13-35). H200, session 36: 2-7% faster at (32, 4096) (kivi-2 48.6
+                        # program waits, sessions 13-35). H200, session 36: 1.7-7.1% faster at (32, 4096) (kivi-2 48.6
                         # against 51.4 us, 1243 of kivi-4's 1280 window programs beside the Gluon launch, not 391)
 WINDOW_TRIGGER = None   # whether the window launch lets the final reduction launch early (None: `_window_triggers`'s
                         # rule; True / False: always / never, for A/Bs)
@@ -1028,7 +1031,7 @@ def _window_triggers(programs: int, device, kivi_programs: int | None = None) ->
     competed with the window's programs for the SMs' slots. With only the window's last program waiting
     (`WINDOW_ONE_WAIT`), on an H200 (session 36, call 2, two rounds): at (8, 16384) and (32, 4096), where KIVI's
     launch holds 8 a SM, 0.2-1.1 us faster for kivi-4, kivi-2 and xquant-1.38 (kivi-4 at (32, 4096) 58.0 against
-    59.1 us), 0.2-0.8 us slower for innerq-2; at (32, 16384) and (8, 65536) (12 a SM) int8 0.2-9.7 us slower."""
+    59.1 us), 0.2-0.8 us slower for innerq-2; at (32, 16384) and (8, 65536) (12 a SM) int8 0.7-9.7 us slower."""
     import torch
 
     if WINDOW_TRIGGER is not None:

@@ -1514,8 +1514,8 @@ if HAVE_GLUON:
         Python mirror, `_slice_mirror` in tests/test_decode_gluon.py, checks `whole_tiles` against it: keep them in
         step). PDL
         (sm_90+: `decode_attention._use_pdl`) first lets the launch that follows start: the window launch, which
-        reads nothing this launch writes and waits for it before it ends, or (calibquant with its windows inside)
-        the attention pass or the final reduction, which wait for it before they read.
+        reads nothing this launch writes and whose last program waits for it before it ends, or (calibquant with its
+        windows inside) the attention pass or the final reduction, which wait for it before they read.
         WCOST > 0 (calibquant with its windows inside, `POST_WCOST`): the programs that also attend exact-window tiles
         (tile wt of the NWIN to program wt mod NSPLIT, `_window_partials`) take shorter slices. Every program gets
         per = ceil((tiles + WCOST NWIN) / NSPLIT) units of work (at least WCOST times the most window tiles a

@@ -318,6 +318,14 @@ def test_reduction_launches_early_beside_a_capped_kivi_launch(monkeypatch, prese
         assert window[0][0] * window[0][1] > 1   # more window programs than SMs: that rule alone says no
         assert da.LAST_KERNELS["splits"] == slices   # 2 KV heads: 8 programs (8 a SM) or 10
         assert window[1]["TRIGGER"] is want, (preset, slices, knob)
+        assert window[1]["ONE_WAIT"] is True and window[1]["launch_pdl"]
+    # without PDL (before sm_90): no early launch, every program as launched in order, nothing to wait for
+    monkeypatch.setattr(da, "_use_pdl", lambda q: False)
+    monkeypatch.setattr(da, "WINDOW_TRIGGER", None)
+    launches.clear()
+    da.decode_attention(q, bufs, k, v, p, None, 0.1, False, cfg, lay.spec, ms.geo, gluon=True)
+    (window,) = [kw for grid, kw in launches if kw.get("WINDOW")]
+    assert window["TRIGGER"] is False and window["ONE_WAIT"] is False and "launch_pdl" not in window
 
 
 def test_programs_per_sm_follows_the_occupancy_rules():

@@ -44,7 +44,8 @@ SCRIPT = textwrap.dedent('''
         setattr(mod, name, Capture(getattr(mod, name)))
     for i, preset in enumerate(sys.argv[1:]):
         da._use_pdl = lambda q, on=i % 2 == 1: on   # every other preset's decode launches as on sm_90 (PDL)
-        da._window_triggers = lambda n, dev, kivi=None, on=i % 4 == 1: on   # the first of those with the window's early trigger
+        # the first of those with the window's early trigger
+        da._window_triggers = lambda n, dev, kivi=None, on=i % 4 == 1: on
         cfg = KVQConfig.preset(preset)
         geo = st.Geometry(2, 2, 256, 128, "bfloat16")
         lay = st.ModelStore(cfg, 4, geo, "cpu").layers[-1]

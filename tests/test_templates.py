@@ -22,9 +22,10 @@ TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
 def check(cfg, B=2, H=2, rep=3, D=64, T=48, prefill=21, steps=3, dtype=torch.float32, layers=1, layer=0,
-          mask="bool", block_t=16, num_splits=2, seed=0, fused=False):
+          mask="bool", block_t=16, num_splits=2, seed=0, fused=False, gluon=None):
     """Max |template - reference| over `steps` decode steps of layer `layer` (raises on a mismatch). fused: the
-    one-launch kernel (`_fused_decode_kernel`, what the Inductor template runs)."""
+    one-launch kernel (`_fused_decode_kernel`, what the Inductor template runs); gluon: `decode_attention`'s (None:
+    the Gluon launch where it serves the layer)."""
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, generator=gen, device=DEVICE).to(dtype)  # noqa: E731
     geo = st.Geometry(B, H, T, D, st.dtype_name(dtype))
@@ -66,7 +67,7 @@ def check(cfg, B=2, H=2, rep=3, D=64, T=48, prefill=21, steps=3, dtype=torch.flo
         # the reference kernel itself: on CUDA, torch.ops.kvq.attend dispatches to the template under test
         ref = attend_cpu_reference(q, tensors, k, v, pos, am, 0.125, False, lay.descriptor(names))
         out = decode_attention(q, dict(zip(names, tensors)), k, v, pos, am, 0.125, False, cfg, lay.spec, geo,
-                               block_t=block_t, num_splits=num_splits, fused=fused)
+                               block_t=block_t, num_splits=num_splits, fused=fused, gluon=gluon)
         assert out.dtype == q.dtype and out.shape == q.shape
         torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype],
                                    msg=lambda m: f"step at {p}: {m}")
@@ -271,23 +272,26 @@ def test_early_launches_read_written_slots_only(name, monkeypatch):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="programmatic dependent launch runs on a GPU")
-@pytest.mark.parametrize("B,one_wait", [(1, True), (3, True), (1, False)])
-def test_reduction_waits_for_the_quantized_region_behind_early_window_programs(B, one_wait, monkeypatch):
-    """At 16k tokens the window launch's tiles end long before the quantized region's slices. With only the window
-    launch's last program waiting for the quantized region (`decode_attention.WINDOW_ONE_WAIT`), the others ending
-    at once, the final reduction still reads every slice's slot after it is written (NaN-filled buffers: POISON)."""
+@pytest.mark.parametrize("B,one_wait,gluon", [(1, True, None), (3, True, None), (1, False, None),
+                                               (1, True, False)])
+def test_reduction_waits_for_the_quantized_region_behind_early_window_programs(B, one_wait, gluon, monkeypatch):
+    """Two slices of about 8000 tokens per KV head: the window launch's one-tile programs end long before the
+    quantized region's (Gluon or, gluon False, Triton) programs. With only the window launch's last program waiting
+    for the quantized region (`decode_attention.WINDOW_ONE_WAIT`), the others ending at once, the final reduction
+    still reads every slice's slot after it is written (NaN-filled buffers: POISON)."""
     from kvq_compile.templates import decode_attention as da
 
     monkeypatch.setattr(da, "POISON", True)
     monkeypatch.setattr(da, "WINDOW_ONE_WAIT", one_wait)
     check(KVQConfig.preset("kivi-2"), B=B, H=2, rep=4, D=128, T=16384, prefill=16000, steps=2,
-          dtype=torch.bfloat16, block_t=32, num_splits=None, seed=B)
+          dtype=torch.bfloat16, block_t=32, num_splits=2, seed=B, gluon=gluon)
 
 
 @pytest.mark.parametrize("sms,trigger", [(132, True), (4, False)])
 def test_window_launch_triggers_the_reduction_only_when_small(sms, trigger, monkeypatch):
-    """With PDL the window launch lets the final reduction launch early (TRIGGER) only when it has at most one
-    program per SM (`_window_triggers`): the launches as `decode_attention` makes them, captured, not run."""
+    """With PDL and the Triton launches (no Gluon launch: see test_decode_gluon.py for KIVI's), the window launch
+    lets the final reduction launch early (TRIGGER) only when it has at most one program per SM
+    (`_window_triggers`): the launches as `decode_attention` makes them, captured, not run."""
     from types import SimpleNamespace
 
     from kvq_compile.templates import decode_attention as da
