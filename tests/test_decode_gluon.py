@@ -299,13 +299,8 @@ def test_reduction_launches_early_beside_a_capped_kivi_launch(monkeypatch, prese
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(
         multi_processor_count=1))
     launches = []
-
-    class Capture:
-        def __getitem__(self, grid):
-            return lambda *args, **kw: launches.append((grid, kw))
-
-    monkeypatch.setattr(da, "_decode_kernel", Capture())
-    monkeypatch.setattr(da, "_combine_kernel", Capture())
+    monkeypatch.setattr(da, "_decode_kernel", _KernelCalls(launches))
+    monkeypatch.setattr(da, "_combine_kernel", _KernelCalls(launches))
     cfg, ms, lay, k, v, p = _store(preset, 1, 2, 256, 200, torch.float16, "cpu")
     bufs = dict(zip(*lay.attend_tensors()))
     q = torch.randn(1, 8, 1, 128).half()
@@ -1614,6 +1609,16 @@ class _Launches:
         return lambda *args, **kw: self.calls.append((self.name, grid))
 
 
+class _KernelCalls:
+    """Stands in for a kernel: `kernel[grid](...)` records (grid, keyword arguments) in `calls`, launches nothing."""
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.calls.append((grid, kw))
+
+
 def _stub_gluon(monkeypatch) -> list:
     """The Gluon path of `decode_attention` (GPU only) made to run on the CPU: every layer supported, its
     `resident_programs` (8) and `launch` stubbed. Returns the calls, as (name, arguments bound to the signature)."""
@@ -1660,12 +1665,7 @@ def test_calibquant_attention_pass_launch_with_the_windows_inside(monkeypatch):
     results (ranges) and refuses without them; with PDL it goes out as a programmatic dependent (launch_pdl), without
     PDL, in the range pass or with the window launch (no `exact`) it does not."""
     launched = []
-
-    class Kernel:
-        def __getitem__(self, grid):
-            return lambda *args, **kw: launched.append((grid, kw))
-
-    monkeypatch.setattr(dag, "_post_decode_kernel", Kernel())
+    monkeypatch.setattr(dag, "_post_decode_kernel", _KernelCalls(launched))
     q = torch.zeros(2, 8, 1, 128, dtype=torch.bfloat16)
     side = dict(codes=torch.zeros(4, dtype=torch.int32), cen=q, half=q)
     ring = torch.zeros(2, 2, 128, 128, dtype=torch.bfloat16)
