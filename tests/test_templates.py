@@ -278,9 +278,10 @@ def test_reduction_waits_for_the_quantized_region_behind_early_window_programs(B
     """Two slices of about 8000 tokens per KV head: the window launch's one-tile programs end long before the
     quantized region's (Gluon or, gluon False, Triton) programs. With only the window launch's last program waiting
     for the quantized region (`decode_attention.WINDOW_ONE_WAIT`), the others ending at once, the final reduction
-    still reads every slice's slot after it is written (NaN-filled buffers: POISON). On an H200 this test also
-    passed with no window program waiting at all (bench/RESULTS.md, session 37, call 1: the reduction's own wait
-    evidently covered the quantized region's launch there), so it guards the documented order, not a failure seen."""
+    still reads every slice's slot after it is written (NaN-filled buffers: POISON). On an H200 its three
+    WINDOW_ONE_WAIT legs also passed with no window program waiting at all (one run; bench/RESULTS.md, session 37,
+    call 1: the reduction's own wait evidently covered the quantized region's launch there), so it guards the
+    documented order, not a failure seen."""
     from kvq_compile.templates import decode_attention as da
 
     monkeypatch.setattr(da, "POISON", True)
