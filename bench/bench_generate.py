@@ -263,6 +263,16 @@ def per_shape(args, shapes: list) -> None:
             write_rows(args.out, head["copy_bw"], args.layers, rows)
 
 
+def _has_quanto() -> bool:
+    """Whether this interpreter can import optimum-quanto (HF's QuantizedCache backend for the quanto baselines)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("optimum.quanto") is not None
+    except ModuleNotFoundError:   # no `optimum` package at all
+        return False
+
+
 def main():
     from transformers import CompileConfig
 
@@ -307,6 +317,12 @@ def main():
            and not re.fullmatch(r"quanto-[24]", b)]
     if bad:   # an unknown name would run HF's default dynamic cache under that label
         ap.error(f"unknown baselines {bad}: of eager, hf-compiled, quanto-2, quanto-4 ('' for none)")
+    if any(b.startswith("quanto-") for b in args.baselines.split(",")) and not _has_quanto():
+        # before any run: session 37's device call 3 installed the wheel with another interpreter's pip and found out
+        # only at the quanto runs
+        ap.error(f"the quanto baselines need optimum-quanto importable by {sys.executable}: "
+                 f"{sys.executable} -m pip install --no-deps <optimum_quanto wheel> (its pure-Python wheel: "
+                 f"bench/device_call.sh installs any carried in .whl/)")
     shapes = [sh for sh in args.shapes.split(",") if sh]
     if (len(shapes) > 1 or args.process_per_run) and not args.one_process:
         return per_shape(args, shapes)

@@ -8,6 +8,12 @@ ln -sfn $PWD/passes kvq_compile/passes
 ln -sfn $PWD/templates kvq_compile/templates
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+# pure-Python wheels carried in .whl/ (run with carry [".whl"]; e.g. optimum-quanto for bench_generate.py's quanto
+# baselines), into the interpreter the tests and benchmarks run: `python -m pip`, not a bare `pip`, which may belong to
+# another (session 37, call 3)
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python -m pip install -q --no-deps .whl/*.whl 2>&1 | grep -v -i "warning" ; ls .whl/
+fi
 i=0
 for sel in "$@"; do
   if [ "$sel" = "BENCH" ]; then break; fi
