@@ -313,11 +313,11 @@ def main():
     ap.add_argument("--one-process", action="store_true",
                     help="all shapes in this process (default: one child process per shape, see `per_shape`)")
     args = ap.parse_args()
-    bad = [b for b in args.baselines.split(",") if b and b not in ("eager", "hf-compiled")
-           and not re.fullmatch(r"quanto-[24]", b)]
+    baselines = [b for b in args.baselines.split(",") if b]
+    bad = [b for b in baselines if b not in ("eager", "hf-compiled") and not re.fullmatch(r"quanto-[24]", b)]
     if bad:   # an unknown name would run HF's default dynamic cache under that label
         ap.error(f"unknown baselines {bad}: of eager, hf-compiled, quanto-2, quanto-4 ('' for none)")
-    if any(b.startswith("quanto-") for b in args.baselines.split(",")) and not _has_quanto():
+    if any(b.startswith("quanto-") for b in baselines) and not _has_quanto():
         # before any run: session 37's device call 3 installed the wheel with another interpreter's pip and found out
         # only at the quanto runs
         ap.error(f"the quanto baselines need optimum-quanto importable by {sys.executable}: "
