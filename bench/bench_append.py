@@ -10,6 +10,13 @@ step that completes no channel group and at one that completes a group on both s
 32), and their mean over a group's steps.
 
     python bench/bench_append.py --sweep   # the template only, at each FLUSH_CHANNELS x num_warps
+    python bench/bench_append.py --in-step # what the append adds to a step: append + attention against attention
+
+--in-step times CUDA graphs of 20 steps of (append, attention) and of the attention alone, at a step that
+completes no group and at a flush step, and the same with a small kernel in front of the attention (a stand-in for
+the query's RoPE, which Inductor may put between the two); the append's share of the step is the difference.
+(Session 38 ran it with the attention's Gluon launch as the append's programmatic dependent, HEAD_PDL, on and off:
+bench/debug/head_pdl_tried.patch.)
 """
 from __future__ import annotations
 
@@ -82,30 +89,73 @@ def main(quick: bool = False):
 
 def sweep():
     """The template's step and flush-step times for the presets with channel groups spanning tokens, at each
-    channel split (`quantize_append.FLUSH_CHANNELS`) and warp count."""
+    channel split (`quantize_append.FLUSH_CHANNELS`), per-token group reduction (`GROUP_RESHAPE`) and warp count."""
     from kvq_compile.templates import quantize_append as qa
 
     dtype = torch.bfloat16
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__}")
-    default = qa.FLUSH_CHANNELS
+    default = qa.FLUSH_CHANNELS, qa.GROUP_RESHAPE, qa.FLUSH_PROGRAMS_PER_SM
+    qa.FLUSH_PROGRAMS_PER_SM = 0   # the channel split as swept, uncapped
     for B, ctx in ((8, 8192), (32, 4096)):
-        for name in ("kivi-2", "kivi-4", "xquant-1.38"):
+        for name in ("kivi-2", "kivi-4", "xquant-1.38", "innerq-2"):
             cfg, ms, lay, bufs, k, v, flush = append_setup(name, B, ctx, dtype)
             pos, pos_f = torch.tensor([flush + 1], device="cuda"), torch.tensor([flush], device="cuda")
-            for ch in (128, 32, 16):
+            for ch in (32, 16):
                 qa.FLUSH_CHANNELS = ch
-                for nw in (1, 2, 4):
-                    t_op = graph_time(lambda: append_decode(bufs, cfg, lay.spec, ms.geo, k, v, pos, num_warps=nw))
-                    t_fl = graph_time(lambda: append_decode(bufs, cfg, lay.spec, ms.geo, k, v, pos_f, num_warps=nw))
-                    print(f"sweep {name:12s} B={B:2d} ctx={ctx:5d} channels/program {ch:3d} warps {nw}  step "
-                          f"{t_op:6.1f} us  flush {t_fl:6.1f} us", flush=True)
-            qa.FLUSH_CHANNELS = default
+                for rs in (False, True):
+                    qa.GROUP_RESHAPE = rs
+                    for nw in (1, 2, 4):
+                        t_op = graph_time(lambda: append_decode(bufs, cfg, lay.spec, ms.geo, k, v, pos, num_warps=nw))
+                        t_fl = graph_time(lambda: append_decode(bufs, cfg, lay.spec, ms.geo, k, v, pos_f,
+                                                                num_warps=nw))
+                        print(f"sweep {name:12s} B={B:2d} ctx={ctx:5d} channels/program {ch:3d} reshape {int(rs)} "
+                              f"warps {nw}  step {t_op:6.1f} us  flush {t_fl:6.1f} us", flush=True)
+            qa.FLUSH_CHANNELS, qa.GROUP_RESHAPE = default[:2]
             del ms, bufs
+            torch.cuda.empty_cache()
+    qa.FLUSH_PROGRAMS_PER_SM = default[2]
+
+
+def in_step():
+    """The append's increment to a step's time: graphs of (append, attention) against the attention alone, each
+    also with a query kernel in front of the attention (module docstring)."""
+    dtype = torch.bfloat16
+    print(f"{torch.cuda.get_device_name()} torch {torch.__version__}")
+    for B, ctx in ((8, 8192), (32, 4096)):
+        for name in ("int8", "kivi-4", "kivi-2", "kvquant-4", "innerq-2", "xquant-1.38", "calibquant-1"):
+            cfg, ms, lay, bufs, k, v, flush = append_setup(name, B, ctx, dtype)
+            quiet = next((p for p in range(ctx, ctx + 64) if not completes(cfg, p)), ctx)
+            cs = (torch.randn(B, 1, D, device="cuda", dtype=dtype),) * 2 if cfg.keys_before_rope else (None, None)
+            an, at = lay.attend_tensors()
+            ab = dict(zip(an, at))
+            q0 = torch.randn(B, HQ, 1, D, device="cuda", dtype=dtype)
+            row = []
+            for label, p in (("quiet", quiet), ("flush", flush)):
+                pos = torch.tensor([p], device="cuda")
+
+                def attend(q, pos=pos):
+                    return decode_attention(q, ab, k, v, pos, None, D ** -0.5, False, cfg, lay.spec, ms.geo)
+
+                def append(pos=pos):
+                    append_decode(bufs, cfg, lay.spec, ms.geo, k, v, pos, *cs)
+
+                t_att = graph_time(lambda: attend(q0))
+                t_step = graph_time(lambda: (append(), attend(q0)))
+                t_qatt = graph_time(lambda: attend(q0 * 1.0))
+                t_qstep = graph_time(lambda: (append(), attend(q0 * 1.0)))
+                g = max(q.tokens_per_group for q in (cfg.key, cfg.value))
+                row.append(f"{label}: attention {t_att:6.1f} us, + append {t_step - t_att:5.1f} us "
+                           f"({(t_step - t_att) / t_att:5.3f}); q kernel between: attention {t_qatt:6.1f}, "
+                           f"+ append {t_qstep - t_qatt:5.1f} us ({(t_qstep - t_qatt) / t_qatt:5.3f})")
+            print(f"in-step {name:13s} B={B:2d} ctx={ctx:5d} (flush 1 step in {g})  " + "  |  ".join(row), flush=True)
+            del ms, bufs, ab, at
             torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
-    if "--sweep" in sys.argv:
+    if "--in-step" in sys.argv:
+        in_step()
+    elif "--sweep" in sys.argv:
         sweep()
     else:
         main(quick="--quick" in sys.argv)

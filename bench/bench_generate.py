@@ -312,7 +312,17 @@ def main():
                     help="also the GPU time of a decode step (kernels of 8 profiled steps), for compiled runs")
     ap.add_argument("--one-process", action="store_true",
                     help="all shapes in this process (default: one child process per shape, see `per_shape`)")
+    ap.add_argument("--flags", default="",
+                    help="NAME=INT,... module flags of kvq_compile.templates.decode_attention set for every run "
+                         "(e.g. HEAD_PDL=0), for A/Bs")
     args = ap.parse_args()
+    from kvq_compile.templates import decode_attention as da
+
+    for kv in filter(None, args.flags.split(",")):
+        name, _, val = kv.partition("=")
+        if not name.isupper() or not hasattr(da, name) or not val.lstrip("-").isdigit():
+            ap.error(f"--flags: {kv!r} is not NAME=INT of a flag of kvq_compile.templates.decode_attention")
+        setattr(da, name, int(val))
     baselines = [b for b in args.baselines.split(",") if b]
     bad = [b for b in baselines if b not in ("eager", "hf-compiled") and not re.fullmatch(r"quanto-[24]", b)]
     if bad:   # an unknown name would run HF's default dynamic cache under that label

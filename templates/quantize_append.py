@@ -43,6 +43,8 @@ programs per side, each over D / NCH channels (CCH, WC words: `_chunks`).
 """
 from __future__ import annotations
 
+import functools
+
 import triton
 import triton.language as tl
 
@@ -65,9 +67,11 @@ def _fill_boundary(L, S: tl.constexpr, R: tl.constexpr, G: tl.constexpr):
 
 
 @triton.jit
-def _reduce(v, grp, OP: tl.constexpr, AXIS: tl.constexpr, NGRP: tl.constexpr):
+def _reduce(v, grp, OP: tl.constexpr, AXIS: tl.constexpr, NGRP: tl.constexpr, RS: tl.constexpr = False):
     """Reduce v [GP, WP, CP] over each quantization group and broadcast back: OP 0 max, 1 min, 2 sum.
-    AXIS 1: a channel's group is its tokens (dim 0); AXIS 0: group `grp` (d // GS) of each token."""
+    AXIS 1: a channel's group is its tokens (dim 0); AXIS 0: group `grp` (d // GS) of each token, by a loop over
+    the NGRP groups, or (RS: slots in channel order, every group whole words) as one reduction of v seen as
+    [GP, NGRP, WP CP / NGRP]."""
     if OP == 0:
         ident = float("-inf")
     elif OP == 1:
@@ -82,6 +86,19 @@ def _reduce(v, grp, OP: tl.constexpr, AXIS: tl.constexpr, NGRP: tl.constexpr):
         else:
             r = tl.sum(v, 0)
         out = tl.broadcast_to(r[None, :, :], v.shape)
+    elif RS:
+        GPR: tl.constexpr = v.shape[0]
+        WPR: tl.constexpr = v.shape[1]
+        CPR: tl.constexpr = v.shape[2]
+        PER: tl.constexpr = WPR * CPR // NGRP
+        v3 = tl.reshape(v, [GPR, NGRP, PER])
+        if OP == 0:
+            r = tl.max(v3, 2)
+        elif OP == 1:
+            r = tl.min(v3, 2)
+        else:
+            r = tl.sum(v3, 2)
+        out = tl.reshape(tl.broadcast_to(r[:, :, None], [GPR, NGRP, PER]), [GPR, WPR, CPR])
     else:
         out = tl.zeros(v.shape, tl.float32)
         for gi in tl.static_range(NGRP):
@@ -98,10 +115,10 @@ def _reduce(v, grp, OP: tl.constexpr, AXIS: tl.constexpr, NGRP: tl.constexpr):
 
 
 @triton.jit
-def _range(x, valid, grp, SYMMETRIC: tl.constexpr, AXIS: tl.constexpr, NGRP: tl.constexpr):
+def _range(x, valid, grp, SYMMETRIC: tl.constexpr, AXIS: tl.constexpr, NGRP: tl.constexpr, RS: tl.constexpr = False):
     """(center, half) of each group over its valid members (reference._range; 0, 0 for an empty group)."""
-    mx = _reduce(tl.where(valid, x, float("-inf")), grp, 0, AXIS, NGRP)
-    mn = _reduce(tl.where(valid, x, float("inf")), grp, 1, AXIS, NGRP)
+    mx = _reduce(tl.where(valid, x, float("-inf")), grp, 0, AXIS, NGRP, RS)
+    mn = _reduce(tl.where(valid, x, float("inf")), grp, 1, AXIS, NGRP, RS)
     empty = mx == float("-inf")
     mx = tl.where(empty, 0.0, mx)
     mn = tl.where(empty, 0.0, mn)
@@ -154,7 +171,8 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
                  D: tl.constexpr, BITS: tl.constexpr, AXIS: tl.constexpr, GS: tl.constexpr, SYM: tl.constexpr,
                  LUT: tl.constexpr, NLEV: tl.constexpr, NOUT: tl.constexpr, NORM_ON: tl.constexpr,
                  S: tl.constexpr, R: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, WR: tl.constexpr,
-                 HAS_CODES: tl.constexpr, ETA: tl.constexpr, RSCALE: tl.constexpr, NCH: tl.constexpr):
+                 HAS_CODES: tl.constexpr, ETA: tl.constexpr, RSCALE: tl.constexpr, NCH: tl.constexpr,
+                 RESHAPE: tl.constexpr = False):
     bh64 = bh.to(tl.int64)
     dt = RING.dtype.element_ty
     xrow = X + b.to(tl.int64) * stride_xb + h * stride_xh
@@ -170,6 +188,8 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
     WP: tl.constexpr = triton.next_power_of_2(WC)
     CP: tl.constexpr = triton.next_power_of_2(CPW)
     NGRP: tl.constexpr = D // GS if AXIS == 0 else 1
+    # per-token groups reduced as [GP, NGRP, words x codes] (`_reduce`): the slots hold channels in order, whole words
+    RS: tl.constexpr = RESHAPE and AXIS == 0 and NGRP > 1 and NCH == 1 and CP == CPW and WP == W and GS % CPW == 0
     STATIC: tl.constexpr = AXIS == 1 and GS == 0
     gt = tl.arange(0, GP)[:, None, None]
     w3 = chunk * WC + tl.arange(0, WP)[None, :, None]
@@ -231,7 +251,7 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
             if STATIC:
                 c0, h0 = scen, shalf
             else:
-                c0, h0 = _range(xg, emask, grp, False, AXIS, NGRP)
+                c0, h0 = _range(xg, emask, grp, False, AXIS, NGRP, RS)
             score = tl.where(emask, tl.math.div_rn(tl.abs(xg - c0), tl.maximum(h0, EPS)), -1.0)
             flat_i = tl.reshape(gt * 0 + w3 * CP + j3, [GP, WP * CP])
             flat_d = tl.reshape(gt * 0 + dch, [GP, WP * CP])
@@ -253,8 +273,8 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
         if SYM == 2 and not STATIC:
             NS: tl.constexpr = (1 << BITS) - 1
             NA: tl.constexpr = 1 << (BITS - 1)
-            cs, hs = _range(xg, valid, grp, True, AXIS, NGRP)
-            ca, ha = _range(xg, valid, grp, False, AXIS, NGRP)
+            cs, hs = _range(xg, valid, grp, True, AXIS, NGRP, RS)
+            ca, ha = _range(xg, valid, grp, False, AXIS, NGRP, RS)
             cs = cs.to(dt).to(tl.float32)
             hs = tl.maximum(hs, EPS).to(dt).to(tl.float32)
             ca = ca.to(dt).to(tl.float32)
@@ -263,7 +283,7 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
             ka = _uniform_code(tl.math.div_rn(xg - ca, ha), NA)
             es = tl.where(valid, tl.abs(_level(ks, NS) * hs + cs - xg), 0.0)
             ea = tl.where(valid, tl.abs(_level(ka, NA) * ha + ca - xg), 0.0)
-            m = _reduce(es, grp, 2, AXIS, NGRP) < _reduce(ea, grp, 2, AXIS, NGRP) * (1 - HYBRID_MARGIN)
+            m = _reduce(es, grp, 2, AXIS, NGRP, RS) < _reduce(ea, grp, 2, AXIS, NGRP, RS) * (1 - HYBRID_MARGIN)
             code = tl.where(m, ks, ka)
             cen = tl.where(m, cs, ca)
             half = tl.where(m, hs, ha)
@@ -271,7 +291,7 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
             if STATIC:
                 cen, half = scen, shalf
             else:
-                cen, half = _range(xg, valid, grp, SYM == 1, AXIS, NGRP)
+                cen, half = _range(xg, valid, grp, SYM == 1, AXIS, NGRP, RS)
                 half = tl.maximum(half * (1 - 2 * ETA), EPS).to(dt).to(tl.float32)
                 cen = cen.to(dt).to(tl.float32)
             code = _nearest_code(tl.math.div_rn(xg - cen, half), LEV, BITS, SYM, LUT, NLEV)
@@ -316,9 +336,10 @@ def _append_kernel(
         WR_K: tl.constexpr, CODES_K: tl.constexpr, ETA_K: tl.constexpr, RSCALE_K: tl.constexpr, NCH_K: tl.constexpr,
         BITS_V: tl.constexpr, AXIS_V: tl.constexpr, GS_V: tl.constexpr, SYM_V: tl.constexpr, LUT_V: tl.constexpr,
         NLEV_V: tl.constexpr, NOUT_V: tl.constexpr, G_V: tl.constexpr, GP_V: tl.constexpr,
-        WR_V: tl.constexpr, CODES_V: tl.constexpr, ETA_V: tl.constexpr, RSCALE_V: tl.constexpr, NCH_V: tl.constexpr):
+        WR_V: tl.constexpr, CODES_V: tl.constexpr, ETA_V: tl.constexpr, RSCALE_V: tl.constexpr, NCH_V: tl.constexpr,
+        RESHAPE: tl.constexpr = False):
     """Grid (B * H, NCH_K + NCH_V): program (bh, c) appends channel chunk c of the Keys (c < NCH_K) or chunk
-    c - NCH_K of the Values of KV head bh."""
+    c - NCH_K of the Values of KV head bh. RESHAPE: `GROUP_RESHAPE`."""
     bh = tl.program_id(0)
     c = tl.program_id(1)
     b = bh // H
@@ -327,7 +348,7 @@ def _append_kernel(
     if c < NCH_K:
         _append_side(KX, stride_kb, stride_kh, KDATA, KCODES, KCEN, KHALF, KHMASK, KOVAL, KOIDX, KSINK, KRING,
                      KLEV, KNORM, b, h, bh, p0, T, NGC_K, c, D, BITS_K, AXIS_K, GS_K, SYM_K, LUT_K, NLEV_K, NOUT_K,
-                     NORM_K, S, R, G_K, GP_K, WR_K, CODES_K, ETA_K, RSCALE_K, NCH_K)
+                     NORM_K, S, R, G_K, GP_K, WR_K, CODES_K, ETA_K, RSCALE_K, NCH_K, RESHAPE)
         if ROPE:
             if (h == 0) & (c == 0) & (p0 < T):
                 d = tl.arange(0, D)
@@ -338,14 +359,14 @@ def _append_kernel(
     else:
         _append_side(VX, stride_vb, stride_vh, VDATA, VCODES, VCEN, VHALF, VHMASK, VOVAL, VOIDX, VSINK, VRING,
                      VLEV, VLEV, b, h, bh, p0, T, NGC_V, c - NCH_K, D, BITS_V, AXIS_V, GS_V, SYM_V, LUT_V, NLEV_V,
-                     NOUT_V, False, S, R, G_V, GP_V, WR_V, CODES_V, ETA_V, RSCALE_V, NCH_V)
+                     NOUT_V, False, S, R, G_V, GP_V, WR_V, CODES_V, ETA_V, RSCALE_V, NCH_V, RESHAPE)
 
 
 # ---------------------------------------------------------------------------------------------
 # Launcher
 # ---------------------------------------------------------------------------------------------
-def _side(bufs: dict, side: str, q, cfg, geo):
-    """(pointers, constants) of one side; absent buffers are never read (any tensor stands in)."""
+def _side(bufs: dict, side: str, q, cfg, geo, rows: int = 0, sms: int = 0):
+    """(pointers, constants) of one side; absent buffers are never read (any tensor stands in). rows, sms: `_chunks`."""
     from kvq_compile.config import Axis, Symmetry
 
     g = lambda n: bufs.get(f"{side}.{n}")  # noqa: E731
@@ -374,25 +395,46 @@ def _side(bufs: dict, side: str, q, cfg, geo):
                       G=G, GP=triton.next_power_of_2(G), WR=g("ring").shape[2] if g("ring") is not None else 0,
                       CODES=g("codes") is not None, ETA=float(cfg.eta_for(q)), RSCALE=float(q.range_scale),
                       NGC=half.shape[2] if axis == 1 and gs else 1,
-                      NCH=_chunks(q.bits, axis, gs, G, g("out_val") is not None, geo.head_dim))
+                      NCH=_chunks(q.bits, axis, gs, G, g("out_val") is not None, geo.head_dim, rows, sms))
 
 
+GROUP_RESHAPE = True   # per-token groups of several whole words reduced as one [tokens, groups, members] reduction
+# (`_reduce`), not by a loop over the groups. H200, session 38 (bench/RESULTS.md, `bench_append.py --sweep`, 2 warps):
+# the step that completes no channel group 0.0-1.2 us faster for kivi-2, kivi-4, xquant-1.38 and innerq-2 at
+# (8, 8192) and (32, 4096) (innerq-2 at (8, 8192) 2.7 against 3.9 us), the flush step 0.0-1.1 us faster
 FLUSH_CHANNELS = 16   # channels per program of a side whose groups span tokens (KIVI's Keys), at least a word's
 # (`_chunks`; a power of two). Of 128 / 32 / 16 on an H100 (bench/RESULTS.md, session 14): 16 the fastest group step
+FLUSH_PROGRAMS_PER_SM = 8  # at most this many such programs of a side per SM over all KV heads (`_chunks` halves the
+# split until they fit; 0: no cap). H200, session 38: at (32, 4096) (256 KV heads) 32 channels a program (1024 Key
+# programs) against 16 (2048) made the step that completes no group 2.6 against 3.8 us for kivi-2 and kivi-4, the
+# flush step 6.5-6.7 against 5.9-6.0 us: 2.7-2.8 against 3.9 us on the mean over a group's 32 steps
 
 
-def _chunks(bits: int, axis: int, gs: int, tokens_per_group: int, outliers: bool, head_dim: int) -> int:
+def _chunks(bits: int, axis: int, gs: int, tokens_per_group: int, outliers: bool, head_dim: int, rows: int = 0,
+            sms: int = 0) -> int:
     """Programs per (KV head, side): a side whose groups span tokens (channel groups of G > 1 tokens: KIVI's
     Keys) quantizes a whole group on the step that completes it, G x head_dim values. Split by channels into
     programs of FLUSH_CHANNELS or one word's channels if more (each program reads and writes only its channels,
     so the ring's read-before-overwrite stays within one program), that step runs across more SMs. Other sides
     run one program: per-token groups and a token's outliers span the channels, static ranges quantize one token
-    per step, and 3-bit words (10 codes) straddle any power-of-two split."""
+    per step, and 3-bit words (10 codes) straddle any power-of-two split. rows (KV heads in all) and sms (the
+    device's SMs; 0: no cap): the split is halved while rows x programs exceed FLUSH_PROGRAMS_PER_SM a SM (every
+    step launches them all, and on the steps that complete no group they only copy the token to the ring)."""
     if FLUSH_CHANNELS < 1 or FLUSH_CHANNELS & (FLUSH_CHANNELS - 1):
         raise ValueError(f"quantize_append.FLUSH_CHANNELS must be a power of two, not {FLUSH_CHANNELS}")
     if 32 % bits or tokens_per_group == 1 or axis != 1 or not gs or outliers:
         return 1
-    return max(1, head_dim // max(FLUSH_CHANNELS, 32 // bits))
+    n = max(1, head_dim // max(FLUSH_CHANNELS, 32 // bits))
+    while FLUSH_PROGRAMS_PER_SM and rows and sms and n > 1 and rows * n > FLUSH_PROGRAMS_PER_SM * sms:
+        n //= 2
+    return n
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def supported(cfg, spec, geo) -> str | None:
@@ -416,8 +458,9 @@ def append_decode(bufs: dict, cfg, spec, geo, key, value, positions, cos=None, s
     if why:
         raise NotImplementedError(f"kvq Triton append: {why}")
     key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (key, value))
-    kp, kc = _side(bufs, "k", spec.key, cfg, geo)
-    vp, vc = _side(bufs, "v", spec.value, cfg, geo)
+    sms = _sm_count(key.device) if key.is_cuda else 0
+    kp, kc = _side(bufs, "k", spec.key, cfg, geo, B * H, sms)
+    vp, vc = _side(bufs, "v", spec.value, cfg, geo, B * H, sms)
     if num_warps is None:
         # 2: every group step within 10% of its attention on an H100 (1 warp: steps that complete no group 0.4-0.9 us
         # faster, xquant's 1-bit group step 4.1 us, 10.3%; bench/RESULTS.md, session 14). 4 where a side keeps
@@ -442,4 +485,4 @@ def append_decode(bufs: dict, cfg, spec, geo, key, value, positions, cos=None, s
         H=H, D=D, S=cfg.sink, R=cfg.recent, ROPE=rope,
         **{f"{k}_K": v for k, v in kc.items() if k != "NGC"},
         **{f"{k}_V": v for k, v in vc.items() if k not in ("NGC", "NORM")},
-        num_warps=num_warps)
+        RESHAPE=GROUP_RESHAPE, num_warps=num_warps)

@@ -212,6 +212,9 @@ def test_flush_splits_by_channels():
     assert _chunks(2, 1, 4, 4, True, 64) == 1         # outliers: a token's farthest channels span them all
     assert _chunks(2, 0, 32, 1, False, 128) == 1      # per-token groups
     assert _chunks(2, 1, 0, 1, False, 128) == 1       # static ranges
+    # at most FLUSH_PROGRAMS_PER_SM (8) a SM over all KV heads: (32, 4096) of 8 KV heads on 132 SMs splits in 4
+    assert _chunks(2, 1, 32, 32, False, 128, 64, 132) == 8 and _chunks(2, 1, 32, 32, False, 128, 256, 132) == 4
+    assert _chunks(2, 1, 32, 32, False, 128, 10 ** 5, 132) == 1 and _chunks(2, 1, 32, 32, False, 128, 256, 0) == 8
     with pytest.raises(ValueError, match="power of two"):
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr("kvq_compile.templates.quantize_append.FLUSH_CHANNELS", 24)

@@ -290,6 +290,66 @@ def test_reduction_waits_for_the_quantized_region_behind_early_window_programs(B
           dtype=torch.bfloat16, block_t=32, num_splits=2, seed=B, gluon=gluon)
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="programmatic dependent launch runs on a GPU")
+@pytest.mark.parametrize("name", ["kivi-2", "innerq-2", "xquant-1.38", "calibquant-1", "kvquant-4", "int8"])
+def test_attention_right_after_the_append_reads_this_steps_writes(name):
+    """A CUDA graph of one decode step, the Triton append then the decode attention, at a step that completes a
+    group on both sides (the attention reads what the append quantizes in it). Before each replay every element
+    the step's append writes is set to NaN (floats) or to random codes (but the ring slot that the append reads
+    before it overwrites it), so that an attention launch reading ahead of the append's writes shows up against the
+    reference over the appended store: a guard for any overlap of the two. On an H200 (bench/RESULTS.md, session
+    38) it failed for kivi-2, innerq-2 and xquant-1.38 with the attention's Gluon launch as the append's
+    programmatic dependent that did not wait for it (`bench/debug/head_pdl_tried.patch` with its wait removed)."""
+    from kvq_compile.templates.quantize_append import append_decode
+
+    cfg = KVQConfig.preset(name)
+    B, H, rep, D, T, prefill = 3, 2, 4, 128, 1024, 700
+    gen = torch.Generator(device=DEVICE).manual_seed(7)
+    rnd = lambda *s: torch.randn(*s, generator=gen, device=DEVICE).bfloat16()  # noqa: E731
+    geo = st.Geometry(B, H, T, D, "bfloat16")
+    ms = st.ModelStore(cfg, 1, geo, DEVICE)
+    append_every_layer(ms, cfg, rnd(B, H, prefill, D), rnd(B, H, prefill, D), 0)
+    p = next(p for p in range(prefill, T) if all(
+        st.fill_boundary(p + 1, cfg.sink, cfg.recent, q.tokens_per_group)
+        > st.fill_boundary(p, cfg.sink, cfg.recent, q.tokens_per_group) for q in (cfg.key, cfg.value)))
+    if p > prefill:
+        append_every_layer(ms, cfg, rnd(B, H, p - prefill, D), rnd(B, H, p - prefill, D), prefill)
+    lay = ms.layers[0]
+    k, v, q = rnd(B, H, 1, D), rnd(B, H, 1, D), rnd(B, H * rep, 1, D)
+    pos = torch.tensor([p], device=DEVICE)
+    cs = (rnd(B, 1, D), rnd(B, 1, D)) if cfg.keys_before_rope else (None, None)
+    an, at = lay.append_tensors()
+    names, tensors = lay.attend_tensors()
+    before = [t.clone() for t in at]
+
+    def step():
+        append_decode(dict(zip(an, at)), cfg, lay.spec, geo, k, v, pos, *cs)
+        return decode_attention(q, dict(zip(names, tensors)), k, v, pos, None, 0.125, False, cfg, lay.spec, geo)
+
+    graph, out = graph_of(step)   # its warm-up call appended the token: `at` holds the step's writes
+    after = [t.clone() for t in at]
+    written = [a != b for a, b in zip(after, before)]
+    assert any(w.any() for w in written)
+    ref = attend_cpu_reference(q, tensors, k, v, pos, None, 0.125, False, lay.descriptor(names)).float()
+    for _ in range(3):
+        for n, t, w, b in zip(an, at, written, before):
+            if n.endswith(".ring"):   # its slot p % WR held the token the append quantizes now: the append reads it
+                t.copy_(torch.where(w, b, t))
+                continue
+            if t.is_floating_point():
+                junk = torch.full_like(t, float("nan"))
+            elif t.dtype == torch.bool:
+                junk = ~t
+            else:
+                junk = torch.randint_like(t, torch.iinfo(t.dtype).min, torch.iinfo(t.dtype).max)
+            t.copy_(torch.where(w, junk, t))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.float(), ref, atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
+        for t, a in zip(at, after):
+            torch.testing.assert_close(t, a, atol=0, rtol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("sms,trigger", [(132, True), (4, False)])
 def test_window_launch_triggers_the_reduction_only_when_small(sms, trigger, monkeypatch):
     """With PDL and the Triton launches (no Gluon launch: see test_decode_gluon.py for KIVI's), the window launch
