@@ -406,8 +406,9 @@ FLUSH_CHANNELS = 16   # channels per program of a side whose groups span tokens 
 # (`_chunks`; a power of two). Of 128 / 32 / 16 on an H100 (bench/RESULTS.md, session 14): 16 the fastest group step
 FLUSH_PROGRAMS_PER_SM = 8  # at most this many such programs of a side per SM over all KV heads (`_chunks` halves the
 # split until they fit; 0: no cap). H200, session 38: at (32, 4096) (256 KV heads) 32 channels a program (1024 Key
-# programs) against 16 (2048) made the step that completes no group 2.6 against 3.8 us for kivi-2 and kivi-4, the
-# flush step 6.5-6.7 against 5.9-6.0 us: 2.7-2.8 against 3.9 us on the mean over a group's 32 steps
+# programs) against 16 (2048) made the step that completes no group 2.6 against 3.8 us for kivi-2 and kivi-4 (innerq-2,
+# its Values split: 2.9 against 3.8), the flush step 6.5-6.7 against 5.9-6.0 us (innerq-2 11.8 against 10.5): 2.7
+# against 3.9 us on the mean over a group's 32 steps for kivi-2 and kivi-4
 
 
 def _chunks(bits: int, axis: int, gs: int, tokens_per_group: int, outliers: bool, head_dim: int, rows: int = 0,
