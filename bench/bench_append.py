@@ -9,7 +9,8 @@ CUDA graph of 20 calls (launch overhead excluded as in a reduce-overhead decode 
 step that completes no channel group and at one that completes a group on both sides (KIVI's Keys: one step in
 32), and their mean over a group's steps.
 
-    python bench/bench_append.py --sweep   # the template only, at each FLUSH_CHANNELS x num_warps
+    python bench/bench_append.py --sweep   # the template only, at each FLUSH_CHANNELS x GROUP_RESHAPE x num_warps
+                                           # (FLUSH_PROGRAMS_PER_SM off)
     python bench/bench_append.py --in-step # what the append adds to a step: append + attention against attention
 
 --in-step times CUDA graphs of 20 steps of (append, attention) and of the attention alone, at a step that
@@ -96,6 +97,13 @@ def sweep():
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__}")
     default = qa.FLUSH_CHANNELS, qa.GROUP_RESHAPE, qa.FLUSH_PROGRAMS_PER_SM
     qa.FLUSH_PROGRAMS_PER_SM = 0   # the channel split as swept, uncapped
+    try:
+        _sweep(qa, dtype)
+    finally:
+        qa.FLUSH_CHANNELS, qa.GROUP_RESHAPE, qa.FLUSH_PROGRAMS_PER_SM = default
+
+
+def _sweep(qa, dtype):
     for B, ctx in ((8, 8192), (32, 4096)):
         for name in ("kivi-2", "kivi-4", "xquant-1.38", "innerq-2"):
             cfg, ms, lay, bufs, k, v, flush = append_setup(name, B, ctx, dtype)
@@ -110,10 +118,8 @@ def sweep():
                                                                 num_warps=nw))
                         print(f"sweep {name:12s} B={B:2d} ctx={ctx:5d} channels/program {ch:3d} reshape {int(rs)} "
                               f"warps {nw}  step {t_op:6.1f} us  flush {t_fl:6.1f} us", flush=True)
-            qa.FLUSH_CHANNELS, qa.GROUP_RESHAPE = default[:2]
             del ms, bufs
             torch.cuda.empty_cache()
-    qa.FLUSH_PROGRAMS_PER_SM = default[2]
 
 
 def in_step():

@@ -314,7 +314,7 @@ def main():
                     help="all shapes in this process (default: one child process per shape, see `per_shape`)")
     ap.add_argument("--flags", default="",
                     help="NAME=INT,... module flags of kvq_compile.templates.decode_attention set for every run "
-                         "(e.g. HEAD_PDL=0), for A/Bs")
+                         "(e.g. WINDOW_ONE_WAIT=0), for A/Bs")
     args = ap.parse_args()
     from kvq_compile.templates import decode_attention as da
 

@@ -29,7 +29,8 @@ token x = chunk[b, h, 0] at device position p0 and the side's fill boundary Q(L)
 
 Layout in registers: a group is [GP, WP, CP] (tokens, words, codes per word, each padded to a power of
 two); channel d = w * CPW + j, so packing is a reduction over the last dimension for every bit width
-(3-bit words hold 10 codes). Per-token groups of GS channels reduce over their members by a static loop
+(3-bit words hold 10 codes). Per-token groups of GS channels reduce over their members in one reduction of
+the group seen as [GP, D // GS, GS] where their channels fill whole words (GROUP_RESHAPE), else by a static loop
 over the D // GS groups; per-channel groups reduce over the tokens.
 
 Glossary: D head_dim; G tokens per group (1 unless Keys/Values are CHANNEL-grouped, KIVI); GP its power of
@@ -71,7 +72,7 @@ def _reduce(v, grp, OP: tl.constexpr, AXIS: tl.constexpr, NGRP: tl.constexpr, RS
     """Reduce v [GP, WP, CP] over each quantization group and broadcast back: OP 0 max, 1 min, 2 sum.
     AXIS 1: a channel's group is its tokens (dim 0); AXIS 0: group `grp` (d // GS) of each token, by a loop over
     the NGRP groups, or (RS: slots in channel order, every group whole words) as one reduction of v seen as
-    [GP, NGRP, WP CP / NGRP]."""
+    [GP, NGRP, WP x CP / NGRP]."""
     if OP == 0:
         ident = float("-inf")
     elif OP == 1:
@@ -189,7 +190,8 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
     CP: tl.constexpr = triton.next_power_of_2(CPW)
     NGRP: tl.constexpr = D // GS if AXIS == 0 else 1
     # per-token groups reduced as [GP, NGRP, words x codes] (`_reduce`): the slots hold channels in order, whole words
-    RS: tl.constexpr = RESHAPE and AXIS == 0 and NGRP > 1 and NCH == 1 and CP == CPW and WP == W and GS % CPW == 0
+    RS: tl.constexpr = (RESHAPE and AXIS == 0 and NGRP > 1 and NCH == 1 and CP == CPW and WP == W and GS % CPW == 0
+                        and D % GS == 0)
     STATIC: tl.constexpr = AXIS == 1 and GS == 0
     gt = tl.arange(0, GP)[:, None, None]
     w3 = chunk * WC + tl.arange(0, WP)[None, :, None]
@@ -405,7 +407,7 @@ GROUP_RESHAPE = True   # per-token groups of several whole words reduced as one 
 FLUSH_CHANNELS = 16   # channels per program of a side whose groups span tokens (KIVI's Keys), at least a word's
 # (`_chunks`; a power of two). Of 128 / 32 / 16 on an H100 (bench/RESULTS.md, session 14): 16 the fastest group step
 FLUSH_PROGRAMS_PER_SM = 8  # at most this many such programs of a side per SM over all KV heads (`_chunks` halves the
-# split until they fit; 0: no cap). H200, session 38: at (32, 4096) (256 KV heads) 32 channels a program (1024 Key
+# split until they fit or one program a KV head is left; each side on its own; 0: no cap). H200, session 38: at (32, 4096) (256 KV heads) 32 channels a program (1024 Key
 # programs) against 16 (2048) made the step that completes no group 2.6 against 3.8 us for kivi-2 and kivi-4 (innerq-2,
 # its Values split: 2.9 against 3.8), the flush step 6.5-6.7 against 5.9-6.0 us (innerq-2 11.8 against 10.5): 2.7
 # against 3.9 us on the mean over a group's 32 steps for kivi-2 and kivi-4

@@ -100,6 +100,19 @@ def test_bits_dtypes_channel_groups(bits, dtype):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("reshape", [True, False])
+def test_per_token_groups_either_reduction(reshape, monkeypatch):
+    """Per-token groups of whole words (2-bit groups of 32 channels, hybrid) reduced as one reshaped reduction
+    (`quantize_append.GROUP_RESHAPE`, the default) or by the loop over the groups (the path of 3-bit words)."""
+    from kvq_compile.templates import quantize_append as qa
+
+    monkeypatch.setattr(qa, "GROUP_RESHAPE", reshape)
+    cfg = KVQConfig(key=_q(2, Axis.TOKEN, 32, Symmetry.HYBRID), value=_q(4, Axis.TOKEN, 32), sink=1, recent=3,
+                    key_norm=True)
+    check(cfg, D=128, dtype=torch.bfloat16, seed=3)
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("D", [64, 128])
 def test_hybrid_both_axes_head_dims(D):
     cfg = KVQConfig(key=_q(3, Axis.TOKEN, 32, Symmetry.HYBRID), value=_q(2, Axis.CHANNEL, 4, Symmetry.HYBRID),
