@@ -20,8 +20,10 @@ CHANNEL static ranges [B, H, 1, D].
 Token positions: with fill length L, sink S, recent R and token group G (1 unless CHANNEL-grouped),
     positions [0, S)  -> sink;  [S, Q(L)) -> quantized;  [Q(L), L) -> ring,
     Q(L) = S + floor(max(0, L - S - R) / G) * G
-so a token is quantized once it has left the recent window and its group is complete; the ring never
-holds more than R + G - 1 tokens, which is its size.
+so a token is read as quantized once it has left the recent window and its group is complete; the ring never
+holds more than R + G - 1 tokens, which is its size. Codes are written at Q(L) too, but for single-token groups
+(per-token groups, static per-channel ranges: G = 1), whose codes are written as each token from S on is appended
+(`code_boundary`, EAGER_TOKEN_GROUPS): read only once the token has left the window, they equal the late ones.
 
 Keys stored before RoPE share one model-level table `rope.cos` / `rope.sin` [B, T, D] (cache dtype).
 """
@@ -70,6 +72,23 @@ def dtype_name(dtype: torch.dtype) -> str:
 def fill_boundary(length: int, sink: int, recent: int, tokens_per_group: int) -> int:
     """Q(L): the first position that is not (yet) quantized."""
     return sink + max(0, length - sink - recent) // tokens_per_group * tokens_per_group
+
+
+EAGER_TOKEN_GROUPS = True   # a side whose groups are single tokens (per-token groups, static per-channel ranges)
+# writes each token's codes when it is appended (`code_boundary`), not when it leaves the recent window: its codes
+# need no other token, and the step then quantizes the token it was given instead of one read back from the ring.
+# Reads are unchanged (codes below fill_boundary, the window's tokens from the ring). H200, session 38
+# (bench/RESULTS.md): the Triton append's increment to an (append, attention) step 0.2-0.6 us smaller on the steps
+# that complete no group for kivi-4, kivi-2, innerq-2, xquant-1.38 and calibquant-1 (kivi-2 at (8, 8192) 2.5
+# against 2.8 us); presets it does not touch (int8, kvquant-4) moved by -0.2 to +0.5 us between the same runs.
+
+
+def code_boundary(length: int, sink: int, recent: int, tokens_per_group: int) -> int:
+    """The first position whose codes are not written yet with `length` tokens appended: fill_boundary, but every
+    position from the sink on for single-token groups (EAGER_TOKEN_GROUPS)."""
+    if tokens_per_group == 1 and EAGER_TOKEN_GROUPS:
+        return max(sink, length)
+    return fill_boundary(length, sink, recent, tokens_per_group)
 
 
 def ring_size(recent: int, tokens_per_group: int) -> int:
@@ -260,7 +279,7 @@ def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: tor
         if "center" in b:
             b["center"].copy_(c)
         b["half"].copy_(h)
-    q_old, q_new = fill_boundary(p0, S, R, G), fill_boundary(p0 + n, S, R, G)
+    q_old, q_new = code_boundary(p0, S, R, G), code_boundary(p0 + n, S, R, G)
     if q_new > q_old:
         parts = []
         if q_old < p0:  # tokens waiting in the ring
@@ -290,7 +309,7 @@ def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: tor
     if p0 < S:
         e = min(S, p0 + n)
         b["sink"][:, :, p0:e] = x[:, :, : e - p0].to(dt)
-    lo = max(q_new, p0)
+    lo = max(fill_boundary(p0 + n, S, R, G), p0)   # the chunk's tokens in the recent window
     if lo < p0 + n:
         slots = torch.arange(lo, p0 + n, device=x.device) % wr
         b["ring"][:, :, slots] = x[:, :, lo - p0:].to(dt)
@@ -372,6 +391,12 @@ def _device_fill_boundary(length: torch.Tensor, sink: int, recent: int, tpg: int
     return sink + torch.clamp(length - sink - recent, min=0) // tpg * tpg
 
 
+def _device_code_boundary(length: torch.Tensor, sink: int, recent: int, tpg: int) -> torch.Tensor:
+    if tpg == 1 and EAGER_TOKEN_GROUPS:
+        return torch.clamp(length, min=sink)
+    return _device_fill_boundary(length, sink, recent, tpg)
+
+
 def _write_rows(buf: torch.Tensor, dim: int, index: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor) -> None:
     """buf[index along dim] = rows where `keep` is False, unchanged where True (index clamped in range)."""
     index = index.clamp(0, buf.shape[dim] - 1)
@@ -401,8 +426,8 @@ def append_side_decode(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry,
         if "center" in b:
             b["center"].copy_(torch.where(first, c, b["center"]))
         b["half"].copy_(torch.where(first, h, b["half"]))
-    q_old = _device_fill_boundary(p0, S, R, G)
-    q_new = _device_fill_boundary(p0 + 1, S, R, G)
+    q_old = _device_code_boundary(p0, S, R, G)
+    q_new = _device_code_boundary(p0 + 1, S, R, G)
     no_flush = (q_new <= q_old)
     pos = q_old + torch.arange(G, device=dev)  # the group that completes when q_new > q_old
     block = x.expand(-1, -1, G, -1)
@@ -429,7 +454,8 @@ def append_side_decode(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry,
     if S:
         _write_rows(b["sink"], 2, p0.reshape(1), x, (p0 >= S).view(1, 1, 1, 1))
     if wr:  # after the group was read out of the ring: the new token may reuse its slot
-        _write_rows(b["ring"], 2, (p0 % wr).reshape(1), x, (q_new > p0).view(1, 1, 1, 1))
+        _write_rows(b["ring"], 2, (p0 % wr).reshape(1), x,
+                    (_device_fill_boundary(p0 + 1, S, R, G) > p0).view(1, 1, 1, 1))
 
 
 def append_decode(bufs: dict, cfg: KVQConfig, spec: LayerSpec, geo: Geometry, key: torch.Tensor,

@@ -8,8 +8,9 @@ token x = chunk[b, h, 0] at device position p0 and the side's fill boundary Q(L)
     p0 == 0:           norm = sqrt(max_t |x|) (InnerQ Keys); static per-channel ranges from x / norm:
                        c = (max + min) / 2 (0 symmetric), h = (max - min) / 2 (max |x| symmetric),
                        h *= (1 - 2 eta) * range_scale          (rounded to the cache dtype)
-    flush = Q(p0 + 1) > Q(p0): the group of G tokens at [Q(p0), Q(p0) + G) (the ring's slots, or x itself)
-                       is quantized, x_g = tokens.to(dtype) / norm:
+    flush = C(p0 + 1) > C(p0), C the code boundary (`store.code_boundary`: Q, but max(S, L) for single-token
+                       groups, EAGER, which quantize x itself from the sink on): the group of G tokens at
+                       [C(p0), C(p0) + G) (the ring's slots, or x itself) is quantized, x_g = tokens.to(dtype) / norm:
         outliers       per token, the NOUT channels farthest from their range's center in units of its
                        half-width (static range, else the group's full asymmetric range), kept exact
         range          per group over the other members: asymmetric (c, h) = ((max + min) / 2, (max - min) / 2),
@@ -36,8 +37,8 @@ over the D // GS groups; per-channel groups reduce over the tokens.
 Glossary: D head_dim; G tokens per group (1 unless Keys/Values are CHANNEL-grouped, KIVI); GP its power of
 two; BITS code width (16: unquantized); CPW codes per int32 word (32 // BITS), CP its power of two; W words
 per token, WP its power of two; AXIS 0 TOKEN / 1 CHANNEL; GS channels (TOKEN) or tokens (CHANNEL, 0 =
-static ranges) per group; NGRP groups per token (TOKEN axis); SYM 0 asymmetric / 1 symmetric / 2 hybrid;
-LUT levels from a table of NLEV; NOUT outliers per token; NORM InnerQ key normalization; S sink, R recent,
+static ranges) per group; NGRP groups per token (TOKEN axis); EAGER single-token groups coded on append (G 1,
+`store.EAGER_TOKEN_GROUPS`); SYM 0 asymmetric / 1 symmetric / 2 hybrid; LUT levels from a table of NLEV; NOUT outliers per token; NORM InnerQ key normalization; S sink, R recent,
 WR ring slots; T max cache length; HAS_CODES False when the codes are shared from an earlier layer (XQuant:
 only this layer's statistics are written); ETA XQuant's range shrink; RSCALE static ranges' range_scale; NCH
 programs per side, each over D / NCH channels (CCH, WC words: `_chunks`).
@@ -173,7 +174,7 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
                  LUT: tl.constexpr, NLEV: tl.constexpr, NOUT: tl.constexpr, NORM_ON: tl.constexpr,
                  S: tl.constexpr, R: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, WR: tl.constexpr,
                  HAS_CODES: tl.constexpr, ETA: tl.constexpr, RSCALE: tl.constexpr, NCH: tl.constexpr,
-                 RESHAPE: tl.constexpr = False):
+                 RESHAPE: tl.constexpr = False, EAGER: tl.constexpr = False):
     bh64 = bh.to(tl.int64)
     dt = RING.dtype.element_ty
     xrow = X + b.to(tl.int64) * stride_xb + h * stride_xh
@@ -230,15 +231,20 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
         if SYM == 1:
             scen = tl.zeros(scen.shape, tl.float32)
 
-    q_old = _fill_boundary(p0, S, R, G)
-    q_new = _fill_boundary(p0 + 1, S, R, G)
+    w_new = _fill_boundary(p0 + 1, S, R, G)   # the recent window's start once p0 is in
+    if EAGER:  # single-token groups: the appended token's own codes (store.code_boundary)
+        q_old = tl.maximum(p0, S)
+        q_new = tl.maximum(p0 + 1, S)
+    else:
+        q_old = _fill_boundary(p0, S, R, G)
+        q_new = w_new
     flush = (q_new > q_old) & (p0 < T)  # nothing is written for a position past the cache (p0 >= T)
     if flush:  # a group completes at most once per step: skip the group's quantization on the other steps
         # (KIVI's 32-token Key groups: 31 steps of 32; the stores below are masked by flush all the same)
         pos = q_old + gt  # [GP, 1, 1]
         tv = gt < G
         emask = tv & ev
-        if WR > 0:
+        if WR > 0 and not EAGER:
             xr = tl.load(RING + bh64 * WR * D + ((pos % WR) * D + dch), mask=emask & (pos != p0), other=0.0)
             xg = tl.where(pos == p0, xtok.to(dt), xr)
         else:
@@ -324,7 +330,7 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
         tl.store(SINK + bh64 * S * D + p0 * D + d1, xrow1, mask=(d1 < D) & (p0 < S))
     if WR > 0:
         tl.debug_barrier()  # every thread has read the group's ring slots before one is overwritten
-        tl.store(RING + bh64 * WR * D + (p0 % WR) * D + d1, xrow1, mask=(d1 < D) & (q_new <= p0) & (p0 < T))
+        tl.store(RING + bh64 * WR * D + (p0 % WR) * D + d1, xrow1, mask=(d1 < D) & (w_new <= p0) & (p0 < T))
 
 
 @triton.jit
@@ -336,10 +342,11 @@ def _append_kernel(
         BITS_K: tl.constexpr, AXIS_K: tl.constexpr, GS_K: tl.constexpr, SYM_K: tl.constexpr, LUT_K: tl.constexpr,
         NLEV_K: tl.constexpr, NOUT_K: tl.constexpr, NORM_K: tl.constexpr, G_K: tl.constexpr, GP_K: tl.constexpr,
         WR_K: tl.constexpr, CODES_K: tl.constexpr, ETA_K: tl.constexpr, RSCALE_K: tl.constexpr, NCH_K: tl.constexpr,
+        EAGER_K: tl.constexpr,
         BITS_V: tl.constexpr, AXIS_V: tl.constexpr, GS_V: tl.constexpr, SYM_V: tl.constexpr, LUT_V: tl.constexpr,
         NLEV_V: tl.constexpr, NOUT_V: tl.constexpr, G_V: tl.constexpr, GP_V: tl.constexpr,
         WR_V: tl.constexpr, CODES_V: tl.constexpr, ETA_V: tl.constexpr, RSCALE_V: tl.constexpr, NCH_V: tl.constexpr,
-        RESHAPE: tl.constexpr = False):
+        EAGER_V: tl.constexpr, RESHAPE: tl.constexpr = False):
     """Grid (B * H, NCH_K + NCH_V): program (bh, c) appends channel chunk c of the Keys (c < NCH_K) or chunk
     c - NCH_K of the Values of KV head bh. RESHAPE: `GROUP_RESHAPE`."""
     bh = tl.program_id(0)
@@ -350,7 +357,7 @@ def _append_kernel(
     if c < NCH_K:
         _append_side(KX, stride_kb, stride_kh, KDATA, KCODES, KCEN, KHALF, KHMASK, KOVAL, KOIDX, KSINK, KRING,
                      KLEV, KNORM, b, h, bh, p0, T, NGC_K, c, D, BITS_K, AXIS_K, GS_K, SYM_K, LUT_K, NLEV_K, NOUT_K,
-                     NORM_K, S, R, G_K, GP_K, WR_K, CODES_K, ETA_K, RSCALE_K, NCH_K, RESHAPE)
+                     NORM_K, S, R, G_K, GP_K, WR_K, CODES_K, ETA_K, RSCALE_K, NCH_K, RESHAPE, EAGER_K)
         if ROPE:
             if (h == 0) & (c == 0) & (p0 < T):
                 d = tl.arange(0, D)
@@ -361,7 +368,7 @@ def _append_kernel(
     else:
         _append_side(VX, stride_vb, stride_vh, VDATA, VCODES, VCEN, VHALF, VHMASK, VOVAL, VOIDX, VSINK, VRING,
                      VLEV, VLEV, b, h, bh, p0, T, NGC_V, c - NCH_K, D, BITS_V, AXIS_V, GS_V, SYM_V, LUT_V, NLEV_V,
-                     NOUT_V, False, S, R, G_V, GP_V, WR_V, CODES_V, ETA_V, RSCALE_V, NCH_V, RESHAPE)
+                     NOUT_V, False, S, R, G_V, GP_V, WR_V, CODES_V, ETA_V, RSCALE_V, NCH_V, RESHAPE, EAGER_V)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -369,6 +376,7 @@ def _append_kernel(
 # ---------------------------------------------------------------------------------------------
 def _side(bufs: dict, side: str, q, cfg, geo, rows: int = 0, sms: int = 0):
     """(pointers, constants) of one side; absent buffers are never read (any tensor stands in). rows, sms: `_chunks`."""
+    from kvq_compile import store as st
     from kvq_compile.config import Axis, Symmetry
 
     g = lambda n: bufs.get(f"{side}.{n}")  # noqa: E731
@@ -377,7 +385,7 @@ def _side(bufs: dict, side: str, q, cfg, geo, rows: int = 0, sms: int = 0):
         ptrs = dict(data=data, codes=data, cen=data, half=data, hmask=data, oval=data, oidx=data, sink=data,
                     ring=data, lev=data, norm=data)
         return ptrs, dict(BITS=16, AXIS=0, GS=1, SYM=0, LUT=False, NLEV=1, NOUT=0, NORM=False, G=1, GP=1, WR=0,
-                          CODES=False, ETA=0.0, RSCALE=1.0, NGC=1, NCH=1)
+                          CODES=False, ETA=0.0, RSCALE=1.0, NGC=1, NCH=1, EAGER=False)
     half = g("half")
     pick = lambda n: g(n) if g(n) is not None else half  # noqa: E731
     ptrs = {k: pick(n) for k, n in (("data", "half"), ("codes", "codes"), ("cen", "center"), ("half", "half"),
@@ -397,7 +405,8 @@ def _side(bufs: dict, side: str, q, cfg, geo, rows: int = 0, sms: int = 0):
                       G=G, GP=triton.next_power_of_2(G), WR=g("ring").shape[2] if g("ring") is not None else 0,
                       CODES=g("codes") is not None, ETA=float(cfg.eta_for(q)), RSCALE=float(q.range_scale),
                       NGC=half.shape[2] if axis == 1 and gs else 1,
-                      NCH=_chunks(q.bits, axis, gs, G, g("out_val") is not None, geo.head_dim, rows, sms))
+                      NCH=_chunks(q.bits, axis, gs, G, g("out_val") is not None, geo.head_dim, rows, sms),
+                      EAGER=G == 1 and st.EAGER_TOKEN_GROUPS)
 
 
 GROUP_RESHAPE = True   # per-token groups of several whole words reduced as one [tokens, groups, members] reduction
