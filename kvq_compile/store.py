@@ -78,7 +78,7 @@ EAGER_TOKEN_GROUPS = True   # a side whose groups are single tokens (per-token g
 # writes each token's codes when it is appended (`code_boundary`), not when it leaves the recent window: its codes
 # need no other token, and the step then quantizes the token it was given instead of one read back from the ring.
 # Reads are unchanged (codes below fill_boundary, the window's tokens from the ring). H200, session 38
-# (bench/RESULTS.md): the Triton append's increment to an (append, attention) step 0.2-0.6 us smaller on the steps
+# (bench/RESULTS.md): the Triton append's increment to an (append, attention) step 0.2-0.7 us smaller on the steps
 # that complete no group for kivi-4, kivi-2, innerq-2, xquant-1.38 and calibquant-1 (kivi-2 at (8, 8192) 2.5
 # against 2.8 us); presets it does not touch (int8, kvquant-4) moved by -0.2 to +0.5 us between the same runs.
 
