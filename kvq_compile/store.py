@@ -11,7 +11,7 @@ One `LayerStore` per attention layer holds, for Keys and for Values ("k." / "v."
     out_val  [B, H, T, k]  cache dtype   dense-and-sparse outliers, k per token
     out_idx  [B, H, T, k]  uint8/int16   their channels
     sink     [B, H, S, D]  cache dtype   the first `sink` tokens, exact
-    ring     [B, H, Wr, D] cache dtype   tokens not yet quantized, at slot position % Wr
+    ring     [B, H, Wr, D] cache dtype   the recent window's tokens (not yet read as quantized), at slot position % Wr
     levels   [2^bits]      float32       non-uniform levels (NormalFloat or a calibrated codebook)
     norm     [B, H, 1, D]  float32       InnerQ key normalization (Keys only)
 group shape: TOKEN axis [B, H, T, D/g]; CHANNEL axis in groups of G tokens [B, H, ceil((T-S)/G), D];

@@ -21,8 +21,8 @@ token x = chunk[b, h, 0] at device position p0 and the side's fill boundary Q(L)
                        (reference.level_count); codebook: #{midpoints between levels < (x - c) / h}
         packed         word w of a token holds channels w * CPW + j at bit offset j * BITS
     sink:              p0 < S: sink[p0] = x
-    ring:              p0 not quantized at once (Q(p0 + 1) <= p0): ring[p0 % WR] = x, after the group's
-                       ring slots were read (a CTA barrier between the read and the write)
+    ring:              p0 in the recent window (Q(p0 + 1) <= p0, whatever EAGER): ring[p0 % WR] = x, after the
+                       group's ring slots were read (a CTA barrier between the read and the write)
     RoPE table (Keys stored before RoPE): cos/sin[b, p0] = the step's cos/sin row.
     A position past the buffers' rows (p0 >= T, `Geometry.rows`: the cache length rounded up to even) writes
     nothing (the reference raises or clamps; no memory is touched); at an odd cache length p0 = length writes the
