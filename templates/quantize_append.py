@@ -34,14 +34,15 @@ two); channel d = w * CPW + j, so packing is a reduction over the last dimension
 the group seen as [GP, D // GS, GS] where their channels fill whole words (GROUP_RESHAPE), else by a static loop
 over the D // GS groups; per-channel groups reduce over the tokens.
 
-Glossary: D head_dim; G tokens per group (1 unless Keys/Values are CHANNEL-grouped, KIVI); GP its power of
-two; BITS code width (16: unquantized); CPW codes per int32 word (32 // BITS), CP its power of two; W words
-per token, WP its power of two; AXIS 0 TOKEN / 1 CHANNEL; GS channels (TOKEN) or tokens (CHANNEL, 0 =
-static ranges) per group; NGRP groups per token (TOKEN axis); EAGER single-token groups coded on append (G 1,
-`store.EAGER_TOKEN_GROUPS`); SYM 0 asymmetric / 1 symmetric / 2 hybrid; LUT levels from a table of NLEV; NOUT outliers per token; NORM InnerQ key normalization; S sink, R recent,
-WR ring slots; T max cache length; HAS_CODES False when the codes are shared from an earlier layer (XQuant:
-only this layer's statistics are written); ETA XQuant's range shrink; RSCALE static ranges' range_scale; NCH
-programs per side, each over D / NCH channels (CCH, WC words: `_chunks`).
+Glossary: D head_dim; G tokens per group (1 unless Keys/Values are CHANNEL-grouped, KIVI); GP its power of two;
+BITS code width (16: unquantized); CPW codes per int32 word (32 // BITS), CP its power of two; W words per token,
+WP its power of two; AXIS 0 TOKEN / 1 CHANNEL; GS channels (TOKEN) or tokens (CHANNEL, 0 = static ranges) per
+group; NGRP groups per token (TOKEN axis); EAGER single-token groups coded on append (G 1,
+`store.EAGER_TOKEN_GROUPS`); SYM 0 asymmetric / 1 symmetric / 2 hybrid; LUT levels from a table of NLEV; NOUT
+outliers per token; NORM InnerQ key normalization; S sink, R recent, WR ring slots; T max cache length; HAS_CODES
+False when the codes are shared from an earlier layer (XQuant: only this layer's statistics are written); ETA
+XQuant's range shrink; RSCALE static ranges' range_scale; NCH programs per side, each over D / NCH channels (CCH,
+WC words: `_chunks`).
 """
 from __future__ import annotations
 
@@ -416,10 +417,11 @@ GROUP_RESHAPE = True   # per-token groups of several whole words reduced as one 
 FLUSH_CHANNELS = 16   # channels per program of a side whose groups span tokens (KIVI's Keys), at least a word's
 # (`_chunks`; a power of two). Of 128 / 32 / 16 on an H100 (bench/RESULTS.md, session 14): 16 the fastest group step
 FLUSH_PROGRAMS_PER_SM = 8  # at most this many such programs of a side per SM over all KV heads (`_chunks` halves the
-# split until they fit or one program a KV head is left; each side on its own; 0: no cap). H200, session 38: at (32, 4096) (256 KV heads) 32 channels a program (1024 Key
-# programs) against 16 (2048) made the step that completes no group 2.6 against 3.8 us for kivi-2 and kivi-4 (innerq-2,
-# its Values split: 2.9 against 3.8), the flush step 6.5-6.7 against 5.9-6.0 us (innerq-2 11.8 against 10.5): 2.7
-# against 3.9 us on the mean over a group's 32 steps for kivi-2 and kivi-4
+# split until they fit or one program a KV head is left; each side on its own; 0: no cap). H200, session 38: at
+# (32, 4096) (256 KV heads) 32 channels a program (1024 Key programs) against 16 (2048) made the step that completes
+# no group 2.6 against 3.8 us for kivi-2 and kivi-4 (innerq-2, its Values split: 2.9 against 3.8), the flush step
+# 6.5-6.7 against 5.9-6.0 us (innerq-2 11.8 against 10.5): 2.7 against 3.9 us on the mean over a group's 32 steps
+# for kivi-2 and kivi-4
 
 
 def _chunks(bits: int, axis: int, gs: int, tokens_per_group: int, outliers: bool, head_dim: int, rows: int = 0,

@@ -293,15 +293,16 @@ def test_reduction_waits_for_the_quantized_region_behind_early_window_programs(B
 @pytest.mark.skipif(DEVICE != "cuda", reason="programmatic dependent launch runs on a GPU")
 @pytest.mark.parametrize("name", ["kivi-2", "innerq-2", "xquant-1.38", "calibquant-1", "kvquant-4", "int8"])
 def test_attention_right_after_the_append_reads_this_steps_writes(name):
-    """A CUDA graph of one decode step, the Triton append then the decode attention, at a step that completes a
-    group on both sides: the attention reads what the append quantizes in it where a group spans tokens (KIVI's and
-    xquant's Keys, InnerQ's Values); sides of single-token groups write the appended token's codes, read only once it
-    leaves the window (`store.EAGER_TOKEN_GROUPS`), so the calibquant-1, kvquant-4 and int8 legs guard little. Before each replay every element
-    the step's append writes is set to NaN (floats) or to random codes (but the ring slot that the append reads
-    before it overwrites it), so that an attention launch reading ahead of the append's writes shows up against the
-    reference over the appended store: a guard for any overlap of the two. On an H200 (bench/RESULTS.md, session
-    38) it failed for kivi-2, innerq-2 and xquant-1.38 with the attention's Gluon launch as the append's
-    programmatic dependent that did not wait for it (`bench/debug/head_pdl_tried.patch` with its wait removed)."""
+    """A CUDA graph of one decode step, the Triton append then the decode attention, at a step that completes a group on
+    both sides: the attention reads what the append quantizes in it where a group spans tokens (KIVI's and
+    xquant's Keys, InnerQ's Values); sides of single-token groups write the appended token's codes, read only
+    once it leaves the window (`store.EAGER_TOKEN_GROUPS`), so the calibquant-1, kvquant-4 and int8 legs guard
+    little. Before each replay every element the step's append writes is set to NaN (floats) or to random codes
+    (but the ring slot that the append reads before it overwrites it), so that an attention launch reading ahead
+    of the append's writes shows up against the reference over the appended store: a guard for any overlap of the
+    two. On an H200 (bench/RESULTS.md, session 38) it failed for kivi-2, innerq-2 and xquant-1.38 with the
+    attention's Gluon launch as the append's programmatic dependent that did not wait for it
+    (`bench/debug/head_pdl_tried.patch` with its wait removed)."""
     from kvq_compile.templates.quantize_append import append_decode
 
     cfg = KVQConfig.preset(name)
