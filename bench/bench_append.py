@@ -135,6 +135,7 @@ def in_step():
             an, at = lay.attend_tensors()
             ab = dict(zip(an, at))
             q0 = torch.randn(B, HQ, 1, D, device="cuda", dtype=dtype)
+            g = max(q.tokens_per_group for q in (cfg.key, cfg.value))   # a flush every g steps at most
             row = []
             for label, p in (("quiet", quiet), ("flush", flush)):
                 pos = torch.tensor([p], device="cuda")
@@ -149,7 +150,6 @@ def in_step():
                 t_step = graph_time(lambda: (append(), attend(q0)))
                 t_qatt = graph_time(lambda: attend(q0 * 1.0))
                 t_qstep = graph_time(lambda: (append(), attend(q0 * 1.0)))
-                g = max(q.tokens_per_group for q in (cfg.key, cfg.value))
                 row.append(f"{label}: attention {t_att:6.1f} us, + append {t_step - t_att:5.1f} us "
                            f"({(t_step - t_att) / t_att:5.3f}); q kernel between: attention {t_qatt:6.1f}, "
                            f"+ append {t_qstep - t_qatt:5.1f} us ({(t_qstep - t_qatt) / t_qatt:5.3f})")
