@@ -9,8 +9,8 @@ CUDA graph of 20 calls (launch overhead excluded as in a reduce-overhead decode 
 step that completes no channel group and at one that completes a group on both sides (KIVI's Keys: one step in
 32), and their mean over a group's steps.
 
-    python bench/bench_append.py --sweep   # the template only, at each FLUSH_CHANNELS x GROUP_RESHAPE x num_warps
-                                           # (FLUSH_PROGRAMS_PER_SM off)
+    python bench/bench_append.py --sweep   # the template only, at each FLUSH_CHANNELS x RING_VEC x num_warps
+                                           # (FLUSH_PROGRAMS_PER_SM off; GROUP_RESHAPE as set)
     python bench/bench_append.py --in-step # what the append adds to a step: append + attention against attention
 
 --in-step times CUDA graphs of 20 steps of (append, attention) and of the attention alone, at a step that
@@ -90,17 +90,18 @@ def main(quick: bool = False):
 
 def sweep():
     """The template's step and flush-step times for the presets with channel groups spanning tokens, at each
-    channel split (`quantize_append.FLUSH_CHANNELS`), per-token group reduction (`GROUP_RESHAPE`) and warp count."""
+    channel split (`quantize_append.FLUSH_CHANNELS`), ring load (`RING_VEC`, 0: the group loaded as [tokens, words,
+    codes]) and warp count. (Session 38 swept `GROUP_RESHAPE` in its place; it is kept as set now.)"""
     from kvq_compile.templates import quantize_append as qa
 
     dtype = torch.bfloat16
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__}")
-    default = qa.FLUSH_CHANNELS, qa.GROUP_RESHAPE, qa.FLUSH_PROGRAMS_PER_SM
+    default = qa.FLUSH_CHANNELS, qa.RING_VEC, qa.FLUSH_PROGRAMS_PER_SM
     qa.FLUSH_PROGRAMS_PER_SM = 0   # the channel split as swept, uncapped
     try:
         _sweep(qa, dtype)
     finally:
-        qa.FLUSH_CHANNELS, qa.GROUP_RESHAPE, qa.FLUSH_PROGRAMS_PER_SM = default
+        qa.FLUSH_CHANNELS, qa.RING_VEC, qa.FLUSH_PROGRAMS_PER_SM = default
 
 
 def _sweep(qa, dtype):
@@ -110,13 +111,13 @@ def _sweep(qa, dtype):
             pos, pos_f = torch.tensor([flush + 1], device="cuda"), torch.tensor([flush], device="cuda")
             for ch in (32, 16):
                 qa.FLUSH_CHANNELS = ch
-                for rs in (False, True):
-                    qa.GROUP_RESHAPE = rs
+                for vec in (0, 2, 4):
+                    qa.RING_VEC = vec
                     for nw in (1, 2, 4):
                         t_op = graph_time(lambda: append_decode(bufs, cfg, lay.spec, ms.geo, k, v, pos, num_warps=nw))
                         t_fl = graph_time(lambda: append_decode(bufs, cfg, lay.spec, ms.geo, k, v, pos_f,
                                                                 num_warps=nw))
-                        print(f"sweep {name:12s} B={B:2d} ctx={ctx:5d} channels/program {ch:3d} reshape {int(rs)} "
+                        print(f"sweep {name:12s} B={B:2d} ctx={ctx:5d} channels/program {ch:3d} ring_vec {vec} "
                               f"warps {nw}  step {t_op:6.1f} us  flush {t_fl:6.1f} us", flush=True)
             del ms, bufs
             torch.cuda.empty_cache()

@@ -4,7 +4,8 @@ count, each call made twice (the first warms up).
     ncu --clock-control none -k regex:_append_kernel --section SpeedOfLight --section WarpStateStats \
         python bench/ncu_append.py kivi-2:32x4096:32:4 kivi-2:32x4096:128:4 ...
 
-A spec is preset:BxCTX:channels_per_program:warps."""
+A spec is preset:BxCTX:channels_per_program:warps[:quiet] (quiet: the step after the flush, which completes no
+group)."""
 from __future__ import annotations
 
 import os
@@ -20,13 +21,13 @@ from kvq_compile.templates import quantize_append as qa  # noqa: E402
 
 def main():
     for spec in sys.argv[1:]:
-        preset, shape, ch, nw = spec.split(":")
+        preset, shape, ch, nw, *quiet = spec.split(":")
         B, ctx = map(int, shape.split("x"))
         cfg, ms, lay, bufs, k, v, flush = append_setup(preset, B, ctx)
         qa.FLUSH_CHANNELS = int(ch)
         print(f"== {spec}", flush=True)
         for _ in range(2):
-            qa.append_decode(bufs, cfg, lay.spec, ms.geo, k, v, torch.tensor([flush], device="cuda"),
+            qa.append_decode(bufs, cfg, lay.spec, ms.geo, k, v, torch.tensor([flush + bool(quiet)], device="cuda"),
                              num_warps=int(nw))
         torch.cuda.synchronize()
         del ms, bufs

@@ -22,7 +22,7 @@ token x = chunk[b, h, 0] at device position p0 and the side's fill boundary Q(L)
         packed         word w of a token holds channels w * CPW + j at bit offset j * BITS
     sink:              p0 < S: sink[p0] = x
     ring:              p0 in the recent window (Q(p0 + 1) <= p0, whatever EAGER): ring[p0 % WR] = x, after the
-                       group's ring slots were read (a CTA barrier between the read and the write)
+                       group's ring slots were read (a CTA barrier between the read and the write; EAGER reads none)
     RoPE table (Keys stored before RoPE): cos/sin[b, p0] = the step's cos/sin row.
     A position past the buffers' rows (p0 >= T, `Geometry.rows`: the cache length rounded up to even) writes
     nothing (the reference raises or clamps; no memory is touched); at an odd cache length p0 = length writes the
@@ -32,7 +32,8 @@ Layout in registers: a group is [GP, WP, CP] (tokens, words, codes per word, eac
 two); channel d = w * CPW + j, so packing is a reduction over the last dimension for every bit width
 (3-bit words hold 10 codes). Per-token groups of GS channels reduce over their members in one reduction of
 the group seen as [GP, D // GS, GS] where their channels fill whole words (GROUP_RESHAPE), else by a static loop
-over the D // GS groups; per-channel groups reduce over the tokens.
+over the D // GS groups; per-channel groups reduce over the tokens, loaded from the ring as [channel vectors,
+VEC, tokens] and permuted (RING_VEC) so that a thread holds several tokens of its channels.
 
 Glossary: D head_dim; G tokens per group (1 unless Keys/Values are CHANNEL-grouped, KIVI); GP its power of two;
 BITS code width (16: unquantized); CPW codes per int32 word (32 // BITS), CP its power of two; W words per token,
@@ -42,7 +43,7 @@ group; NGRP groups per token (TOKEN axis); EAGER single-token groups coded on ap
 outliers per token; NORM InnerQ key normalization; S sink, R recent, WR ring slots; T max cache length; HAS_CODES
 False when the codes are shared from an earlier layer (XQuant: only this layer's statistics are written); ETA
 XQuant's range shrink; RSCALE static ranges' range_scale; NCH programs per side, each over D / NCH channels (CCH,
-WC words: `_chunks`).
+WC words: `_chunks`); VEC channels a thread loads of each token of a group spanning tokens (`RING_VEC`).
 """
 from __future__ import annotations
 
@@ -132,17 +133,17 @@ def _range(x, valid, grp, SYMMETRIC: tl.constexpr, AXIS: tl.constexpr, NGRP: tl.
 
 @triton.jit
 def _round_half_even(y):
-    r = tl.floor(y + 0.5)
-    tie = (r - y) == 0.5
-    odd = (r.to(tl.int32) & 1) == 1
-    return tl.where(tie & odd, r - 1.0, r)
+    """y in [0, 2^22) rounded to the nearest integer, ties to even, as int32: y + 1.5 * 2^23 lies in [2^23, 2^24),
+    where float32 steps by 1, so the add itself rounds y (to even on ties: 1.5 * 2^23 is even) and the integer is
+    the sum's bits less those of 1.5 * 2^23 (an add and an integer subtract, no floor, tie test or conversion)."""
+    return (y + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
 
 
 @triton.jit
 def _uniform_code(xn, N: tl.constexpr):
     """Nearest of N evenly spaced levels in [-1, 1] (reference.nearest_level, uniform)."""
     xc = tl.minimum(tl.maximum(xn, -1.0), 1.0)
-    return _round_half_even((xc + 1.0) * ((N - 1) / 2)).to(tl.int32)
+    return _round_half_even((xc + 1.0) * ((N - 1) / 2))
 
 
 @triton.jit
@@ -175,7 +176,7 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
                  LUT: tl.constexpr, NLEV: tl.constexpr, NOUT: tl.constexpr, NORM_ON: tl.constexpr,
                  S: tl.constexpr, R: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, WR: tl.constexpr,
                  HAS_CODES: tl.constexpr, ETA: tl.constexpr, RSCALE: tl.constexpr, NCH: tl.constexpr,
-                 RESHAPE: tl.constexpr = False, EAGER: tl.constexpr = False):
+                 RESHAPE: tl.constexpr = False, EAGER: tl.constexpr = False, VEC: tl.constexpr = 0):
     bh64 = bh.to(tl.int64)
     dt = RING.dtype.element_ty
     xrow = X + b.to(tl.int64) * stride_xb + h * stride_xh
@@ -246,7 +247,18 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
         tv = gt < G
         emask = tv & ev
         if WR > 0 and not EAGER:
-            xr = tl.load(RING + bh64 * WR * D + ((pos % WR) * D + dch), mask=emask & (pos != p0), other=0.0)
+            if AXIS == 1 and CP == CPW and WP == WC and VEC > 0 and VEC <= CCH:
+                # loaded as [channel vectors, VEC, tokens], then seen as [tokens, words, codes]: Triton lays the
+                # group out with a thread's VEC channels over several tokens, so the reductions over the tokens
+                # below run mostly in registers, not across lanes (RING_VEC)
+                NV: tl.constexpr = CCH // VEC
+                pt = q_old + tl.arange(0, GP)[None, None, :]
+                dl = chunk * CCH + tl.arange(0, NV)[:, None, None] * VEC + tl.arange(0, VEC)[None, :, None]
+                xr = tl.load(RING + bh64 * WR * D + ((pt % WR) * D + dl), mask=(pt < q_old + G) & (pt != p0),
+                             other=0.0)
+                xr = tl.reshape(tl.permute(xr, (2, 0, 1)), [GP, WP, CP])
+            else:
+                xr = tl.load(RING + bh64 * WR * D + ((pos % WR) * D + dch), mask=emask & (pos != p0), other=0.0)
             xg = tl.where(pos == p0, xtok.to(dt), xr)
         else:
             xg = (xtok + gt * 0.0).to(dt)
@@ -330,7 +342,8 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
     if S > 0:
         tl.store(SINK + bh64 * S * D + p0 * D + d1, xrow1, mask=(d1 < D) & (p0 < S))
     if WR > 0:
-        tl.debug_barrier()  # every thread has read the group's ring slots before one is overwritten
+        if not EAGER:  # (single-token groups read no ring slot)
+            tl.debug_barrier()  # every thread has read the group's ring slots before one is overwritten
         tl.store(RING + bh64 * WR * D + (p0 % WR) * D + d1, xrow1, mask=(d1 < D) & (w_new <= p0) & (p0 < T))
 
 
@@ -347,9 +360,9 @@ def _append_kernel(
         BITS_V: tl.constexpr, AXIS_V: tl.constexpr, GS_V: tl.constexpr, SYM_V: tl.constexpr, LUT_V: tl.constexpr,
         NLEV_V: tl.constexpr, NOUT_V: tl.constexpr, G_V: tl.constexpr, GP_V: tl.constexpr,
         WR_V: tl.constexpr, CODES_V: tl.constexpr, ETA_V: tl.constexpr, RSCALE_V: tl.constexpr, NCH_V: tl.constexpr,
-        EAGER_V: tl.constexpr, RESHAPE: tl.constexpr = False):
+        EAGER_V: tl.constexpr, RESHAPE: tl.constexpr = False, VEC: tl.constexpr = 0):
     """Grid (B * H, NCH_K + NCH_V): program (bh, c) appends channel chunk c of the Keys (c < NCH_K) or chunk
-    c - NCH_K of the Values of KV head bh. RESHAPE: `GROUP_RESHAPE`."""
+    c - NCH_K of the Values of KV head bh. RESHAPE: `GROUP_RESHAPE`; VEC: `RING_VEC`."""
     bh = tl.program_id(0)
     c = tl.program_id(1)
     b = bh // H
@@ -358,7 +371,7 @@ def _append_kernel(
     if c < NCH_K:
         _append_side(KX, stride_kb, stride_kh, KDATA, KCODES, KCEN, KHALF, KHMASK, KOVAL, KOIDX, KSINK, KRING,
                      KLEV, KNORM, b, h, bh, p0, T, NGC_K, c, D, BITS_K, AXIS_K, GS_K, SYM_K, LUT_K, NLEV_K, NOUT_K,
-                     NORM_K, S, R, G_K, GP_K, WR_K, CODES_K, ETA_K, RSCALE_K, NCH_K, RESHAPE, EAGER_K)
+                     NORM_K, S, R, G_K, GP_K, WR_K, CODES_K, ETA_K, RSCALE_K, NCH_K, RESHAPE, EAGER_K, VEC)
         if ROPE:
             if (h == 0) & (c == 0) & (p0 < T):
                 d = tl.arange(0, D)
@@ -369,7 +382,7 @@ def _append_kernel(
     else:
         _append_side(VX, stride_vb, stride_vh, VDATA, VCODES, VCEN, VHALF, VHMASK, VOVAL, VOIDX, VSINK, VRING,
                      VLEV, VLEV, b, h, bh, p0, T, NGC_V, c - NCH_K, D, BITS_V, AXIS_V, GS_V, SYM_V, LUT_V, NLEV_V,
-                     NOUT_V, False, S, R, G_V, GP_V, WR_V, CODES_V, ETA_V, RSCALE_V, NCH_V, RESHAPE, EAGER_V)
+                     NOUT_V, False, S, R, G_V, GP_V, WR_V, CODES_V, ETA_V, RSCALE_V, NCH_V, RESHAPE, EAGER_V, VEC)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -410,6 +423,13 @@ def _side(bufs: dict, side: str, q, cfg, geo, rows: int = 0, sms: int = 0):
                       EAGER=G == 1 and st.EAGER_TOKEN_GROUPS)
 
 
+RING_VEC = 2   # a group of channel groups spanning tokens (KIVI's Keys, InnerQ's Values) read back from the ring as
+# [channel vectors, RING_VEC, tokens] (`_append_side`; 0: as [tokens, words, codes]): Triton then gives each thread
+# RING_VEC channels of several tokens, and the reductions over the tokens run in registers and one or two shuffles
+# instead of five (a warp's 32 lanes held 32 tokens). H200, session 39 (bench/RESULTS.md): the flush step at
+# (32, 4096) timed inside an (append, attention) step kivi-2 7.1 -> 5.5 us, innerq-2 12.1 -> 8.5 us (4.9 and 7.3
+# with `_round_half_even`'s add as well); Nsight Compute, kivi-2: 2.54M -> 1.93M warp instructions, 94 -> 64
+# registers a thread
 GROUP_RESHAPE = True   # per-token groups of several whole words reduced as one [tokens, groups, members] reduction
 # (`_reduce`), not by a loop over the groups. H200, session 38 (bench/RESULTS.md, `bench_append.py --sweep`, 2 warps):
 # the step that completes no channel group 0.0-1.2 us faster for kivi-2, kivi-4, xquant-1.38 and innerq-2 at
@@ -499,4 +519,4 @@ def append_decode(bufs: dict, cfg, spec, geo, key, value, positions, cos=None, s
         H=H, D=D, S=cfg.sink, R=cfg.recent, ROPE=rope,
         **{f"{k}_K": v for k, v in kc.items() if k != "NGC"},
         **{f"{k}_V": v for k, v in vc.items() if k not in ("NGC", "NORM")},
-        RESHAPE=GROUP_RESHAPE, num_warps=num_warps)
+        RESHAPE=GROUP_RESHAPE, VEC=RING_VEC, num_warps=num_warps)

@@ -15,7 +15,9 @@ from kvq_compile.config import Axis, Levels, Symmetry
 from models import LAYOUT_PRESETS, rope_tables, small_windows
 
 triton = pytest.importorskip("triton")
-from kvq_compile.templates.quantize_append import append_decode  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from kvq_compile.templates.quantize_append import _round_half_even, append_decode  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -78,6 +80,12 @@ def check(cfg, B=2, H=3, D=64, T=40, prefill=9, steps=14, dtype=torch.float32, l
     return ms_ref, ms_tri
 
 
+@triton.jit
+def _round_kernel(X, Y, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(Y + i, _round_half_even(tl.load(X + i)))
+
+
 def _q(bits, axis, group, sym=Symmetry.ASYMMETRIC, levels=Levels.UNIFORM, outliers=0.0, range_scale=1.0):
     return QuantizerSpec(bits=bits, axis=axis, group_size=group, symmetry=sym, levels=levels,
                          outlier_fraction=outliers, range_scale=range_scale)
@@ -110,6 +118,33 @@ def test_per_token_groups_either_reduction(reshape, monkeypatch):
     cfg = KVQConfig(key=_q(2, Axis.TOKEN, 32, Symmetry.HYBRID), value=_q(4, Axis.TOKEN, 32), sink=1, recent=3,
                     key_norm=True)
     check(cfg, D=128, dtype=torch.bfloat16, seed=3)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("vec", [0, 4])
+def test_channel_groups_either_ring_load(vec, monkeypatch):
+    """A group of channel groups read back from the ring as [channel vectors, VEC, tokens] (`RING_VEC`; 2 is the
+    default, which the other tests run) or as [tokens, words, codes] (0): KIVI-style 2-bit Keys split by channels,
+    hybrid 4-bit Values, 1-bit, at a group length that is not a power of two."""
+    from kvq_compile.templates import quantize_append as qa
+
+    monkeypatch.setattr(qa, "RING_VEC", vec)
+    cfg = KVQConfig(key=_q(2, Axis.CHANNEL, 6), value=_q(4, Axis.CHANNEL, 6, Symmetry.HYBRID), sink=1, recent=6)
+    check(cfg, D=64, dtype=torch.bfloat16, steps=20, seed=vec)
+    cfg = KVQConfig(key=_q(1, Axis.CHANNEL, 4), value=_q(2, Axis.TOKEN, 32), sink=0, recent=4)
+    check(cfg, D=128, dtype=torch.float16, steps=12, seed=vec + 1)
+
+
+@pytest.mark.interpreter
+def test_round_half_even_every_tie_and_random_values():
+    """`_round_half_even` (the float32 add of 1.5 * 2^23) against torch.round on every tie k + 0.5 of an 8-bit
+    code range, the integers, their float32 neighbours and random values in [0, 255]."""
+    k = torch.arange(256, dtype=torch.float32)
+    x = torch.cat([k + 0.5, k, torch.nextafter(k + 0.5, k), torch.nextafter(k + 0.5, k + 1),
+                   torch.rand(2048 - 4 * 256, generator=torch.Generator().manual_seed(0)) * 255]).to(DEVICE)
+    y = torch.empty(x.shape, dtype=torch.int32, device=DEVICE)
+    _round_kernel[(1,)](x, y, N=x.numel())
+    assert torch.equal(y, torch.round(x).to(torch.int32))
 
 
 @pytest.mark.interpreter
