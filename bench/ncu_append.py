@@ -27,8 +27,8 @@ def main():
         qa.FLUSH_CHANNELS = int(ch)
         print(f"== {spec}", flush=True)
         for _ in range(2):
-            qa.append_decode(bufs, cfg, lay.spec, ms.geo, k, v, torch.tensor([flush + bool(quiet)], device="cuda"),
-                             num_warps=int(nw))
+            pos = torch.tensor([flush + (quiet == ["quiet"])], device="cuda")
+            qa.append_decode(bufs, cfg, lay.spec, ms.geo, k, v, pos, num_warps=int(nw))
         torch.cuda.synchronize()
         del ms, bufs
 

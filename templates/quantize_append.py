@@ -32,8 +32,9 @@ Layout in registers: a group is [GP, WP, CP] (tokens, words, codes per word, eac
 two); channel d = w * CPW + j, so packing is a reduction over the last dimension for every bit width
 (3-bit words hold 10 codes). Per-token groups of GS channels reduce over their members in one reduction of
 the group seen as [GP, D // GS, GS] where their channels fill whole words (GROUP_RESHAPE), else by a static loop
-over the D // GS groups; per-channel groups reduce over the tokens, loaded from the ring as [channel vectors,
-VEC, tokens] and permuted (RING_VEC) so that a thread holds several tokens of its channels.
+over the D // GS groups; per-channel groups reduce over the tokens (where the program's channels fill whole
+power-of-two words, RING_VEC > 0: loaded from the ring as [channel vectors, VEC, tokens] and permuted, which led
+Triton to a layout with several tokens of a channel in a thread).
 
 Glossary: D head_dim; G tokens per group (1 unless Keys/Values are CHANNEL-grouped, KIVI); GP its power of two;
 BITS code width (16: unquantized); CPW codes per int32 word (32 // BITS), CP its power of two; W words per token,
@@ -43,7 +44,8 @@ group; NGRP groups per token (TOKEN axis); EAGER single-token groups coded on ap
 outliers per token; NORM InnerQ key normalization; S sink, R recent, WR ring slots; T max cache length; HAS_CODES
 False when the codes are shared from an earlier layer (XQuant: only this layer's statistics are written); ETA
 XQuant's range shrink; RSCALE static ranges' range_scale; NCH programs per side, each over D / NCH channels (CCH,
-WC words: `_chunks`); VEC channels a thread loads of each token of a group spanning tokens (`RING_VEC`).
+WC words: `_chunks`); VEC the innermost dimension of a group's ring load, in channels (`RING_VEC`; 0: the group loaded
+as [tokens, words, codes]).
 """
 from __future__ import annotations
 
@@ -247,7 +249,7 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
         tv = gt < G
         emask = tv & ev
         if WR > 0 and not EAGER:
-            if AXIS == 1 and CP == CPW and WP == WC and VEC > 0 and VEC <= CCH:
+            if AXIS == 1 and CP == CPW and WP == WC and WP * CP == CCH and VEC > 0 and VEC <= CCH:
                 # loaded as [channel vectors, VEC, tokens], then seen as [tokens, words, codes]: Triton lays the
                 # group out with a thread's VEC channels over several tokens, so the reductions over the tokens
                 # below run mostly in registers, not across lanes (RING_VEC)
@@ -423,13 +425,17 @@ def _side(bufs: dict, side: str, q, cfg, geo, rows: int = 0, sms: int = 0):
                       EAGER=G == 1 and st.EAGER_TOKEN_GROUPS)
 
 
+LAUNCH_OPTIONS = dict(enable_fp_fusion=False)  # every product rounded before it is added, as the reference's torch
+# ops do: fused, (x + 1) * (N - 1) / 2 + 1.5 * 2^23 in `_uniform_code` rounds the exact product, a level off where
+# the float32 product is a tie (4 bits, xn = 0.26666665: 9.5 - 2^-23 exactly, 9.5 in float32; session 39's review).
+# The FMAs that the reference makes explicit (`_level`) stay tl.fma
 RING_VEC = 2   # a group of channel groups spanning tokens (KIVI's Keys, InnerQ's Values) read back from the ring as
 # [channel vectors, RING_VEC, tokens] (`_append_side`; 0: as [tokens, words, codes]): Triton then gives each thread
 # RING_VEC channels of several tokens, and the reductions over the tokens run in registers and one or two shuffles
 # instead of five (a warp's 32 lanes held 32 tokens). H200, session 39 (bench/RESULTS.md): the flush step at
 # (32, 4096) timed inside an (append, attention) step kivi-2 7.1 -> 5.5 us, innerq-2 12.1 -> 8.5 us (4.9 and 7.3
-# with `_round_half_even`'s add as well); Nsight Compute, kivi-2: 2.54M -> 1.93M warp instructions, 94 -> 64
-# registers a thread
+# with `_round_half_even`'s add, the EAGER sides' barrier dropped and fusion off as well); Nsight Compute, kivi-2:
+# 2.54M -> 1.93M warp instructions, 94 -> 64 registers a thread
 GROUP_RESHAPE = True   # per-token groups of several whole words reduced as one [tokens, groups, members] reduction
 # (`_reduce`), not by a loop over the groups. H200, session 38 (bench/RESULTS.md, `bench_append.py --sweep`, 2 warps):
 # the step that completes no channel group 0.0-1.2 us faster for kivi-2, kivi-4, xquant-1.38 and innerq-2 at
@@ -491,6 +497,8 @@ def append_decode(bufs: dict, cfg, spec, geo, key, value, positions, cos=None, s
     why = supported(cfg, spec, geo)
     if why:
         raise NotImplementedError(f"kvq Triton append: {why}")
+    if RING_VEC < 0 or RING_VEC & (RING_VEC - 1):
+        raise ValueError(f"quantize_append.RING_VEC must be 0 or a power of two, not {RING_VEC}")
     key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (key, value))
     sms = _sm_count(key.device) if key.is_cuda else 0
     kp, kc = _side(bufs, "k", spec.key, cfg, geo, B * H, sms)
@@ -519,4 +527,4 @@ def append_decode(bufs: dict, cfg, spec, geo, key, value, positions, cos=None, s
         H=H, D=D, S=cfg.sink, R=cfg.recent, ROPE=rope,
         **{f"{k}_K": v for k, v in kc.items() if k != "NGC"},
         **{f"{k}_V": v for k, v in vc.items() if k not in ("NGC", "NORM")},
-        RESHAPE=GROUP_RESHAPE, VEC=RING_VEC, num_warps=num_warps)
+        RESHAPE=GROUP_RESHAPE, VEC=RING_VEC, num_warps=num_warps, **LAUNCH_OPTIONS)

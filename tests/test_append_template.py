@@ -17,7 +17,7 @@ from models import LAYOUT_PRESETS, rope_tables, small_windows
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from kvq_compile.templates.quantize_append import _round_half_even, append_decode  # noqa: E402
+from kvq_compile.templates.quantize_append import LAUNCH_OPTIONS, _round_half_even, _uniform_code, append_decode  # noqa: E402,E501
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -86,6 +86,24 @@ def _round_kernel(X, Y, N: tl.constexpr):
     tl.store(Y + i, _round_half_even(tl.load(X + i)))
 
 
+def near_ties(levels: int, extra=None) -> torch.Tensor:
+    """The float32 values nearest each tie between two of `levels` uniform levels (normalized: (xn + 1) * (levels
+    - 1) / 2 = k + 0.5) and their three neighbours each way, then `extra`, zero-padded to a power of two."""
+    base = ((torch.arange(levels - 1, dtype=torch.float64) + 0.5) / ((levels - 1) / 2) - 1).float()
+    xs, up, down = [base], base, base
+    for _ in range(3):
+        up, down = torch.nextafter(up, torch.tensor(2.0)), torch.nextafter(down, torch.tensor(-2.0))
+        xs += [up, down]
+    x = torch.cat(xs + ([extra] if extra is not None else []))
+    return torch.cat([x, torch.zeros(triton.next_power_of_2(x.numel()) - x.numel())])
+
+
+@triton.jit
+def _code_kernel(X, Y, N: tl.constexpr, LEVELS: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(Y + i, _uniform_code(tl.load(X + i), LEVELS))
+
+
 def _q(bits, axis, group, sym=Symmetry.ASYMMETRIC, levels=Levels.UNIFORM, outliers=0.0, range_scale=1.0):
     return QuantizerSpec(bits=bits, axis=axis, group_size=group, symmetry=sym, levels=levels,
                          outlier_fraction=outliers, range_scale=range_scale)
@@ -125,7 +143,8 @@ def test_per_token_groups_either_reduction(reshape, monkeypatch):
 def test_channel_groups_either_ring_load(vec, monkeypatch):
     """A group of channel groups read back from the ring as [channel vectors, VEC, tokens] (`RING_VEC`; 2 is the
     default, which the other tests run) or as [tokens, words, codes] (0): KIVI-style 2-bit Keys split by channels,
-    hybrid 4-bit Values, 1-bit, at a group length that is not a power of two."""
+    hybrid 4-bit Values, 1-bit (also at head_dim 16, half a word: the [tokens, words, codes] load), at a group length
+    that is not a power of two."""
     from kvq_compile.templates import quantize_append as qa
 
     monkeypatch.setattr(qa, "RING_VEC", vec)
@@ -133,6 +152,8 @@ def test_channel_groups_either_ring_load(vec, monkeypatch):
     check(cfg, D=64, dtype=torch.bfloat16, steps=20, seed=vec)
     cfg = KVQConfig(key=_q(1, Axis.CHANNEL, 4), value=_q(2, Axis.TOKEN, 32), sink=0, recent=4)
     check(cfg, D=128, dtype=torch.float16, steps=12, seed=vec + 1)
+    cfg = KVQConfig(key=_q(1, Axis.CHANNEL, 4), value=_q(2, Axis.TOKEN, 8), sink=0, recent=4)
+    check(cfg, D=16, dtype=torch.float16, steps=12, seed=vec + 2)   # 1-bit words of 32 codes wider than the head
 
 
 @pytest.mark.interpreter
@@ -145,6 +166,20 @@ def test_round_half_even_every_tie_and_random_values():
     y = torch.empty(x.shape, dtype=torch.int32, device=DEVICE)
     _round_kernel[(1,)](x, y, N=x.numel())
     assert torch.equal(y, torch.round(x).to(torch.int32))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("levels", [2, 3, 4, 7, 8, 15, 16, 255, 256])
+def test_uniform_code_near_ties(levels):
+    """`_uniform_code`, launched as the append launches (`LAUNCH_OPTIONS`), against the reference's
+    round((clamp(xn) + 1) * (n - 1) / 2) on the float32 values nearest each tie between two levels and their
+    neighbours: where (xn + 1) * (n - 1) / 2 is a tie in float32 but not exactly, a fused multiply-add (the GPU
+    compiler's default) puts the code a level off (hundreds of these inputs at 8 bits)."""
+    x = near_ties(levels, torch.tensor([-1.5, -1.0, 1.0, 1.5])).to(DEVICE)
+    n = x.numel()
+    y = torch.empty(n, dtype=torch.int32, device=DEVICE)
+    _code_kernel[(1,)](x, y, N=n, LEVELS=levels, **LAUNCH_OPTIONS)
+    assert torch.equal(y, ref.nearest_level(x, ref.uniform_levels(levels, DEVICE), uniform=True))
 
 
 @pytest.mark.interpreter

@@ -28,13 +28,14 @@ SCRIPT = textwrap.dedent('''
         def __init__(self, fn):
             self.fn = fn
         def __getitem__(self, grid):
-            def run(*args, num_warps=4, num_stages=2, launch_pdl=False, **consts):
+            def run(*args, num_warps=4, num_stages=2, launch_pdl=False, enable_fp_fusion=True, **consts):
                 sig = {n: (TY[a.dtype] if isinstance(a, torch.Tensor) else "fp32" if isinstance(a, float) else "i32")
                        for n, a in zip(self.fn.arg_names, args)}
                 sig.update({n: "constexpr" for n in consts})
                 k = triton.compile(ASTSource(fn=self.fn, signature=sig, constexprs=consts),
                                    target=GPUTarget("cuda", 90, 32),
-                                   options=dict(num_warps=num_warps, num_stages=num_stages, launch_pdl=launch_pdl))
+                                   options=dict(num_warps=num_warps, num_stages=num_stages, launch_pdl=launch_pdl,
+                                                enable_fp_fusion=enable_fp_fusion))
                 compiled.append((self.fn.__name__, len(k.asm["cubin"])))
             return run
 
