@@ -73,6 +73,18 @@ def _fill_boundary(L, S: tl.constexpr, R: tl.constexpr, G: tl.constexpr):
 
 
 @triton.jit
+def _reduce_dim(v, OP: tl.constexpr, DIM: tl.constexpr):
+    """v reduced over dimension DIM: OP 0 max, 1 min, 2 sum."""
+    if OP == 0:
+        r = tl.max(v, DIM)
+    elif OP == 1:
+        r = tl.min(v, DIM)
+    else:
+        r = tl.sum(v, DIM)
+    return r
+
+
+@triton.jit
 def _reduce(v, grp, OP: tl.constexpr, AXIS: tl.constexpr, NGRP: tl.constexpr, RS: tl.constexpr = False):
     """Reduce v [GP, WP, CP] over each quantization group and broadcast back: OP 0 max, 1 min, 2 sum.
     AXIS 1: a channel's group is its tokens (dim 0); AXIS 0: group `grp` (d // GS) of each token, by a loop over
@@ -85,37 +97,19 @@ def _reduce(v, grp, OP: tl.constexpr, AXIS: tl.constexpr, NGRP: tl.constexpr, RS
     else:
         ident = 0.0
     if AXIS == 1:
-        if OP == 0:
-            r = tl.max(v, 0)
-        elif OP == 1:
-            r = tl.min(v, 0)
-        else:
-            r = tl.sum(v, 0)
-        out = tl.broadcast_to(r[None, :, :], v.shape)
+        out = tl.broadcast_to(_reduce_dim(v, OP, 0)[None, :, :], v.shape)
     elif RS:
         GPR: tl.constexpr = v.shape[0]
         WPR: tl.constexpr = v.shape[1]
         CPR: tl.constexpr = v.shape[2]
         PER: tl.constexpr = WPR * CPR // NGRP
-        v3 = tl.reshape(v, [GPR, NGRP, PER])
-        if OP == 0:
-            r = tl.max(v3, 2)
-        elif OP == 1:
-            r = tl.min(v3, 2)
-        else:
-            r = tl.sum(v3, 2)
+        r = _reduce_dim(tl.reshape(v, [GPR, NGRP, PER]), OP, 2)
         out = tl.reshape(tl.broadcast_to(r[:, :, None], [GPR, NGRP, PER]), [GPR, WPR, CPR])
     else:
         out = tl.zeros(v.shape, tl.float32)
         for gi in tl.static_range(NGRP):
             sel = grp == gi
-            vv = tl.where(sel, v, ident)
-            if OP == 0:
-                r = tl.max(tl.max(vv, 2), 1)
-            elif OP == 1:
-                r = tl.min(tl.min(vv, 2), 1)
-            else:
-                r = tl.sum(tl.sum(vv, 2), 1)
+            r = _reduce_dim(_reduce_dim(tl.where(sel, v, ident), OP, 2), OP, 1)
             out = tl.where(sel, r[:, None, None], out)
     return out
 

@@ -17,7 +17,8 @@ from models import LAYOUT_PRESETS, rope_tables, small_windows
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from kvq_compile.templates.quantize_append import LAUNCH_OPTIONS, _round_half_even, _uniform_code, append_decode  # noqa: E402,E501
+from kvq_compile.templates.quantize_append import (  # noqa: E402
+    LAUNCH_OPTIONS, _round_half_even, _uniform_code, append_decode)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
