@@ -22,12 +22,14 @@ from kvq_compile.templates import quantize_append as qa  # noqa: E402
 def main():
     for spec in sys.argv[1:]:
         preset, shape, ch, nw, *quiet = spec.split(":")
+        if quiet not in ([], ["quiet"]):
+            raise SystemExit(f"{spec}: the fifth field can only be 'quiet'")
         B, ctx = map(int, shape.split("x"))
         cfg, ms, lay, bufs, k, v, flush = append_setup(preset, B, ctx)
         qa.FLUSH_CHANNELS = int(ch)
         print(f"== {spec}", flush=True)
         for _ in range(2):
-            pos = torch.tensor([flush + (quiet == ["quiet"])], device="cuda")
+            pos = torch.tensor([flush + bool(quiet)], device="cuda")
             qa.append_decode(bufs, cfg, lay.spec, ms.geo, k, v, pos, num_warps=int(nw))
         torch.cuda.synchronize()
         del ms, bufs

@@ -18,7 +18,8 @@ token x = chunk[b, h, 0] at device position p0 and the side's fill boundary Q(L)
         hybrid         symmetric B-bit vs asymmetric (B-1)-bit by the group's L1 error, symmetric only when
                        lower by more than float rounding (err_s < err_a * (1 - 1e-5)), else asymmetric
         code           uniform: round_half_even((clamp((x - c) / h, -1, 1) + 1) * (n - 1) / 2), n levels
-                       (reference.level_count); codebook: #{midpoints between levels < (x - c) / h}
+                       (reference.level_count), each product rounded before the next add (the kernel is compiled
+                       without multiply-add fusion, LAUNCH_OPTIONS); codebook: #{midpoints between levels < (x - c) / h}
         packed         word w of a token holds channels w * CPW + j at bit offset j * BITS
     sink:              p0 < S: sink[p0] = x
     ring:              p0 in the recent window (Q(p0 + 1) <= p0, whatever EAGER): ring[p0 % WR] = x, after the
@@ -44,8 +45,8 @@ group; NGRP groups per token (TOKEN axis); EAGER single-token groups coded on ap
 outliers per token; NORM InnerQ key normalization; S sink, R recent, WR ring slots; T max cache length; HAS_CODES
 False when the codes are shared from an earlier layer (XQuant: only this layer's statistics are written); ETA
 XQuant's range shrink; RSCALE static ranges' range_scale; NCH programs per side, each over D / NCH channels (CCH,
-WC words: `_chunks`); VEC the innermost dimension of a group's ring load, in channels (`RING_VEC`; 0: the group loaded
-as [tokens, words, codes]).
+WC words: `_chunks`); VEC channels a vector of a group's ring load, loaded as [channel vectors, VEC, tokens]
+(`RING_VEC`; 0: loaded as [tokens, words, codes]).
 """
 from __future__ import annotations
 
@@ -137,7 +138,9 @@ def _round_half_even(y):
 
 @triton.jit
 def _uniform_code(xn, N: tl.constexpr):
-    """Nearest of N evenly spaced levels in [-1, 1] (reference.nearest_level, uniform)."""
+    """Nearest of N evenly spaced levels in [-1, 1] (reference.nearest_level, uniform), as the reference only in a
+    kernel launched without multiply-add fusion (`LAUNCH_OPTIONS`): fused, the product is not rounded before the
+    add that rounds it to an integer."""
     xc = tl.minimum(tl.maximum(xn, -1.0), 1.0)
     return _round_half_even((xc + 1.0) * ((N - 1) / 2))
 
@@ -421,8 +424,9 @@ def _side(bufs: dict, side: str, q, cfg, geo, rows: int = 0, sms: int = 0):
 
 LAUNCH_OPTIONS = dict(enable_fp_fusion=False)  # every product rounded before it is added, as the reference's torch
 # ops do: fused, (x + 1) * (N - 1) / 2 + 1.5 * 2^23 in `_uniform_code` rounds the exact product, a level off where
-# the float32 product is a tie (4 bits, xn = 0.26666665: 9.5 - 2^-23 exactly, 9.5 in float32; session 39's review).
-# The FMAs that the reference makes explicit (`_level`) stay tl.fma
+# the float32 product is a tie (4 bits, xn = 0.26666665: 9.5 - 2^-23 exactly, 9.5 in float32; session 39's review),
+# and the hybrid groups' errors level * h + c - x rounded level * h only once fused (the reference rounds it). The
+# tl.fma written out in `_level` (torch.linspace's levels, one rounding) stays an FMA
 RING_VEC = 2   # a group of channel groups spanning tokens (KIVI's Keys, InnerQ's Values) read back from the ring as
 # [channel vectors, RING_VEC, tokens] (`_append_side`; 0: as [tokens, words, codes]): Triton then gives each thread
 # RING_VEC channels of several tokens, and the reductions over the tokens run in registers and one or two shuffles

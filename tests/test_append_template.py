@@ -28,7 +28,8 @@ def _codes_close(name, a, b, spec, D, exact=True):
     CPU (torch's CPU sqrt rounds off by an ulp). On the GPU every code is compared exactly since session 39, when
     the append stopped fusing multiply-adds (`quantize_append.LAUNCH_OPTIONS`): before, 0.5% were allowed there,
     which hid fused roundings (seen on an H100: (1 + 26/85) * 127.5 = 166.5 at 8 bits); all 44 tests of this file
-    passed with exact codes on an H200 (bench/results/session39_call7)."""
+    passed with exact codes on an H200 (bench/results/session39_call7: a trial switch of the test, since made the
+    rule)."""
     ua, ub = (ref.unpack_bits(x, spec.bits, D) for x in (a, b))
     diff = (ua != ub)
     assert diff.float().mean().item() <= (0 if exact else 0.005), \
