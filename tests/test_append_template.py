@@ -146,13 +146,15 @@ def test_per_token_groups_either_reduction(reshape, monkeypatch):
 def test_channel_groups_either_ring_load(vec, monkeypatch):
     """A group of channel groups read back from the ring as [channel vectors, VEC, tokens] (`RING_VEC`; 2 is the
     default, which the other tests run) or as [tokens, words, codes] (0): KIVI-style 2-bit Keys split by channels,
-    hybrid 4-bit Values, 1-bit (also at head_dim 16, half a word: the [tokens, words, codes] load), at a group length
-    that is not a power of two."""
+    hybrid 4-bit Values, outliers, 1-bit (also at head_dim 16, half a word: the [tokens, words, codes] load), at a
+    group length that is not a power of two."""
     from kvq_compile.templates import quantize_append as qa
 
     monkeypatch.setattr(qa, "RING_VEC", vec)
     cfg = KVQConfig(key=_q(2, Axis.CHANNEL, 6), value=_q(4, Axis.CHANNEL, 6, Symmetry.HYBRID), sink=1, recent=6)
     check(cfg, D=64, dtype=torch.bfloat16, steps=20, seed=vec)
+    cfg = KVQConfig(key=_q(4, Axis.CHANNEL, 4, outliers=0.05), value=_q(2, Axis.CHANNEL, 4), sink=1, recent=4)
+    check(cfg, D=64, steps=12, seed=vec + 3)   # outliers: one program a side, the whole head's channels
     cfg = KVQConfig(key=_q(1, Axis.CHANNEL, 4), value=_q(2, Axis.TOKEN, 32), sink=0, recent=4)
     check(cfg, D=128, dtype=torch.float16, steps=12, seed=vec + 1)
     cfg = KVQConfig(key=_q(1, Axis.CHANNEL, 4), value=_q(2, Axis.TOKEN, 8), sink=0, recent=4)
