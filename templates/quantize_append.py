@@ -425,8 +425,8 @@ def _side(bufs: dict, side: str, q, cfg, geo, rows: int = 0, sms: int = 0):
 LAUNCH_OPTIONS = dict(enable_fp_fusion=False)  # every product rounded before it is added, as the reference's torch
 # ops do: fused, (x + 1) * (N - 1) / 2 + 1.5 * 2^23 in `_uniform_code` rounds the exact product, a level off where
 # the float32 product is a tie (4 bits, xn = 0.26666665: 9.5 - 2^-23 exactly, 9.5 in float32; session 39's review),
-# and the hybrid groups' errors level * h + c - x rounded level * h only once fused (the reference rounds it). The
-# tl.fma written out in `_level` (torch.linspace's levels, one rounding) stays an FMA
+# and fused, the hybrid groups' error level * h + c - x skipped the rounding of level * h that the reference does.
+# The tl.fma written out in `_level` (torch.linspace's levels, one rounding) stays an FMA
 RING_VEC = 2   # a group of channel groups spanning tokens (KIVI's Keys, InnerQ's Values) read back from the ring as
 # [channel vectors, RING_VEC, tokens] (`_append_side`; 0: as [tokens, words, codes]): Triton then gives each thread
 # RING_VEC channels of several tokens, and the reductions over the tokens run in registers and one or two shuffles
