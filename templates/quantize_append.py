@@ -246,7 +246,7 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
         tv = gt < G
         emask = tv & ev
         if WR > 0 and not EAGER:
-            if AXIS == 1 and CP == CPW and WP == WC and WP * CP == CCH and VEC > 0 and VEC <= CCH:
+            if AXIS == 1 and WP * CP == CCH and VEC > 0 and VEC <= CCH:  # the slots are exactly the channels
                 # loaded as [channel vectors, VEC, tokens], then seen as [tokens, words, codes]: Triton lays the
                 # group out with a thread's VEC channels over several tokens, so the reductions over the tokens
                 # below run mostly in registers, not across lanes (RING_VEC)

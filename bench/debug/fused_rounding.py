@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
 import test_append_template as t  # noqa: E402
 
 from kvq_compile import reference as ref  # noqa: E402
+from kvq_compile.templates.quantize_append import LAUNCH_OPTIONS  # noqa: E402
 
 
 def main():
@@ -21,7 +22,7 @@ def main():
         n = x.numel()
         want = ref.nearest_level(x, ref.uniform_levels(levels, "cuda"), uniform=True)
         row = []
-        for label, opts in (("append's options", t.LAUNCH_OPTIONS), ("fusion on", dict(enable_fp_fusion=True))):
+        for label, opts in (("append's options", LAUNCH_OPTIONS), ("fusion on", dict(enable_fp_fusion=True))):
             y = torch.empty(n, dtype=torch.int32, device="cuda")
             t._code_kernel[(1,)](x, y, N=n, LEVELS=levels, **opts)
             row.append(f"{label}: {(y != want).sum().item()} of {n} codes differ")
