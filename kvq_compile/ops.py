@@ -24,6 +24,7 @@ import math
 
 import torch
 
+from . import compat
 from . import reference as ref
 from . import store as st
 from .config import KVQConfig
@@ -251,9 +252,11 @@ _COMPILED_APPENDS: dict = {}  # (quantizers, geometry, buffer names) -> function
 @functools.lru_cache(maxsize=None)
 def compiled_decode_append(layout: str, compile: bool | None = None):
     """`store.append_decode` for one layer layout, compiled by Inductor (one decode append is ~100 small torch
-    ops; compiled, a few fused kernels). Layers with equal quantizers share one function. Each function gets
-    its own code object, so Dynamo's recompile limit applies per layout, not to all of them together.
-    KVQ_COMPILE_APPEND=0 (or compile=False) returns the plain function."""
+    ops; compiled, a few fused kernels) with eager float32 rounding (`compat.eager_numerics_options`: codes are
+    a rounding of float32 math, and a fused multiply-add or an approximate division moves values that sit
+    near a tie between two levels to the other level). Layers with equal quantizers share one function. Each
+    function gets its own code object, so Dynamo's recompile limit applies per layout, not to all of them
+    together. KVQ_COMPILE_APPEND=0 (or compile=False) returns the plain function."""
     import os
     import types
 
@@ -268,7 +271,8 @@ def compiled_decode_append(layout: str, compile: bool | None = None):
 
         code = run.__code__.replace(co_name=f"kvq_decode_append_{len(_COMPILED_APPENDS)}")
         run = types.FunctionType(code, run.__globals__, code.co_name, run.__defaults__, run.__closure__)
-        fn = _COMPILED_APPENDS[key] = torch.compile(run, fullgraph=True, dynamic=False) if compile else run
+        fn = _COMPILED_APPENDS[key] = torch.compile(run, fullgraph=True, dynamic=False,
+                                                    options=compat.eager_numerics_options()) if compile else run
     return fn
 
 
