@@ -206,7 +206,8 @@ def select_outliers(xf: torch.Tensor, spec: QuantizerSpec, static_range=None):
         h0 = from_groups(hg.expand(xg.shape), spec, xf.shape)
     score = (xf - c0).abs() / h0.clamp_min(EPS)
     # the k largest, ties to the lower channel (a token's max and min often score exactly 1): a stable sort,
-    # not topk, whose tie order is the implementation's (CPU and CUDA differ; the Triton append takes argmax)
+    # not topk, whose tie order is the implementation's (CPU and CUDA differ; the Triton append takes the lowest
+    # channel among the highest scores, k times)
     idx = score.sort(dim=-1, descending=True, stable=True).indices[..., :k]  # [..., T, k]
     return idx, torch.ones_like(xf, dtype=torch.bool).scatter(-1, idx, False)
 

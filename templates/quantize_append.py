@@ -273,20 +273,20 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
             else:
                 c0, h0 = _range(xg, emask, grp, False, AXIS, NGRP, RS)
             score = tl.where(emask, tl.math.div_rn(tl.abs(xg - c0), tl.maximum(h0, EPS)), -1.0)
-            flat_i = tl.reshape(gt * 0 + w3 * CP + j3, [GP, WP * CP])
-            flat_d = tl.reshape(gt * 0 + dch, [GP, WP * CP])
-            flat_x = tl.reshape(xg, [GP, WP * CP])
+            dfull = gt * 0 + tl.where(ev, dch, D)  # [GP, WP, CP]; D marks the slots past a word's codes
             for k in tl.static_range(NOUT):
-                fs = tl.reshape(score, [GP, WP * CP])
-                f = tl.argmax(fs, 1)  # [GP]
-                pick = flat_i == f[:, None]
-                oidx = tl.sum(tl.where(pick, flat_d, 0), 1)
-                oval = tl.sum(tl.where(pick, flat_x, 0.0), 1)
+                # the highest score of each token, ties to the lowest channel (the reference's stable sort), by
+                # a max and a min over the slots; not argmax over the scores reshaped to [GP, WP * CP], which
+                # picked repeated and out-of-range channels on an H200 with the [tokens, words, codes] ring
+                # load (RING_VEC 0, session 40)
+                best = tl.max(tl.max(score, 2), 1)  # [GP]
+                f = tl.min(tl.min(tl.where(score == best[:, None, None], dfull, D), 2), 1)  # [GP]
+                chosen = dfull == f[:, None, None]
+                oval = tl.sum(tl.sum(tl.where(chosen, xg, 0.0), 2), 1)
                 orow = bh64 * T * NOUT + pos.reshape([GP]).to(tl.int64) * NOUT + k
                 om = tv.reshape([GP]) & flush
                 tl.store(OVAL + orow, oval.to(OVAL.dtype.element_ty), mask=om)
-                tl.store(OIDX + orow, oidx.to(OIDX.dtype.element_ty), mask=om)
-                chosen = tl.reshape(pick, [GP, WP, CP])
+                tl.store(OIDX + orow, f.to(OIDX.dtype.element_ty), mask=om)
                 score = tl.where(chosen, -1.0, score)
                 valid = valid & ~chosen
 
@@ -504,9 +504,11 @@ def append_decode(bufs: dict, cfg, spec, geo, key, value, positions, cos=None, s
     if num_warps is None:
         # 2: every group step within 10% of its attention on an H100 (1 warp: steps that complete no group 0.4-0.9 us
         # faster, xquant's 1-bit group step 4.1 us, 10.3%; bench/RESULTS.md, session 14). 4 where a side keeps
-        # outliers: at 1 and 2 warps the H100 miscomputed a channel-grouped side's codes with outliers (the GPU run
-        # of tests/test_append_template.py; not root-caused; not ties in the outliers' argmax: picking the lowest
-        # channel among the highest scores explicitly changed nothing, bench/RESULTS.md session 15)
+        # outliers. Chosen in session 15, when 1 and 2 warps miscomputed a channel-grouped side's codes with
+        # outliers on an H100; session 40 found the outliers' argmax over reshaped scores wrong on an H200 at 4
+        # warps too, replaced it, and then every outlier case was exact at 1, 2 and 4 warps. 4 stays for time:
+        # kvquant-3-1% 3.5-3.9 us a step at 4 warps, 4.0-4.3 at 2, 5.2-5.6 at 1; kvquant-4-1% 3.4-3.7 at 4,
+        # 2.7-3.0 at 1 (H200, bench/results/session40_call3)
         num_warps = 4 if kc["NOUT"] or vc["NOUT"] else 2
     rope = cos is not None and "rope.cos" in bufs
     if rope:

@@ -5,6 +5,9 @@ the reference, one through the template. After every step each buffer must agree
 unquantized data, RoPE table, outliers) bit for bit, statistics and the key norm to the
 dtype's rounding (torch 2.13's float32 sqrt on the CPU is off by an ulp for ~20% of inputs; the template's is
 correctly rounded), codes exactly (see `_codes_close` for where one level apart is allowed)."""
+import functools
+import sys
+
 import pytest
 import torch
 
@@ -159,6 +162,23 @@ def test_channel_groups_either_ring_load(vec, monkeypatch):
     check(cfg, D=128, dtype=torch.float16, steps=12, seed=vec + 1)
     cfg = KVQConfig(key=_q(1, Axis.CHANNEL, 4), value=_q(2, Axis.TOKEN, 8), sink=0, recent=4)
     check(cfg, D=16, dtype=torch.float16, steps=12, seed=vec + 2)   # 1-bit words of 32 codes wider than the head
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="the interpreter runs no warps")
+@pytest.mark.parametrize("warps", [1, 2, 4])
+def test_outliers_at_each_warp_count(warps, monkeypatch):
+    """Outliers of channel groups (whose members often tie at score 1: a group's max and min) at each warp count
+    and ring load: the outliers' argmax over scores reshaped to [tokens, slots] picked repeated and out-of-range
+    channels on an H200 (session 40), and 1 and 2 warps miscomputed codes on an H100 (session 15)."""
+    from kvq_compile.templates import quantize_append as qa
+
+    monkeypatch.setattr(sys.modules[__name__], "append_decode", functools.partial(qa.append_decode, num_warps=warps))
+    cfg = KVQConfig(key=_q(4, Axis.CHANNEL, 4, outliers=0.05), value=_q(2, Axis.CHANNEL, 4), sink=1, recent=4)
+    for vec in (0, 2):
+        monkeypatch.setattr(qa, "RING_VEC", vec)
+        check(cfg, D=64, steps=12, seed=vec + warps)
+    check(small_windows("kvquant-3-1%"), D=128, dtype=torch.bfloat16, seed=warps)
 
 
 @pytest.mark.interpreter
