@@ -260,7 +260,7 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
                 xr = tl.load(RING + bh64 * WR * D + ((pos % WR) * D + dch), mask=emask & (pos != p0), other=0.0)
             xg = tl.where(pos == p0, xtok.to(dt), xr)
         else:
-            xg = (xtok + gt * 0.0).to(dt)
+            xg = tl.broadcast_to(xtok, (GP, WP, CP)).to(dt)  # (not xtok + 0.0, which makes -0.0 +0.0)
         xg = xg.to(tl.float32)
         if NORM_ON:
             xg = tl.math.div_rn(xg, nrm)
@@ -275,14 +275,19 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
             score = tl.where(emask, tl.math.div_rn(tl.abs(xg - c0), tl.maximum(h0, EPS)), -1.0)
             dfull = gt * 0 + tl.where(ev, dch, D)  # [GP, WP, CP]; D marks the slots past a word's codes
             for k in tl.static_range(NOUT):
-                # the highest score of each token, ties to the lowest channel (the reference's stable sort), by
-                # a max and a min over the slots; not argmax over the scores reshaped to [GP, WP * CP], which
-                # picked repeated and out-of-range channels on an H200 with the [tokens, words, codes] ring
-                # load (RING_VEC 0, session 40)
-                best = tl.max(tl.max(score, 2), 1)  # [GP]
-                f = tl.min(tl.min(tl.where(score == best[:, None, None], dfull, D), 2), 1)  # [GP]
+                # the highest score of each token, ties to the lowest channel, NaN above all (the reference's
+                # stable descending sort), by a max and a min over the slots; not argmax over the scores
+                # reshaped to [GP, WP * CP], which picked repeated and out-of-range channels on an H200 with the
+                # [tokens, words, codes] ring load (RING_VEC 0, session 40)
+                nan = score != score
+                any_nan = tl.max(tl.max(nan.to(tl.int32), 2), 1) > 0  # [GP]
+                best = tl.max(tl.max(tl.where(nan, -1.0, score), 2), 1)  # [GP]
+                top = tl.where(any_nan[:, None, None], nan, score == best[:, None, None])
+                f = tl.min(tl.min(tl.where(top, dfull, D), 2), 1)  # [GP]
                 chosen = dfull == f[:, None, None]
-                oval = tl.sum(tl.sum(tl.where(chosen, xg, 0.0), 2), 1)
+                # the chosen value's bits (a sum of floats would turn -0.0 into +0.0 under the interpreter)
+                obits = tl.sum(tl.sum(tl.where(chosen, xg.to(tl.int32, bitcast=True), 0), 2), 1)
+                oval = obits.to(tl.float32, bitcast=True)
                 orow = bh64 * T * NOUT + pos.reshape([GP]).to(tl.int64) * NOUT + k
                 om = tv.reshape([GP]) & flush
                 tl.store(OVAL + orow, oval.to(OVAL.dtype.element_ty), mask=om)

@@ -42,12 +42,19 @@ def _codes_close(name, a, b, spec, D, exact=True):
 
 
 def check(cfg, B=2, H=3, D=64, T=40, prefill=9, steps=14, dtype=torch.float32, layers=1, seed=0,
-          first_token_decode=False, strided=False):
+          first_token_decode=False, strided=False, integers=False):
     """Reference and template stores after the same appends, compared buffer by buffer after every step.
     strided: decode tokens arrive as [B, 1, H, D] transposed views (the layout of a projection's output), and
-    RoPE rows per sequence ([B, 1, D], not [1, 1, D])."""
+    RoPE rows per sequence ([B, 1, D], not [1, 1, D]). integers: values in 0..3 with every zero a -0.0 (ties
+    everywhere: ranges, scores, outliers; a -0.0 often a group's minimum)."""
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    rnd = lambda *s: torch.randn(*s, generator=gen, device=DEVICE).to(dtype)  # noqa: E731
+
+    def rnd(*s):
+        x = torch.randn(*s, generator=gen, device=DEVICE)
+        if integers:
+            x = (x.abs() * 1.5).round().clamp(0, 3)
+            x = torch.where(x == 0, -0.0, x)
+        return x.to(dtype)
     geo = st.Geometry(B, H, T, D, st.dtype_name(dtype))
     ms_ref, ms_tri = st.ModelStore(cfg, layers, geo, DEVICE), st.ModelStore(cfg, layers, geo, DEVICE)
     start = 0
@@ -81,8 +88,10 @@ def check(cfg, B=2, H=3, D=64, T=40, prefill=9, steps=14, dtype=torch.float32, l
                 elif name.endswith((".center", ".half", ".norm")):  # norm: torch's CPU sqrt is 1 ulp off
                     torch.testing.assert_close(b.float(), a.float(), rtol=2 * torch.finfo(dtype).eps,
                                                atol=1e-6, msg=lambda m: f"{what}: {m}")
-                else:
-                    assert torch.equal(a, b), f"{what}: {(a != b).sum().item()} elements differ"
+                else:  # exact copies, bit for bit (a -0.0 too)
+                    ai, bi = (x.view(torch.int16 if x.element_size() == 2 else torch.int32)
+                              if x.is_floating_point() else x for x in (a, b))
+                    assert torch.equal(ai, bi), f"{what}: {(ai != bi).sum().item()} elements differ"
     return ms_ref, ms_tri
 
 
@@ -162,6 +171,56 @@ def test_channel_groups_either_ring_load(vec, monkeypatch):
     check(cfg, D=128, dtype=torch.float16, steps=12, seed=vec + 1)
     cfg = KVQConfig(key=_q(1, Axis.CHANNEL, 4), value=_q(2, Axis.TOKEN, 8), sink=0, recent=4)
     check(cfg, D=16, dtype=torch.float16, steps=12, seed=vec + 2)   # 1-bit words of 32 codes wider than the head
+
+
+@pytest.mark.interpreter
+def test_outliers_of_tied_integer_values():
+    """Integer values (-0.0 for zero): scores tie at every turn; the outliers chosen and their values, a -0.0
+    too, as the reference's (session 40's review: the sum that extracts a value turned -0.0 into +0.0)."""
+    cfg = KVQConfig(key=_q(4, Axis.CHANNEL, 4, outliers=0.05), value=_q(3, Axis.TOKEN, 16, outliers=0.05),
+                    sink=1, recent=4)
+    check(cfg, D=64, steps=12, seed=2, integers=True)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("axis", [Axis.TOKEN, Axis.CHANNEL])
+def test_outliers_of_non_finite_tokens(axis):
+    """Tokens holding inf or NaN: their groups' ranges, codes and outlier choices are not defined to match the
+    reference's (it takes a group whose max is not finite as empty; the GPU's max skips NaN), but every outlier
+    index stays inside the head and its value is the token's value there (session 40's review: a max over
+    all-NaN scores had left the index at head_dim); tokens whose groups are all finite match the reference."""
+    D, B, H, T = 64, 2, 2, 24
+    G = 16 if axis is Axis.TOKEN else 4
+    cfg = KVQConfig(key=_q(4, axis, G, outliers=0.05), value=_q(2, Axis.TOKEN, 16), sink=1, recent=4)
+    geo = st.Geometry(B, H, T, D, "float32")
+    lr, lt = (st.ModelStore(cfg, 1, geo, DEVICE).layers[0] for _ in range(2))
+    gen = torch.Generator(device=DEVICE).manual_seed(11)
+    keys = []
+    for p in range(T - 2):
+        k, v = (torch.randn(B, H, 1, D, generator=gen, device=DEVICE) for _ in range(2))
+        if p % 3 == 1:
+            k[0, 0, 0, 5] = float("inf")
+            k[1, 1, 0, 40] = float("nan")
+        if p % 5 == 2:
+            k[0, 1, 0, 7], k[0, 1, 0, 30] = float("-inf"), float("nan")
+        if p % 7 == 3:  # every score of this token NaN
+            k[1, 0, 0, :] = float("nan")
+        keys.append(k)
+        pos = torch.tensor([p], device=DEVICE)
+        st.append_decode(lr.buffers, cfg, lr.spec, geo, k, v, pos)
+        append_decode(lt.buffers, cfg, lt.spec, geo, k, v, pos)
+    q = st.fill_boundary(T - 2, cfg.sink, cfg.recent, cfg.key.tokens_per_group)
+    idx, val = (lt.buffers[n][:, :, cfg.sink:q] for n in ("k.out_idx", "k.out_val"))
+    x = torch.cat(keys, 2)[:, :, cfg.sink:q]
+    assert 0 <= int(idx.min()) and int(idx.max()) < D
+    torch.testing.assert_close(val, x.gather(-1, idx.long()), rtol=0, atol=0, equal_nan=True)
+    # the groups each token belongs to: its own (per-token groups) or its channel group's tokens
+    bad = ~x.isfinite().all(-1)
+    if axis is Axis.CHANNEL:
+        bad = bad.reshape(B, H, -1, G).any(-1, keepdim=True).expand(-1, -1, -1, G).reshape(B, H, -1)
+    ref_idx = lr.buffers["k.out_idx"][:, :, cfg.sink:q]
+    assert bad.any() and (~bad).any()
+    assert torch.equal(idx[~bad], ref_idx[~bad])
 
 
 @pytest.mark.gpu

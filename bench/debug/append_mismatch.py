@@ -2,10 +2,13 @@
 A: the Triton append template (`quantize_append.append_decode`) at each RING_VEC on the channel-grouped Keys with
    outliers of tests/test_append_template.py::test_channel_groups_either_ring_load (which failed at RING_VEC 0 on
    an H200, session 40 call 1): the outlier choices of a differing token and the reference's scores there.
-B: InnerQ's hybrid Value groups, eager `store.append` vs eager `store.append_decode` vs the Inductor-compiled
-   `append_decode` (bfloat16): a differing group's members, both candidates' ranges and L1 errors.
+B: innerq-2 and kivi-2, eager `store.append` vs eager `store.append_decode` vs the Inductor-compiled
+   `append_decode` with `compat.eager_numerics_options()` ("compiled") and with Inductor's defaults ("default"),
+   bfloat16: the buffers that differ at the first step that differs and after the last step (and, where the
+   first difference includes InnerQ's hybrid mask, one differing group's mask, center and half).
 usage: python bench/debug/append_mismatch.py [A|B]..."""
 import sys
+import types
 
 import torch
 
@@ -80,12 +83,15 @@ def part_b():
         stores = {m: st.ModelStore(cfg, 1, geo, DEV).layers[0] for m in ("append", "decode", "compiled", "default")}
         spec = stores["append"].spec
 
-        def run(bufs, key, value, positions, cos, sin):
-            st.append_decode(bufs, cfg, spec, geo, key, value, positions, cos, sin)
+        def make(options, tag):  # each its own code object: Dynamo caches compiled code per code object
+            def run(bufs, key, value, positions, cos, sin):
+                st.append_decode(bufs, cfg, spec, geo, key, value, positions, cos, sin)
 
-        fns = {"compiled": torch.compile(run, fullgraph=True, dynamic=False,
-                                         options=compat.eager_numerics_options()),
-               "default": torch.compile(run, fullgraph=True, dynamic=False)}
+            code = run.__code__.replace(co_name=f"mismatch_{tag}_{name.replace('-', '_')}")
+            run = types.FunctionType(code, run.__globals__, code.co_name, None, run.__closure__)
+            return torch.compile(run, fullgraph=True, dynamic=False, options=options)
+
+        fns = {"compiled": make(compat.eager_numerics_options(), "compiled"), "default": make({}, "default")}
         gen = torch.Generator(DEV).manual_seed(3)
         scale = 1 + 3 * torch.rand(1, H, 1, D, generator=gen, device=DEV)
         shown = set()
@@ -96,7 +102,6 @@ def part_b():
             pos = torch.tensor([p], device=DEV)
             st.append_decode(stores["decode"].buffers, cfg, spec, geo, k, v, pos)
             for m, fn in fns.items():
-                torch._dynamo.reset() if p == 0 and m == "default" else None
                 fn(stores[m].buffers, k, v, pos, None, None)
             for m in ("decode", "compiled", "default"):
                 d = differing(stores["append"].buffers, stores[m].buffers)
