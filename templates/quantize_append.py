@@ -12,7 +12,8 @@ token x = chunk[b, h, 0] at device position p0 and the side's fill boundary Q(L)
                        groups, EAGER, which quantize x itself from the sink on): the group of G tokens at
                        [C(p0), C(p0) + G) (the ring's slots, or x itself) is quantized, x_g = tokens.to(dtype) / norm:
         outliers       per token, the NOUT channels farthest from their range's center in units of its
-                       half-width (static range, else the group's full asymmetric range), kept exact
+                       half-width (static range, else the group's full asymmetric range), kept exact; ties to
+                       the lower channel, NaN scores first (the reference's stable descending sort)
         range          per group over the other members: asymmetric (c, h) = ((max + min) / 2, (max - min) / 2),
                        symmetric (0, max |x|); h *= 1 - 2 eta; both rounded to the cache dtype
         hybrid         symmetric B-bit vs asymmetric (B-1)-bit by the group's L1 error, symmetric only when
@@ -285,7 +286,7 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
                 top = tl.where(any_nan[:, None, None], nan, score == best[:, None, None])
                 f = tl.min(tl.min(tl.where(top, dfull, D), 2), 1)  # [GP]
                 chosen = dfull == f[:, None, None]
-                # the chosen value's bits (a sum of floats would turn -0.0 into +0.0 under the interpreter)
+                # the chosen value's bits (a float sum over the other slots' zeros would turn -0.0 into +0.0)
                 obits = tl.sum(tl.sum(tl.where(chosen, xg.to(tl.int32, bitcast=True), 0), 2), 1)
                 oval = obits.to(tl.float32, bitcast=True)
                 orow = bh64 * T * NOUT + pos.reshape([GP]).to(tl.int64) * NOUT + k
@@ -511,7 +512,8 @@ def append_decode(bufs: dict, cfg, spec, geo, key, value, positions, cos=None, s
         # faster, xquant's 1-bit group step 4.1 us, 10.3%; bench/RESULTS.md, session 14). 4 where a side keeps
         # outliers. Chosen in session 15, when 1 and 2 warps miscomputed a channel-grouped side's codes with
         # outliers on an H100; session 40 found the outliers' argmax over reshaped scores wrong on an H200 at 4
-        # warps too, replaced it, and then every outlier case was exact at 1, 2 and 4 warps. 4 stays for time:
+        # warps too, replaced it, and then every outlier case was exact at 1, 2 and 4 warps on the H200 (not
+        # rerun on an H100). 4 stays for time:
         # kvquant-3-1% 3.5-3.9 us a step at 4 warps, 4.0-4.3 at 2, 5.2-5.6 at 1; kvquant-4-1% 3.4-3.7 at 4,
         # 2.7-3.0 at 1 (H200, bench/results/session40_call3)
         num_warps = 4 if kc["NOUT"] or vc["NOUT"] else 2
