@@ -258,7 +258,6 @@ def compiled_decode_append(layout: str, compile: bool | None = None):
     function gets its own code object, so Dynamo's recompile limit applies per layout, not to all of them
     together. KVQ_COMPILE_APPEND=0 (or compile=False) returns the plain function."""
     import os
-    import types
 
     cfg, geo, spec, names = _decode_layout(layout)
     if compile is None:
@@ -266,14 +265,24 @@ def compiled_decode_append(layout: str, compile: bool | None = None):
     key = (cfg.to_json(), repr(spec.key), repr(spec.value), geo, names, compile)
     fn = _COMPILED_APPENDS.get(key)
     if fn is None:
-        def run(bufs, key, value, positions, cos, sin, cfg=cfg, spec=spec, geo=geo):
-            st.append_decode(bufs, cfg, spec, geo, key, value, positions, cos, sin)
-
-        code = run.__code__.replace(co_name=f"kvq_decode_append_{len(_COMPILED_APPENDS)}")
-        run = types.FunctionType(code, run.__globals__, code.co_name, run.__defaults__, run.__closure__)
-        fn = _COMPILED_APPENDS[key] = torch.compile(run, fullgraph=True, dynamic=False,
-                                                    options=compat.eager_numerics_options()) if compile else run
+        fn = _COMPILED_APPENDS[key] = decode_append_function(
+            cfg, spec, geo, f"kvq_decode_append_{len(_COMPILED_APPENDS)}",
+            compat.eager_numerics_options() if compile else None)
     return fn
+
+
+def decode_append_function(cfg, spec, geo, name: str, options: dict | None):
+    """(bufs, key, value, positions, cos, sin) -> `store.append_decode` for one layer's quantizers, as a function
+    with a code object of its own named `name` (Dynamo caches compiled code and counts recompiles per code
+    object), compiled by Inductor (fullgraph, static shapes) with `options`, or plain where options is None."""
+    import types
+
+    def run(bufs, key, value, positions, cos, sin, cfg=cfg, spec=spec, geo=geo):
+        st.append_decode(bufs, cfg, spec, geo, key, value, positions, cos, sin)
+
+    code = run.__code__.replace(co_name=name)
+    run = types.FunctionType(code, run.__globals__, code.co_name, run.__defaults__, run.__closure__)
+    return run if options is None else torch.compile(run, fullgraph=True, dynamic=False, options=options)
 
 
 def _register_gpu_kernels() -> None:

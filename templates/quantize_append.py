@@ -513,9 +513,8 @@ def append_decode(bufs: dict, cfg, spec, geo, key, value, positions, cos=None, s
         # outliers. Chosen in session 15, when 1 and 2 warps miscomputed a channel-grouped side's codes with
         # outliers on an H100; session 40 found the outliers' argmax over reshaped scores wrong on an H200 at 4
         # warps too, replaced it, and then every outlier case was exact at 1, 2 and 4 warps on the H200 (not
-        # rerun on an H100). 4 stays for time:
-        # kvquant-3-1% 3.5-3.9 us a step at 4 warps, 4.0-4.3 at 2, 5.2-5.6 at 1; kvquant-4-1% 3.4-3.7 at 4,
-        # 2.7-3.0 at 1 (H200, bench/results/session40_call3)
+        # rerun on an H100). 4 stays for time: kvquant-3-1% 3.5-3.9 us a step at 4 warps, 4.0-4.3 at 2, 5.2-5.6
+        # at 1; kvquant-4-1% 3.4-3.7 at 4, 2.7-3.0 at 1 (H200, bench/results/session40_call3)
         num_warps = 4 if kc["NOUT"] or vc["NOUT"] else 2
     rope = cos is not None and "rope.cos" in bufs
     if rope:

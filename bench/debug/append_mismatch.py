@@ -8,7 +8,6 @@ B: innerq-2 and kivi-2, eager `store.append` vs eager `store.append_decode` vs t
    first difference includes InnerQ's hybrid mask, one differing group's mask, center and half).
 usage: python bench/debug/append_mismatch.py [A|B]..."""
 import sys
-import types
 
 import torch
 
@@ -74,7 +73,7 @@ def part_a():
 
 def part_b():
     from kvq_compile import compat
-    from kvq_compile.ops import compiled_decode_append  # noqa: F401  (registers nothing else)
+    from kvq_compile.ops import decode_append_function
 
     for name in ("innerq-2", "kivi-2"):
         cfg = small_windows(name)
@@ -83,15 +82,10 @@ def part_b():
         stores = {m: st.ModelStore(cfg, 1, geo, DEV).layers[0] for m in ("append", "decode", "compiled", "default")}
         spec = stores["append"].spec
 
-        def make(options, tag):  # each its own code object: Dynamo caches compiled code per code object
-            def run(bufs, key, value, positions, cos, sin):
-                st.append_decode(bufs, cfg, spec, geo, key, value, positions, cos, sin)
-
-            code = run.__code__.replace(co_name=f"mismatch_{tag}_{name.replace('-', '_')}")
-            run = types.FunctionType(code, run.__globals__, code.co_name, None, run.__closure__)
-            return torch.compile(run, fullgraph=True, dynamic=False, options=options)
-
-        fns = {"compiled": make(compat.eager_numerics_options(), "compiled"), "default": make({}, "default")}
+        tag = name.replace("-", "_")
+        fns = {"compiled": decode_append_function(cfg, spec, geo, f"mismatch_compiled_{tag}",
+                                                  compat.eager_numerics_options()),
+               "default": decode_append_function(cfg, spec, geo, f"mismatch_default_{tag}", {})}
         gen = torch.Generator(DEV).manual_seed(3)
         scale = 1 + 3 * torch.rand(1, H, 1, D, generator=gen, device=DEV)
         shown = set()

@@ -5,7 +5,6 @@ time at one position (median of triton.testing.do_bench, no CUDA graph: launch o
 usage: python bench/debug/compiled_append_numerics.py [--graph]   (--graph: the times alone, in CUDA graphs, at
 one of bench_append.py's shapes)"""
 import sys
-import types
 
 import torch
 import triton
@@ -13,16 +12,12 @@ import triton
 sys.path.insert(0, "tests")
 from kvq_compile import compat  # noqa: E402
 from kvq_compile import store as st  # noqa: E402
+from kvq_compile.ops import decode_append_function  # noqa: E402
 from models import LAYOUT_PRESETS, small_windows  # noqa: E402
 
 
 def compiled(cfg, spec, geo, options, tag):
-    def run(bufs, key, value, positions, cos, sin):
-        st.append_decode(bufs, cfg, spec, geo, key, value, positions, cos, sin)
-
-    code = run.__code__.replace(co_name=f"probe_append_{tag}")
-    run = types.FunctionType(code, run.__globals__, code.co_name, None, run.__closure__)
-    return torch.compile(run, fullgraph=True, dynamic=False, options=options)
+    return decode_append_function(cfg, spec, geo, f"probe_append_{tag}", options)
 
 
 def compare(name, options, B=4, H=8, T=80, D=128, steps=72, seed=3):
