@@ -130,6 +130,22 @@ def _range(x, valid, grp, SYMMETRIC: tl.constexpr, AXIS: tl.constexpr, NGRP: tl.
 
 
 @triton.jit
+def _div_by(a, h, r):
+    """a / h rounded as tl.math.div_rn from r = div_rn(1, h), one reciprocal for a group's members: q = a * r is
+    within an ulp of a / h, the remainder a - q * h is exact in one FMA, and q + remainder * r in one more rounds to
+    a / h (Markstein's correction step, which div.rn's own fast path takes; here without recomputing the reciprocal
+    and without a range check and slow-path call per value: h is a group's half-width, at least EPS). The remainder
+    is taken as (q * h - a) * -1 so that a / h keeps the sign of a zero a (negations as products by -1, which
+    become operand signs of the FMAs: Triton's `-x` is 0 - x, +0 for x = +0, and an add of its own). An infinite
+    q is returned as it is, as div_rn would. Quotients below float32's normal range may differ by a unit in their
+    last place (no code sees it). H200, session 41: equal to div_rn on every float32 numerator of 34 binades (both
+    signs) over 70 divisors (`bench/debug/div_by_check.py`); each div_rn per value had been a reciprocal, five FMAs,
+    a range check and a branch around the slow path, which kept the values' divisions from overlapping."""
+    q = a * r
+    return tl.where(tl.abs(q) < float("inf"), tl.fma(tl.fma(q, h, a * -1.0) * -1.0, r, q), q)
+
+
+@triton.jit
 def _round_half_even(y):
     """y in [0, 2^22) rounded to the nearest integer, ties to even, as int32: y + 1.5 * 2^23 lies in [2^23, 2^24),
     where float32 steps by 1, so the add itself rounds y (to even on ties: 1.5 * 2^23 is even) and the integer is
@@ -305,8 +321,8 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
             hs = tl.maximum(hs, EPS).to(dt).to(tl.float32)
             ca = ca.to(dt).to(tl.float32)
             ha = tl.maximum(ha, EPS).to(dt).to(tl.float32)
-            ks = _uniform_code(tl.math.div_rn(xg - cs, hs), NS)
-            ka = _uniform_code(tl.math.div_rn(xg - ca, ha), NA)
+            ks = _uniform_code(_div_by(xg - cs, hs, tl.math.div_rn(1.0, hs)), NS)
+            ka = _uniform_code(_div_by(xg - ca, ha, tl.math.div_rn(1.0, ha)), NA)
             es = tl.where(valid, tl.abs(_level(ks, NS) * hs + cs - xg), 0.0)
             ea = tl.where(valid, tl.abs(_level(ka, NA) * ha + ca - xg), 0.0)
             m = _reduce(es, grp, 2, AXIS, NGRP, RS) < _reduce(ea, grp, 2, AXIS, NGRP, RS) * (1 - HYBRID_MARGIN)
@@ -320,7 +336,7 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
                 cen, half = _range(xg, valid, grp, SYM == 1, AXIS, NGRP, RS)
                 half = tl.maximum(half * (1 - 2 * ETA), EPS).to(dt).to(tl.float32)
                 cen = cen.to(dt).to(tl.float32)
-            code = _nearest_code(tl.math.div_rn(xg - cen, half), LEV, BITS, SYM, LUT, NLEV)
+            code = _nearest_code(_div_by(xg - cen, half, tl.math.div_rn(1.0, half)), LEV, BITS, SYM, LUT, NLEV)
 
         if HAS_CODES:
             code = tl.where(emask, code, 0)
