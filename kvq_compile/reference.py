@@ -153,7 +153,10 @@ def outliers_per_token(spec: QuantizerSpec, head_dim: int) -> int:
 
 
 def _range(xg: torch.Tensor, symmetric: bool, valid: torch.Tensor | None):
-    """(center, half) over the last dim, ignoring members where valid is False."""
+    """(center, half) over the last dim, ignoring members where valid is False; (0, 0) for a group without valid
+    members. A group holding inf or NaN has no defined quantization: here its max is not finite and it is taken as
+    empty too, while the Triton append (`templates/quantize_append.py`) takes the range its max and min give (an
+    inf stays in it; the GPU's max and min skip NaN). Tests compare only groups whose members are finite."""
     hi = xg if valid is None else torch.where(valid, xg, -math.inf)
     lo = xg if valid is None else torch.where(valid, xg, math.inf)
     mx, mn = hi.amax(-1, keepdim=True), lo.amin(-1, keepdim=True)
