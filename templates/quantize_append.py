@@ -131,16 +131,20 @@ def _range(x, valid, grp, SYMMETRIC: tl.constexpr, AXIS: tl.constexpr, NGRP: tl.
 
 @triton.jit
 def _div_by(a, h, r):
-    """a / h rounded as tl.math.div_rn from r = div_rn(1, h), one reciprocal for a group's members: q = a * r is
-    within an ulp of a / h, the remainder a - q * h is exact in one FMA, and q + remainder * r in one more rounds to
-    a / h (Markstein's correction step, which div.rn's own fast path takes; here without recomputing the reciprocal
-    and without a range check and slow-path call per value: h is a group's half-width, at least EPS). The remainder
-    is taken as (q * h - a) * -1 so that a / h keeps the sign of a zero a (negations as products by -1, which
-    become operand signs of the FMAs: Triton's `-x` is 0 - x, +0 for x = +0, and an add of its own). An infinite
-    q is returned as it is, as div_rn would. Quotients below float32's normal range may differ by a unit in their
-    last place (no code sees it). H200, session 41: equal to div_rn on every float32 numerator of 34 binades (both
-    signs) over 70 divisors (`bench/debug/div_by_check.py`); each div_rn per value had been a reciprocal, five FMAs,
-    a range check and a branch around the slow path, which kept the values' divisions from overlapping."""
+    """a / h as tl.math.div_rn gives it, from r = div_rn(1, h), one reciprocal for a group's members: q = a * r,
+    the remainder a - q * h by one FMA and q + remainder * r by another (the correction step of div.rn's own fast
+    path, without recomputing the reciprocal and without a range check and slow-path call per value). Not a proof:
+    q can be 1.5 ulps off a / h here, beyond Markstein's premise (one ulp), yet no quotient differed from div_rn on
+    the H200 over 70 divisors x every float32 numerator significand (`bench/debug/div_by_check.py`, session 41), nor
+    in an exact model of the 330 divisor significands with the largest reciprocal error (session 41's review). Where
+    it can differ: numerators below about 2^-102 in magnitude (the remainder underflows; the quotient then is a unit
+    of its last place off, or +-0 for the smallest subnormal numerators of float32 caches, which a codebook's zero
+    midpoint would see), and a near float32's max over h < 1 (inf for the max; a code clamps both alike). The
+    remainder is taken as (q * h - a) * -1 so that a zero a keeps its sign (products by -1 are negations; Triton's
+    `-x` is 0 - x, +0 for +0); an infinite q is returned as it is. An infinite h (a range beyond float32's, from
+    values near +-1.7e38) gives NaN where div_rn gives +-0: such a group dequantizes to inf or NaN either way. Each
+    div_rn per value had been a reciprocal, five FMAs, a range check and a branch around the slow path, which kept
+    a thread's divisions from overlapping."""
     q = a * r
     return tl.where(tl.abs(q) < float("inf"), tl.fma(tl.fma(q, h, a * -1.0) * -1.0, r, q), q)
 

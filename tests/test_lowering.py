@@ -235,9 +235,10 @@ def test_layout_tile_matches_the_launcher_for_every_preset():
 
 
 @pytest.mark.interpreter
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU graph's template under TRITON_INTERPRET (CPU-only "
-                    "machines); with CUDA, Inductor hands it to its C++ backend (H200, torch 2.11: an assertion in "
-                    "CppScheduler.codegen_template); test_template_generate_matches_opaque_op_on_gpu covers the GPU")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU graph's template under TRITON_INTERPRET, for CPU-only "
+                    "machines (the CI): on the H200 (torch 2.11, no interpreter) Inductor handed it to its C++ backend, "
+                    "which asserted in CppScheduler.codegen_template (CUDA or torch 2.11: not told apart); the product "
+                    "offers the template on CUDA only, test_template_generate_matches_opaque_op_on_gpu runs it there")
 @pytest.mark.parametrize("name", ["kvquant-4-1%", "xquant-1.38"])
 def test_template_source_names_every_planned_argument(name, monkeypatch):
     """The template's source as the lowering renders it for a compiled generate (on the CPU, Inductor cannot build

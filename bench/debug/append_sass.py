@@ -1,6 +1,7 @@
 """SASS of the append kernel (`templates/quantize_append.py`) for Hopper (sm_90), compiled on a machine without a GPU
-(debug): per preset at a (batch, context) shape's channel split, the instruction count and the opcodes that differ
-most. For comparing variants of the append offline before a device call.
+(debug): per preset, with the channel split of a batch of 8 KV heads a sequence (`_chunks`), the instruction count,
+registers and the 14 most common opcodes. For comparing variants of the append offline (run it on each) before a
+device call.
 
     [DUMP=dir] python bench/debug/append_sass.py [presets] [batch]     e.g. kivi-2,innerq-2 32
 """

@@ -1,9 +1,11 @@
 """`quantize_append._div_by` (a shared reciprocal and one correction step) against tl.math.div_rn on the GPU (debug):
-every float32 numerator a in the binades [2^e, 2^(e+1)) for e in -30..3 (both signs), times a set of divisors h
-(random half-widths from 1e-6 to 1e4 and bfloat16-rounded ones), and the count of quotients whose bits differ
-(normal-range quotients only; subnormal ones counted apart).
+every float32 numerator significand, in each binade [2^e, 2^(e+1)) for e in -30..3 and both signs (a power of two
+scales the whole division exactly, so the binades repeat the same significand pairs: what varies is only where the
+steps' results land), over a set of divisors h (random half-widths from 1e-6 to 1e4, half of them bfloat16-rounded,
+and six fixed ones), and the count of quotients whose bits differ. Numerators below 2^-100, where `_div_by` may
+differ (its docstring), are not in this range; so no quotient here is subnormal.
 
-    python bench/debug/div_by_check.py [divisors]      (default 64)
+    python bench/debug/div_by_check.py [divisors]      (default 64, plus the six fixed ones)
 """
 from __future__ import annotations
 
@@ -46,9 +48,9 @@ def main():
             total += per_binade * h.numel()
     torch.cuda.synchronize()
     bad, bad_sub, normal = count.tolist()
-    print(f"{torch.cuda.get_device_name()}: {total} quotients ({h.numel()} divisors x every float32 in binades "
-          f"2^-30..2^4, both signs): {bad} of {normal} normal-range quotients differ from div_rn, "
-          f"{bad_sub} of {total - normal} subnormal ones")
+    print(f"{torch.cuda.get_device_name()}: {total} quotients ({h.numel()} divisors x every float32 numerator in "
+          f"[2^-30, 2^4), both signs: each divisor against every numerator significand, 68 times): {bad} of {normal} "
+          f"normal-range quotients differ from div_rn, {bad_sub} of {total - normal} subnormal ones")
 
 
 if __name__ == "__main__":
