@@ -130,10 +130,11 @@ def _range(x, valid, grp, SYMMETRIC: tl.constexpr, AXIS: tl.constexpr, NGRP: tl.
 
 
 @triton.jit
-def _div_by(a, h, r):
-    """a / h as tl.math.div_rn gives it, from r = div_rn(1, h), one reciprocal for a group's members: q = a * r,
-    the remainder a - q * h by one FMA and q + remainder * r by another (the correction step of div.rn's own fast
-    path, without recomputing the reciprocal and without a range check and slow-path call per value). Not a proof:
+def _div_by(a, h):
+    """a / h as tl.math.div_rn gives it, from r = div_rn(1, h), one reciprocal for a group's members (their h is
+    one value broadcast, so the compiler computes r once per group: session 41's SASS): q = a * r, the remainder
+    a - q * h by one FMA and q + remainder * r by another (the correction step of div.rn's own fast path, without
+    recomputing the reciprocal and without a range check and slow-path call per value). Not a proof:
     q can be 1.5 ulps off a / h here, beyond Markstein's premise (one ulp), yet no quotient differed from div_rn on
     the H200 over 70 divisors x every float32 numerator significand (`bench/debug/div_by_check.py`, session 41), nor
     in an exact model of the 330 divisor significands with the largest reciprocal error (session 41's review). Where
@@ -145,6 +146,7 @@ def _div_by(a, h, r):
     values near +-1.7e38) gives NaN where div_rn gives +-0: such a group dequantizes to inf or NaN either way. Each
     div_rn per value had been a reciprocal, five FMAs, a range check and a branch around the slow path, which kept
     a thread's divisions from overlapping."""
+    r = tl.math.div_rn(1.0, h)
     q = a * r
     return tl.where(tl.abs(q) < float("inf"), tl.fma(tl.fma(q, h, a * -1.0) * -1.0, r, q), q)
 
@@ -325,8 +327,8 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
             hs = tl.maximum(hs, EPS).to(dt).to(tl.float32)
             ca = ca.to(dt).to(tl.float32)
             ha = tl.maximum(ha, EPS).to(dt).to(tl.float32)
-            ks = _uniform_code(_div_by(xg - cs, hs, tl.math.div_rn(1.0, hs)), NS)
-            ka = _uniform_code(_div_by(xg - ca, ha, tl.math.div_rn(1.0, ha)), NA)
+            ks = _uniform_code(_div_by(xg - cs, hs), NS)
+            ka = _uniform_code(_div_by(xg - ca, ha), NA)
             es = tl.where(valid, tl.abs(_level(ks, NS) * hs + cs - xg), 0.0)
             ea = tl.where(valid, tl.abs(_level(ka, NA) * ha + ca - xg), 0.0)
             m = _reduce(es, grp, 2, AXIS, NGRP, RS) < _reduce(ea, grp, 2, AXIS, NGRP, RS) * (1 - HYBRID_MARGIN)
@@ -340,7 +342,7 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
                 cen, half = _range(xg, valid, grp, SYM == 1, AXIS, NGRP, RS)
                 half = tl.maximum(half * (1 - 2 * ETA), EPS).to(dt).to(tl.float32)
                 cen = cen.to(dt).to(tl.float32)
-            code = _nearest_code(_div_by(xg - cen, half, tl.math.div_rn(1.0, half)), LEV, BITS, SYM, LUT, NLEV)
+            code = _nearest_code(_div_by(xg - cen, half), LEV, BITS, SYM, LUT, NLEV)
 
         if HAS_CODES:
             code = tl.where(emask, code, 0)
