@@ -37,9 +37,9 @@ from kvq_compile.templates.quantize_append import append_decode  # noqa: E402
 
 
 def completes(cfg, p: int) -> bool:
-    """Whether the decode step at position p completes a group on both sides (a flush)."""
-    return all(st.fill_boundary(p + 1, cfg.sink, cfg.recent, q.tokens_per_group)
-               > st.fill_boundary(p, cfg.sink, cfg.recent, q.tokens_per_group) for q in (cfg.key, cfg.value))
+    """Whether the decode step at position p codes a group on both sides (a flush: `store.code_boundary` moves)."""
+    return all(st.code_boundary(p + 1, cfg.sink, cfg.recent, q.tokens_per_group)
+               > st.code_boundary(p, cfg.sink, cfg.recent, q.tokens_per_group) for q in (cfg.key, cfg.value))
 
 
 def append_setup(name: str, B: int, ctx: int, dtype=torch.bfloat16):
@@ -147,12 +147,19 @@ def in_step():
                 def append(pos=pos):
                     append_decode(bufs, cfg, lay.spec, ms.geo, k, v, pos, *cs)
 
+                def beside(q, pos=pos):  # the append handed to the attention (`decode_attention`'s append)
+                    return decode_attention(q, ab, k, v, pos, None, D ** -0.5, False, cfg, lay.spec, ms.geo,
+                                            append=lambda **kw: append_decode(bufs, cfg, lay.spec, ms.geo, k, v,
+                                                                              pos, *cs, **kw))
+
                 t_att = graph_time(lambda: attend(q0))
                 t_step = graph_time(lambda: (append(), attend(q0)))
+                t_bstep = graph_time(lambda: beside(q0))
                 t_qatt = graph_time(lambda: attend(q0 * 1.0))
                 t_qstep = graph_time(lambda: (append(), attend(q0 * 1.0)))
                 row.append(f"{label}: attention {t_att:6.1f} us, + append {t_step - t_att:5.1f} us "
-                           f"({(t_step - t_att) / t_att:5.3f}); q kernel between: attention {t_qatt:6.1f}, "
+                           f"({(t_step - t_att) / t_att:5.3f}), beside {t_bstep - t_att:5.1f} us "
+                           f"({(t_bstep - t_att) / t_att:5.3f}); q kernel between: attention {t_qatt:6.1f}, "
                            f"+ append {t_qstep - t_qatt:5.1f} us ({(t_qstep - t_qatt) / t_qatt:5.3f})")
             print(f"in-step {name:13s} B={B:2d} ctx={ctx:5d} (flush 1 step in {g})  " + "  |  ".join(row), flush=True)
             del ms, bufs, ab, at

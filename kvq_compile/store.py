@@ -21,9 +21,10 @@ Token positions: with fill length L, sink S, recent R and token group G (1 unles
     positions [0, S)  -> sink;  [S, Q(L)) -> quantized;  [Q(L), L) -> ring,
     Q(L) = S + floor(max(0, L - S - R) / G) * G
 so a token is read as quantized once it has left the recent window and its group is complete; the ring never
-holds more than R + G - 1 tokens, which is its size. Codes are written at Q(L) too, but for single-token groups
-(per-token groups, static per-channel ranges: G = 1), whose codes are written as each token from S on is appended
-(`code_boundary`, EAGER_TOKEN_GROUPS): read only once the token has left the window, they equal the late ones.
+holds more than R + G - 1 tokens, which is its size. A group's codes are written on the step that completes it
+(`code_boundary`, EAGER_GROUPS: C(L) = S + floor(max(0, L - S) / G) * G, Q(L) without the recent window), not when
+it leaves the window: read only from then on, they equal the late ones, and with a recent window (R >= 1) a decode
+step's attention reads nothing that the same step's append writes (`attention_independent`).
 
 Keys stored before RoPE share one model-level table `rope.cos` / `rope.sin` [B, T, D] (cache dtype).
 """
@@ -74,21 +75,31 @@ def fill_boundary(length: int, sink: int, recent: int, tokens_per_group: int) ->
     return sink + max(0, length - sink - recent) // tokens_per_group * tokens_per_group
 
 
-EAGER_TOKEN_GROUPS = True   # a side whose groups are single tokens (per-token groups, static per-channel ranges)
-# writes each token's codes when it is appended (`code_boundary`), not when it leaves the recent window: its codes
-# need no other token, and the step then quantizes the token it was given instead of one read back from the ring.
-# Reads are unchanged (codes below fill_boundary, the window's tokens from the ring). H200, session 38
-# (bench/RESULTS.md): the Triton append's increment to an (append, attention) step 0.2-0.7 us smaller on the steps
-# that complete no group for kivi-4, kivi-2, innerq-2, xquant-1.38 and calibquant-1 (kivi-2 at (8, 8192) 2.5
-# against 2.8 us); presets it does not touch (int8, kvquant-4) moved by -0.2 to +0.5 us between the same runs.
+EAGER_GROUPS = True   # every group's codes are written on the step that completes it (`code_boundary`), not when
+# it leaves the recent window R steps later: the codes need no later token, nothing reads them before the group leaves
+# the window, and the decode step's attention then reads nothing its append writes (R >= 1: the group that leaves
+# the window was coded at least one step earlier), so the two may run side by side (`attention_independent`).
+# Single-token groups (per-token groups, static per-channel ranges) were coded this way from session 38 on
+# (EAGER_TOKEN_GROUPS; H200: the Triton append's increment to an (append, attention) step 0.2-0.7 us smaller on the
+# steps that complete no group, kivi-2 at (8, 8192) 2.5 against 2.8 us); groups of G > 1 tokens (KIVI's Keys,
+# InnerQ's Values) from session 42 on. False: every group at the fill boundary Q (the rule before session 38).
 
 
 def code_boundary(length: int, sink: int, recent: int, tokens_per_group: int) -> int:
-    """The first position whose codes are not written yet with `length` tokens appended: fill_boundary, but every
-    position from the sink on for single-token groups (EAGER_TOKEN_GROUPS)."""
-    if tokens_per_group == 1 and EAGER_TOKEN_GROUPS:
-        return max(sink, length)
-    return fill_boundary(length, sink, recent, tokens_per_group)
+    """C(L): the first position whose codes are not written yet with `length` tokens appended: the end of the last
+    complete group (EAGER_GROUPS), else the fill boundary Q(L)."""
+    return fill_boundary(length, sink, 0 if EAGER_GROUPS else recent, tokens_per_group)
+
+
+def attention_independent(cfg: KVQConfig) -> bool:
+    """Whether a decode step's attention reads nothing that the same step's append writes, so that the two may run
+    in either order or side by side: with EAGER_GROUPS and a recent window. The attention at position p0 reads codes
+    below Q(p0 + 1) <= p0 + 1 - R (its groups completed R or more steps earlier), the ring's slots of
+    [Q(p0 + 1), p0) (the append writes slot p0 % (R + G - 1), position p0 - R - G + 1's, below Q(p0 + 1)), the sink
+    below min(S, p0) (the append writes sink[p0]), rows below p0 of the RoPE table and of unquantized sides, and
+    the appended token from the op's own inputs; the norm and static ranges are set at p0 == 0, when the attention
+    reads nothing stored. Without a recent window the group that p0 completes is read at once."""
+    return EAGER_GROUPS and cfg.recent >= 1
 
 
 def ring_size(recent: int, tokens_per_group: int) -> int:
@@ -392,9 +403,7 @@ def _device_fill_boundary(length: torch.Tensor, sink: int, recent: int, tpg: int
 
 
 def _device_code_boundary(length: torch.Tensor, sink: int, recent: int, tpg: int) -> torch.Tensor:
-    if tpg == 1 and EAGER_TOKEN_GROUPS:
-        return torch.clamp(length, min=sink)
-    return _device_fill_boundary(length, sink, recent, tpg)
+    return _device_fill_boundary(length, sink, 0 if EAGER_GROUPS else recent, tpg)
 
 
 def _write_rows(buf: torch.Tensor, dim: int, index: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor) -> None:

@@ -963,6 +963,9 @@ WINDOW_ONE_WAIT = True  # under PDL, only the window launch's last program waits
                         # (its programs that end early free their slots instead of holding them; False: every
                         # program waits, sessions 13-35). H200, session 36: 1.7-7.1% faster at (32, 4096) (kivi-2 48.6
                         # against 51.4 us, 1243 of kivi-4's 1280 window programs beside the Gluon launch, not 391)
+APPEND_BESIDE = True    # a step's append given to `decode_attention` (`append`) goes out after the window launch, as
+                        # its programmatic dependent, where the attention reads nothing it writes: its programs run
+                        # beside the attention's instead of ahead of them (False: first, on its own)
 WINDOW_TRIGGER = None   # whether the window launch lets the final reduction launch early (None: `_window_triggers`'s
                         # rule; True / False: always / never, for A/Bs)
 POISON = False          # partial-result buffers filled with NaN before each call (a check that nothing reads a slot
@@ -1236,7 +1239,7 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
                      cfg, spec, geo, block_t: int | None = None, num_splits: int | None = None,
                      num_warps: int = 4, num_stages: int = 2, post_scaling: bool = True,
                      programs_per_sm: int = 16, out=None, gluon: bool | None = None, window_warps: int = 4,
-                     fused: bool = False):
+                     fused: bool = False, append=None):
     """kvq::attend for one query token per sequence (decode), entirely on the device.
 
     query [B, Hq, 1, D]; bufs: the layer's attend tensors by name (store.LayerStore.attend_tensors);
@@ -1255,10 +1258,19 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
     window_warps: warps of each window-launch program.
     fused: the whole call in one Triton launch (`_fused_decode_kernel`: the quantized region's slices and the
     window tiles in one grid, the last program of each KV head merges): what the Inductor template of
-    `kvq_compile.lowering` runs; no Gluon, no calibrated softmax (ValueError)."""
+    `kvq_compile.lowering` runs; no Gluon, no calibrated softmax (ValueError).
+    append: this step's append, as a function that launches it (`quantize_append.append_decode` with its arguments
+    bound) and takes the keywords chain and trigger. Where the attention reads nothing the append writes
+    (`store.attention_independent`), PDL applies, the softmax is plain and the windows take a launch of their own,
+    it goes out after the window launch as its programmatic dependent (`APPEND_BESIDE`): its programs run beside the
+    attention's, and the final reduction waits for it; elsewhere it is launched first, on its own."""
     import torch
 
+    from kvq_compile import store as st
+
     if fused:
+        if append is not None:
+            append(chain=False, trigger=False)
         return _fused_launch(query, bufs, key, value, positions, attn_mask, scale, is_causal, cfg, spec, geo,
                              block_t, num_splits, num_warps, num_stages, post_scaling, programs_per_sm, out)
 
@@ -1325,6 +1337,10 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
     # the final reduction launches early where the SMs hold its programs beside the others (`_window_triggers`)
     trigger = pdl and _window_triggers(B * H * nwin, query.device,
                                        B * H * nsplit if use_gluon and kind == "kivi" else None)
+    beside = (append is not None and APPEND_BESIDE and pdl and not win_in and cfg.softmax_tau is None
+              and st.attention_independent(cfg))
+    if append is not None and not beside:
+        append(chain=False, trigger=False)
     LAST_KERNELS["splits"] = nsplit
     m_buf, l_buf, acc_buf = partials(nsplit)
     out = _output(out, query)
@@ -1346,7 +1362,7 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
                                                                    num_warps=num_warps, num_stages=num_stages)
         LAST_KERNELS["window_grid"] = None if win_in else (B * H, nwin)
         LAST_KERNELS["window"] = None if win_in else _decode_kernel[(B * H, nwin)](
-            *args, **consts, WINDOW=True, num_warps=window_warps, num_stages=1, TRIGGER=trigger,
+            *args, **consts, WINDOW=True, num_warps=window_warps, num_stages=1, TRIGGER=trigger or beside,
             ONE_WAIT=bool(pdl and WINDOW_ONE_WAIT), **early,
             **(dict(TRB=_trace_buffer("window", B * H * nwin), TRACE=True) if TRACE else {}))
 
@@ -1367,6 +1383,8 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
             launch(2, temp, nsplit, m_buf, l_buf, acc_buf, logits)
     else:
         launch(0, query, nsplit, m_buf, l_buf, acc_buf)
+        if beside:  # beside the attention's launches; the final reduction waits for its end, hence theirs
+            append(chain=True, trigger=trigger)
     db = _combine_blocks(B * Hq, D, query.device)
     grid = LAST_KERNELS["combine_grid"] = (B * Hq, D // db if db else 1)
     _combine_kernel[grid](

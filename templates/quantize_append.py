@@ -8,9 +8,10 @@ token x = chunk[b, h, 0] at device position p0 and the side's fill boundary Q(L)
     p0 == 0:           norm = sqrt(max_t |x|) (InnerQ Keys); static per-channel ranges from x / norm:
                        c = (max + min) / 2 (0 symmetric), h = (max - min) / 2 (max |x| symmetric),
                        h *= (1 - 2 eta) * range_scale          (rounded to the cache dtype)
-    flush = C(p0 + 1) > C(p0), C the code boundary (`store.code_boundary`: Q, but max(S, L) for single-token
-                       groups, EAGER, which quantize x itself from the sink on): the group of G tokens at
-                       [C(p0), C(p0) + G) (the ring's slots, or x itself) is quantized, x_g = tokens.to(dtype) / norm:
+    flush = C(p0 + 1) > C(p0), C the code boundary (`store.code_boundary`: S + floor(max(0, L - S - RC) / G) * G,
+                       RC 0 (EAGER_GROUPS: the group that p0 completes) or R (the group that leaves the window);
+                       EAGER: single-token groups, x itself): the group of G tokens at [C(p0), C(p0) + G) (the
+                       ring's slots, x at p0) is quantized, x_g = tokens.to(dtype) / norm:
         outliers       per token, the NOUT channels farthest from their range's center in units of its
                        half-width (static range, else the group's full asymmetric range), kept exact; ties to
                        the lower channel, NaN scores first (the reference's stable descending sort)
@@ -23,8 +24,9 @@ token x = chunk[b, h, 0] at device position p0 and the side's fill boundary Q(L)
                        without multiply-add fusion, LAUNCH_OPTIONS); codebook: #{midpoints between levels < (x - c) / h}
         packed         word w of a token holds channels w * CPW + j at bit offset j * BITS
     sink:              p0 < S: sink[p0] = x
-    ring:              p0 in the recent window (Q(p0 + 1) <= p0, whatever EAGER): ring[p0 % WR] = x, after the
-                       group's ring slots were read (a CTA barrier between the read and the write; EAGER reads none)
+    ring:              p0 in the recent window (Q(p0 + 1) <= p0): ring[p0 % WR] = x; where RC > 0, after the
+                       group's ring slots were read (a CTA barrier between the read and the write: the group's first
+                       slot is p0's; with RC 0 the group's slots are those of [p0 - G + 1, p0), never p0's)
     RoPE table (Keys stored before RoPE): cos/sin[b, p0] = the step's cos/sin row.
     A position past the buffers' rows (p0 >= T, `Geometry.rows`: the cache length rounded up to even) writes
     nothing (the reference raises or clamps; no memory is touched); at an odd cache length p0 = length writes the
@@ -42,7 +44,7 @@ Glossary: D head_dim; G tokens per group (1 unless Keys/Values are CHANNEL-group
 BITS code width (16: unquantized); CPW codes per int32 word (32 // BITS), CP its power of two; W words per token,
 WP its power of two; AXIS 0 TOKEN / 1 CHANNEL; GS channels (TOKEN) or tokens (CHANNEL, 0 = static ranges) per
 group; NGRP groups per token (TOKEN axis); EAGER single-token groups coded on append (G 1,
-`store.EAGER_TOKEN_GROUPS`); SYM 0 asymmetric / 1 symmetric / 2 hybrid; LUT levels from a table of NLEV; NOUT
+`store.EAGER_GROUPS`); RC the code boundary's recent window (0 with `store.EAGER_GROUPS`, else R); SYM 0 asymmetric / 1 symmetric / 2 hybrid; LUT levels from a table of NLEV; NOUT
 outliers per token; NORM InnerQ key normalization; S sink, R recent, WR ring slots; T max cache length; HAS_CODES
 False when the codes are shared from an earlier layer (XQuant: only this layer's statistics are written); ETA
 XQuant's range shrink; RSCALE static ranges' range_scale; NCH programs per side, each over D / NCH channels (CCH,
@@ -57,6 +59,11 @@ import triton
 import triton.language as tl
 
 from kvq_compile import compat
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a triton without grid dependency control: appends are never chained (decode_attention._use_pdl)
+    gdc_launch_dependents = gdc_wait = None
 
 compat.fix_triton_interpreter()
 
@@ -198,7 +205,8 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
                  LUT: tl.constexpr, NLEV: tl.constexpr, NOUT: tl.constexpr, NORM_ON: tl.constexpr,
                  S: tl.constexpr, R: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, WR: tl.constexpr,
                  HAS_CODES: tl.constexpr, ETA: tl.constexpr, RSCALE: tl.constexpr, NCH: tl.constexpr,
-                 RESHAPE: tl.constexpr = False, EAGER: tl.constexpr = False, VEC: tl.constexpr = 0):
+                 RESHAPE: tl.constexpr = False, EAGER: tl.constexpr = False, VEC: tl.constexpr = 0,
+                 RC: tl.constexpr = 0):
     bh64 = bh.to(tl.int64)
     dt = RING.dtype.element_ty
     xrow = X + b.to(tl.int64) * stride_xb + h * stride_xh
@@ -259,9 +267,9 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
     if EAGER:  # single-token groups: the appended token's own codes (store.code_boundary)
         q_old = tl.maximum(p0, S)
         q_new = tl.maximum(p0 + 1, S)
-    else:
-        q_old = _fill_boundary(p0, S, R, G)
-        q_new = w_new
+    else:  # the code boundary: groups complete (RC 0, store.EAGER_GROUPS: the group p0 completes) or out of the window
+        q_old = _fill_boundary(p0, S, RC, G)
+        q_new = _fill_boundary(p0 + 1, S, RC, G)
     flush = (q_new > q_old) & (p0 < T)  # nothing is written for a position past the cache (p0 >= T)
     if flush:  # a group completes at most once per step: skip the group's quantization on the other steps
         # (KIVI's 32-token Key groups: 31 steps of 32; the stores below are masked by flush all the same)
@@ -369,7 +377,7 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
     if S > 0:
         tl.store(SINK + bh64 * S * D + p0 * D + d1, xrow1, mask=(d1 < D) & (p0 < S))
     if WR > 0:
-        if not EAGER:  # (single-token groups read no ring slot)
+        if RC > 0:  # (groups coded when complete read slots of [p0 - G + 1, p0), never p0 % WR's)
             tl.debug_barrier()  # every thread has read the group's ring slots before one is overwritten
         tl.store(RING + bh64 * WR * D + (p0 % WR) * D + d1, xrow1, mask=(d1 < D) & (w_new <= p0) & (p0 < T))
 
@@ -383,13 +391,18 @@ def _append_kernel(
         BITS_K: tl.constexpr, AXIS_K: tl.constexpr, GS_K: tl.constexpr, SYM_K: tl.constexpr, LUT_K: tl.constexpr,
         NLEV_K: tl.constexpr, NOUT_K: tl.constexpr, NORM_K: tl.constexpr, G_K: tl.constexpr, GP_K: tl.constexpr,
         WR_K: tl.constexpr, CODES_K: tl.constexpr, ETA_K: tl.constexpr, RSCALE_K: tl.constexpr, NCH_K: tl.constexpr,
-        EAGER_K: tl.constexpr,
+        EAGER_K: tl.constexpr, RC_K: tl.constexpr,
         BITS_V: tl.constexpr, AXIS_V: tl.constexpr, GS_V: tl.constexpr, SYM_V: tl.constexpr, LUT_V: tl.constexpr,
         NLEV_V: tl.constexpr, NOUT_V: tl.constexpr, G_V: tl.constexpr, GP_V: tl.constexpr,
         WR_V: tl.constexpr, CODES_V: tl.constexpr, ETA_V: tl.constexpr, RSCALE_V: tl.constexpr, NCH_V: tl.constexpr,
-        EAGER_V: tl.constexpr, RESHAPE: tl.constexpr = False, VEC: tl.constexpr = 0):
+        EAGER_V: tl.constexpr, RC_V: tl.constexpr, RESHAPE: tl.constexpr = False, VEC: tl.constexpr = 0,
+        CHAIN: tl.constexpr = False, TRIGGER: tl.constexpr = False):
     """Grid (B * H, NCH_K + NCH_V): program (bh, c) appends channel chunk c of the Keys (c < NCH_K) or chunk
-    c - NCH_K of the Values of KV head bh. RESHAPE: `GROUP_RESHAPE`; VEC: `RING_VEC`."""
+    c - NCH_K of the Values of KV head bh. RESHAPE: `GROUP_RESHAPE`; VEC: `RING_VEC`. CHAIN (`append_decode`'s
+    chain): a programmatic dependent of the launch ahead that reads nothing it writes; program (0, 0) waits for
+    that launch before it ends, so that this launch ends after it. TRIGGER: the next launch may start at once."""
+    if TRIGGER:
+        gdc_launch_dependents()
     bh = tl.program_id(0)
     c = tl.program_id(1)
     b = bh // H
@@ -398,7 +411,7 @@ def _append_kernel(
     if c < NCH_K:
         _append_side(KX, stride_kb, stride_kh, KDATA, KCODES, KCEN, KHALF, KHMASK, KOVAL, KOIDX, KSINK, KRING,
                      KLEV, KNORM, b, h, bh, p0, T, NGC_K, c, D, BITS_K, AXIS_K, GS_K, SYM_K, LUT_K, NLEV_K, NOUT_K,
-                     NORM_K, S, R, G_K, GP_K, WR_K, CODES_K, ETA_K, RSCALE_K, NCH_K, RESHAPE, EAGER_K, VEC)
+                     NORM_K, S, R, G_K, GP_K, WR_K, CODES_K, ETA_K, RSCALE_K, NCH_K, RESHAPE, EAGER_K, VEC, RC_K)
         if ROPE:
             if (h == 0) & (c == 0) & (p0 < T):
                 d = tl.arange(0, D)
@@ -409,7 +422,10 @@ def _append_kernel(
     else:
         _append_side(VX, stride_vb, stride_vh, VDATA, VCODES, VCEN, VHALF, VHMASK, VOVAL, VOIDX, VSINK, VRING,
                      VLEV, VLEV, b, h, bh, p0, T, NGC_V, c - NCH_K, D, BITS_V, AXIS_V, GS_V, SYM_V, LUT_V, NLEV_V,
-                     NOUT_V, False, S, R, G_V, GP_V, WR_V, CODES_V, ETA_V, RSCALE_V, NCH_V, RESHAPE, EAGER_V, VEC)
+                     NOUT_V, False, S, R, G_V, GP_V, WR_V, CODES_V, ETA_V, RSCALE_V, NCH_V, RESHAPE, EAGER_V, VEC, RC_V)
+    if CHAIN:
+        if (bh == 0) & (c == 0):  # every program reaches this line (no early return above)
+            gdc_wait()   # this launch ends after the one ahead: the launches after it wait for both
 
 
 # ---------------------------------------------------------------------------------------------
@@ -426,7 +442,7 @@ def _side(bufs: dict, side: str, q, cfg, geo, rows: int = 0, sms: int = 0):
         ptrs = dict(data=data, codes=data, cen=data, half=data, hmask=data, oval=data, oidx=data, sink=data,
                     ring=data, lev=data, norm=data)
         return ptrs, dict(BITS=16, AXIS=0, GS=1, SYM=0, LUT=False, NLEV=1, NOUT=0, NORM=False, G=1, GP=1, WR=0,
-                          CODES=False, ETA=0.0, RSCALE=1.0, NGC=1, NCH=1, EAGER=False)
+                          CODES=False, ETA=0.0, RSCALE=1.0, NGC=1, NCH=1, EAGER=False, RC=0)
     half = g("half")
     pick = lambda n: g(n) if g(n) is not None else half  # noqa: E731
     ptrs = {k: pick(n) for k, n in (("data", "half"), ("codes", "codes"), ("cen", "center"), ("half", "half"),
@@ -447,7 +463,7 @@ def _side(bufs: dict, side: str, q, cfg, geo, rows: int = 0, sms: int = 0):
                       CODES=g("codes") is not None, ETA=float(cfg.eta_for(q)), RSCALE=float(q.range_scale),
                       NGC=half.shape[2] if axis == 1 and gs else 1,
                       NCH=_chunks(q.bits, axis, gs, G, g("out_val") is not None, geo.head_dim, rows, sms),
-                      EAGER=G == 1 and st.EAGER_TOKEN_GROUPS)
+                      EAGER=G == 1 and st.EAGER_GROUPS, RC=0 if st.EAGER_GROUPS else cfg.recent)
 
 
 LAUNCH_OPTIONS = dict(enable_fp_fusion=False)  # every product rounded before it is added, as the reference's torch
@@ -514,15 +530,22 @@ def supported(cfg, spec, geo) -> str | None:
 
 
 def append_decode(bufs: dict, cfg, spec, geo, key, value, positions, cos=None, sin=None,
-                  num_warps: int | None = None):
+                  num_warps: int | None = None, chain: bool = False, trigger: bool = False):
     """kvq::append of one token per sequence at positions[0], on the device (no host synchronization).
-    key/value [B, H, 1, D]; cos/sin [B|1, 1, D] or [B|1, 1, 1, D] for Keys stored before RoPE."""
+    key/value [B, H, 1, D]; cos/sin [B|1, 1, D] or [B|1, 1, 1, D] for Keys stored before RoPE.
+    chain (sm_90+, `decode_attention.decode_attention`'s `append`): launched as the programmatic dependent of the
+    launch ahead of it, which must write nothing this append reads nor read anything it writes (the same step's
+    attention where `store.attention_independent`): its programs start while that launch runs, and one of them
+    waits for it before it ends. trigger: the launch after this one may start at once (it must wait for this one
+    before it reads, as the final reduction does)."""
     B, H, n, D = key.shape
     if n != 1:
         raise ValueError("append_decode takes one token per sequence; chunks use store.append")
     why = supported(cfg, spec, geo)
     if why:
         raise NotImplementedError(f"kvq Triton append: {why}")
+    if trigger and not chain:
+        raise ValueError("append_decode: trigger applies to a chained append (chain=True)")
     if RING_VEC < 0 or RING_VEC & (RING_VEC - 1):
         raise ValueError(f"quantize_append.RING_VEC must be 0 or a power of two, not {RING_VEC}")
     key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (key, value))
@@ -555,4 +578,5 @@ def append_decode(bufs: dict, cfg, spec, geo, key, value, positions, cos=None, s
         H=H, D=D, S=cfg.sink, R=cfg.recent, ROPE=rope,
         **{f"{k}_K": v for k, v in kc.items() if k != "NGC"},
         **{f"{k}_V": v for k, v in vc.items() if k not in ("NGC", "NORM")},
-        RESHAPE=GROUP_RESHAPE, VEC=RING_VEC, num_warps=num_warps, **LAUNCH_OPTIONS)
+        RESHAPE=GROUP_RESHAPE, VEC=RING_VEC, num_warps=num_warps, CHAIN=chain, TRIGGER=trigger,
+        **(dict(launch_pdl=True) if chain else {}), **LAUNCH_OPTIONS)

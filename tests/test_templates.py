@@ -291,17 +291,19 @@ def test_reduction_waits_for_the_quantized_region_behind_early_window_programs(B
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="programmatic dependent launch runs on a GPU")
+@pytest.mark.parametrize("beside", [False, True])
 @pytest.mark.parametrize("name", ["kivi-2", "innerq-2", "xquant-1.38", "calibquant-1", "kvquant-4", "int8"])
-def test_attention_right_after_the_append_reads_this_steps_writes(name):
-    """A CUDA graph of one decode step, the Triton append then the decode attention, at a step that completes a group on
-    both sides: the attention reads what the append quantizes in it where a group spans tokens (KIVI's and
-    xquant's Keys, InnerQ's Values); sides of single-token groups write the appended token's codes, read only
-    once it leaves the window (`store.EAGER_TOKEN_GROUPS`), so the calibquant-1, kvquant-4 and int8 legs guard
-    little. Before each replay every element the step's append writes is set to NaN (floats) or to random codes
-    (but the ring slot that the append reads before it overwrites it), so that an attention launch reading ahead
-    of the append's writes shows up against the reference over the appended store: a guard for any overlap of the
-    two. On an H200 (bench/RESULTS.md, session 38) it failed for kivi-2, innerq-2 and xquant-1.38 with the
-    attention's Gluon launch as the append's programmatic dependent that did not wait for it
+def test_attention_reads_none_of_its_steps_append_writes(name, beside):
+    """A CUDA graph of one decode step, the Triton append and the decode attention, at a step that codes a group on
+    both sides (`store.code_boundary`; the fill boundary moves at the same step for these presets, whose recent
+    windows are whole groups): the append ahead of the attention (beside False), or handed to it (`decode_attention`'s
+    append: for the presets with a recent window, launched after the window launch as its programmatic dependent,
+    its programs beside the attention's). Before each replay every element the step's append writes is set to NaN
+    (floats) or to random codes, so that an attention reading any of this step's writes before they land shows up
+    against the reference over the appended store: where the two run side by side, the claim of
+    `store.attention_independent`; in order, a guard for any overlap. On an H200 (bench/RESULTS.md, session 38)
+    the in-order variant failed for kivi-2, innerq-2 and xquant-1.38 with the attention's Gluon launch as the
+    append's programmatic dependent that did not wait for it, when groups were coded as they left the window
     (`bench/debug/head_pdl_tried.patch` with its wait removed)."""
     from kvq_compile.templates.quantize_append import append_decode
 
@@ -312,9 +314,10 @@ def test_attention_right_after_the_append_reads_this_steps_writes(name):
     geo = st.Geometry(B, H, T, D, "bfloat16")
     ms = st.ModelStore(cfg, 1, geo, DEVICE)
     append_every_layer(ms, cfg, rnd(B, H, prefill, D), rnd(B, H, prefill, D), 0)
-    p = next(p for p in range(prefill, T) if all(
-        st.fill_boundary(p + 1, cfg.sink, cfg.recent, q.tokens_per_group)
-        > st.fill_boundary(p, cfg.sink, cfg.recent, q.tokens_per_group) for q in (cfg.key, cfg.value)))
+    moves = lambda f, p: all(f(p + 1, cfg.sink, cfg.recent, q.tokens_per_group)  # noqa: E731
+                             > f(p, cfg.sink, cfg.recent, q.tokens_per_group) for q in (cfg.key, cfg.value))
+    p = next(p for p in range(prefill, T) if moves(st.code_boundary, p))
+    assert moves(st.fill_boundary, p)
     if p > prefill:
         append_every_layer(ms, cfg, rnd(B, H, p - prefill, D), rnd(B, H, p - prefill, D), prefill)
     lay = ms.layers[0]
@@ -325,9 +328,14 @@ def test_attention_right_after_the_append_reads_this_steps_writes(name):
     names, tensors = lay.attend_tensors()
     before = [t.clone() for t in at]
 
+    def append(**kw):
+        append_decode(dict(zip(an, at)), cfg, lay.spec, geo, k, v, pos, *cs, **kw)
+
     def step():
-        append_decode(dict(zip(an, at)), cfg, lay.spec, geo, k, v, pos, *cs)
-        return decode_attention(q, dict(zip(names, tensors)), k, v, pos, None, 0.125, False, cfg, lay.spec, geo)
+        if not beside:
+            append()
+        return decode_attention(q, dict(zip(names, tensors)), k, v, pos, None, 0.125, False, cfg, lay.spec, geo,
+                                append=append if beside else None)
 
     graph, out = graph_of(step)   # its warm-up call appended the token: `at` holds the step's writes
     after = [t.clone() for t in at]
@@ -335,10 +343,7 @@ def test_attention_right_after_the_append_reads_this_steps_writes(name):
     assert any(w.any() for w in written)
     ref = attend_cpu_reference(q, tensors, k, v, pos, None, 0.125, False, lay.descriptor(names)).float()
     for _ in range(3):
-        for n, t, w, b in zip(an, at, written, before):
-            if n.endswith(".ring"):   # its slot p % WR held the token the append quantizes now: the append reads it
-                t.copy_(torch.where(w, b, t))
-                continue
+        for t, w in zip(at, written):
             if t.is_floating_point():
                 junk = torch.full_like(t, float("nan"))
             elif t.dtype == torch.bool:
@@ -390,6 +395,88 @@ def test_window_launch_triggers_the_reduction_only_when_small(sms, trigger, monk
     assert window[1]["TRIGGER"] is trigger and window[1]["PDL"] and window[1]["launch_pdl"]
     assert window[1]["ONE_WAIT"] is da.WINDOW_ONE_WAIT   # only its last program waits for the quantized region
     assert main["PDL"] and not main.get("TRIGGER", False) and combine["PDL"] and combine["launch_pdl"]
+
+
+@pytest.mark.parametrize("name,sms,beside", [("kivi-2", 132, True), ("kivi-2", 4, True), ("innerq-2", 132, True),
+                                             ("kvquant-4", 132, False), ("int8", 132, False)])
+def test_append_goes_beside_the_attention_where_independent(name, sms, beside, monkeypatch):
+    """`decode_attention`'s append, with PDL and the Triton launches (captured, not run): where the attention reads
+    nothing the append writes (a recent window: `store.attention_independent`), it is launched after the window
+    launch, chained (a programmatic dependent of it, which then triggers at its start), and passes the window's
+    trigger of the final reduction on; without a recent window (kvquant-4, int8) it goes first, unchained, and the
+    window launch triggers as it would alone."""
+    from types import SimpleNamespace
+
+    from kvq_compile.templates import decode_attention as da
+
+    launches = []
+
+    class Capture:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((self.name, kw))
+
+    monkeypatch.setattr(da, "_decode_kernel", Capture("decode"))
+    monkeypatch.setattr(da, "_combine_kernel", Capture("combine"))
+    monkeypatch.setattr(da, "_use_pdl", lambda q: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(multi_processor_count=sms))
+    cfg = KVQConfig.preset(name)
+    geo = st.Geometry(1, 2, 256, 128, "float16")
+    lay = st.ModelStore(cfg, 1, geo, "cpu").layers[0]
+    names, tensors = lay.attend_tensors()
+    kv = torch.zeros(1, 2, 1, 128, dtype=torch.float16)
+    assert st.attention_independent(cfg) is beside
+    decode_attention(torch.zeros(1, 8, 1, 128, dtype=torch.float16), dict(zip(names, tensors)), kv, kv,
+                     torch.tensor([200]), None, 0.1, False, cfg, lay.spec, geo, gluon=False,
+                     append=lambda **kw: launches.append(("append", kw)))
+    order = [n if n != "decode" else ("window" if kw["WINDOW"] else "main") for n, kw in launches]
+    kws = dict((o, kw) for o, (n, kw) in zip(order, launches))
+    trigger = da._window_triggers(2 * kws["window"]["NWIN"], torch.device("cpu"))
+    if beside:
+        assert order == ["main", "window", "append", "combine"]
+        assert kws["window"]["TRIGGER"] and kws["append"] == dict(chain=True, trigger=trigger)
+    else:
+        assert order == ["append", "main", "window", "combine"]
+        assert kws["window"]["TRIGGER"] is trigger and kws["append"] == dict(chain=False, trigger=False)
+    assert kws["combine"]["PDL"] and kws["combine"]["launch_pdl"]
+
+
+def test_attention_with_its_append_matches_the_two_in_order():
+    """`decode_attention(append=...)` on the CPU interpreter (no PDL: the append runs first) writes what the append
+    writes and returns what the attention returns after it, at a step that codes a Key group (kivi-2)."""
+    from kvq_compile.templates.quantize_append import append_decode
+
+    cfg = KVQConfig.preset("kivi-2")
+    B, H, rep, D, T = 2, 1, 3, 64, 320
+    geo = st.Geometry(B, H, T, D, "float16")
+    gen = torch.Generator().manual_seed(11)
+    rnd = lambda *s: torch.randn(*s, generator=gen).half()  # noqa: E731
+    stores = [st.ModelStore(cfg, 1, geo, "cpu") for _ in range(2)]
+    prefix = rnd(2, B, H, 191, D)
+    for ms in stores:
+        append_every_layer(ms, cfg, prefix[0], prefix[1], 0)
+    k, v, q = rnd(B, H, 1, D), rnd(B, H, 1, D), rnd(B, H * rep, 1, D)
+    pos = torch.tensor([191])
+    assert st.code_boundary(192, cfg.sink, cfg.recent, 32) > st.code_boundary(191, cfg.sink, cfg.recent, 32)
+    outs = []
+    for i, ms in enumerate(stores):
+        lay = ms.layers[0]
+        an, at = lay.append_tensors()
+        names, tensors = lay.attend_tensors()
+
+        def append(**kw):
+            append_decode(dict(zip(an, at)), cfg, lay.spec, geo, k, v, pos, **kw)
+
+        if i:
+            append()
+        outs.append((decode_attention(q, dict(zip(names, tensors)), k, v, pos, None, 0.125, False, cfg, lay.spec,
+                                      geo, append=None if i else append), at))
+    (o0, s0), (o1, s1) = outs
+    torch.testing.assert_close(o0, o1, atol=0, rtol=0)
+    for a, b in zip(s0, s1):
+        torch.testing.assert_close(a, b, atol=0, rtol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("rows,D,blocks,db", [(32, 128, None, 32), (1024, 128, None, 0), (132, 128, None, 0),
