@@ -16,6 +16,8 @@ step that completes no channel group and at one that completes a group on both s
 --in-step times CUDA graphs of 20 steps of (append, attention) and of the attention alone, at a step that
 completes no group and at a flush step, and the same with a small kernel in front of the attention (a stand-in for
 the query's RoPE, which Inductor may put between the two); the append's share of the step is the difference.
+"beside" times the append handed to the attention (`decode_attention`'s append: for presets with a recent window,
+launched after the window launch as its programmatic dependent, its programs beside the attention's; session 42).
 (Session 38 ran it with the attention's Gluon launch as the append's programmatic dependent, HEAD_PDL, on and off:
 bench/debug/head_pdl_tried.patch.)
 """

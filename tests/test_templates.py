@@ -444,21 +444,22 @@ def test_append_goes_beside_the_attention_where_independent(name, sms, beside, m
 
 
 def test_attention_with_its_append_matches_the_two_in_order():
-    """`decode_attention(append=...)` on the CPU interpreter (no PDL: the append runs first) writes what the append
-    writes and returns what the attention returns after it, at a step that codes a Key group (kivi-2)."""
+    """`decode_attention(append=...)` writes what the append writes and returns what the attention returns after it,
+    bit for bit, at a step that codes a Key group (kivi-2): on the CPU interpreter (no PDL: the append runs first)
+    and on a GPU of sm_90+ (the append beside the attention)."""
     from kvq_compile.templates.quantize_append import append_decode
 
     cfg = KVQConfig.preset("kivi-2")
     B, H, rep, D, T = 2, 1, 3, 64, 320
     geo = st.Geometry(B, H, T, D, "float16")
-    gen = torch.Generator().manual_seed(11)
-    rnd = lambda *s: torch.randn(*s, generator=gen).half()  # noqa: E731
-    stores = [st.ModelStore(cfg, 1, geo, "cpu") for _ in range(2)]
+    gen = torch.Generator(device=DEVICE).manual_seed(11)
+    rnd = lambda *s: torch.randn(*s, generator=gen, device=DEVICE).half()  # noqa: E731
+    stores = [st.ModelStore(cfg, 1, geo, DEVICE) for _ in range(2)]
     prefix = rnd(2, B, H, 191, D)
     for ms in stores:
         append_every_layer(ms, cfg, prefix[0], prefix[1], 0)
     k, v, q = rnd(B, H, 1, D), rnd(B, H, 1, D), rnd(B, H * rep, 1, D)
-    pos = torch.tensor([191])
+    pos = torch.tensor([191], device=DEVICE)
     assert st.code_boundary(192, cfg.sink, cfg.recent, 32) > st.code_boundary(191, cfg.sink, cfg.recent, 32)
     outs = []
     for i, ms in enumerate(stores):
