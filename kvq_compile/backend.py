@@ -56,15 +56,32 @@ class KVQBackend:
     """The backend object. `reports` keeps one `RewriteReport` per compiled graph (see `explain`); `stores()` the
     packed stores its graphs write, in compile order."""
 
-    def __init__(self, cfg: KVQConfig, release_fp16_cache: bool = True, compile_with_inductor: bool = True):
+    def __init__(self, cfg: KVQConfig, release_fp16_cache: bool = True, compile_with_inductor: bool = True,
+                 append_beside: bool | None = None):
         if not isinstance(cfg, KVQConfig):
             raise TypeError(f"kvq_backend needs a KVQConfig, got {type(cfg).__name__}; "
                             "use KVQConfig.preset('kivi-2') or build one")
         self.cfg = cfg
         self.release_fp16_cache = release_fp16_cache
         self.compile_with_inductor = compile_with_inductor
+        self.append_beside = append_beside
         self.reports: list[RewriteReport] = []
         self._stores: list[weakref.ref] = []   # weak: a store lives as long as the graphs (and cache) that use it
+
+    def beside(self, device: torch.device, patches: dict) -> bool:
+        """Whether decode steps' (append, attention) pairs become one kvq::append_attend (`rewrite`'s append_beside,
+        whose CUDA kernel launches the append beside the attention): `append_beside` where set, else on CUDA unless
+        KVQ_APPEND_BESIDE=0 or the lowering of kvq::attend would choose anything but the opaque kernel's own launch
+        (`lowering.picks_default_launch`: max_autotune, the Inductor template, other launch configurations):
+        those keep kvq::attend for its lowering's choices, with the append on its own ahead of it."""
+        import os
+
+        if self.append_beside is not None:
+            return self.append_beside
+        choice = os.environ.get("KVQ_APPEND_BESIDE", "1")
+        if choice not in ("0", "1"):
+            raise ValueError(f"KVQ_APPEND_BESIDE={choice!r}: use 1 (default) or 0")
+        return device.type == "cuda" and choice == "1" and lowering.picks_default_launch(patches)
 
     def stores(self) -> list[st.ModelStore]:
         """The stores of the graphs compiled so far that are still alive, oldest first, each once (a recompile of
@@ -91,14 +108,15 @@ class KVQBackend:
         index = {n: i for i, n in enumerate(placeholders)}
         matches = find_attention(gm, self.cfg.keys_before_rope, report)
         runner = None
+        patches = compat.inductor_config_patches(mode, options, lowering.cache_key_pass) \
+            if self.compile_with_inductor else {}
         if matches:
-            runner = self._prepare(gm, example_inputs, matches, index, report)
+            runner = self._prepare(gm, example_inputs, matches, index, report, patches)
         if runner is not None:
             compat.bump_counter("kvq", "attention_rewrite", len(matches))
         if self.compile_with_inductor:
             if runner is not None:
                 lowering.register()
-            patches = compat.inductor_config_patches(mode, options, lowering.cache_key_pass)
             compiled = compat.compile_fx(gm, example_inputs, patches)
         else:
             compiled = gm.forward
@@ -106,7 +124,7 @@ class KVQBackend:
             return compiled
         return runner.wrap(compiled)
 
-    def _prepare(self, gm, example_inputs, matches, index, report):
+    def _prepare(self, gm, example_inputs, matches, index, report, patches):
         caches = [example_inputs[index[n]] for m in matches for n in (m.k_cache, m.v_cache)]
         k0 = caches[0]
         B, H, T, D = k0.shape
@@ -136,7 +154,7 @@ class KVQBackend:
         self._stores.append(weakref.ref(store))   # only a graph that is rewritten below writes its store
         runner = _StepRunner(store, [(index[m.k_cache], index[m.v_cache]) for m in matches],
                              (pos_slice, pos_args), rotary, self.release_fp16_cache)
-        emitted = rewrite(gm, matches, store, compat.register_store_buffer)
+        emitted = rewrite(gm, matches, store, compat.register_store_buffer, self.beside(k0.device, patches))
         for i, (m, ops) in enumerate(zip(matches, emitted)):
             ops = " + ".join(op.name() for op in ops)
             report.rewritten.append(f"layer {i}: {m.k_cache.name}/{m.v_cache.name} -> {ops} "
@@ -206,11 +224,12 @@ class _StepRunner:
         self.store.owner_version = k0._version
 
 
-def kvq_backend(cfg: KVQConfig | str, *, release_fp16_cache: bool = True) -> KVQBackend:
-    """A torch.compile backend for `cfg` (a KVQConfig or a preset name)."""
+def kvq_backend(cfg: KVQConfig | str, *, release_fp16_cache: bool = True,
+                append_beside: bool | None = None) -> KVQBackend:
+    """A torch.compile backend for `cfg` (a KVQConfig or a preset name). append_beside: `KVQBackend.beside`."""
     if isinstance(cfg, str):
         cfg = KVQConfig.preset(cfg)
-    return KVQBackend(cfg, release_fp16_cache=release_fp16_cache)
+    return KVQBackend(cfg, release_fp16_cache=release_fp16_cache, append_beside=append_beside)
 
 
 def explain(target, *args, cfg: KVQConfig | str | None = None, **kwargs) -> str:

@@ -302,6 +302,15 @@ def _template_choices(layout: str, inputs: list, n_store: int, has_mask: bool, s
     return choices, scratch, gens
 
 
+def picks_default_launch(patches: dict) -> bool:
+    """Whether lowering a CUDA decode step's kvq::attend ends in the opaque kernel's own launch: DEFAULT_CONFIG the
+    only extern choice, no template choice (TEMPLATE False) and no max_autotune (in this compile's `patches` or
+    Inductor's config). Then an op that Inductor leaves opaque (kvq::append_attend, `backend.KVQBackend.beside`)
+    runs the same launch."""
+    return (CONFIGS == (DEFAULT_CONFIG,) and TEMPLATE is False
+            and not patches.get("max_autotune", compat.max_autotune()))
+
+
 def distinct_launches(configs, layout: str) -> tuple[LaunchConfig, ...]:
     """The configurations that launch differently for this layout: the default tile (block_t 0) resolved to the
     layout's (`decode_attention.layout_block_t`), later equal launches dropped (Inductor would time them twice)."""

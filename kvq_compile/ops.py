@@ -16,6 +16,12 @@ of these same ops.
         buffer, restricted to the written length p0 + n. GQA maps query head h to KV head h // (Hq // H).
     kvq::append_chunk, kvq::attend_chunk: the same for chunks of n > 1 tokens, tagged cudagraph_unsafe
         (`chunk_ops`): a chunk reads its start position on the host.
+    kvq::append_attend(query [B,Hq,1,D], store!, key, value, positions [1], attn_mask?, scale, is_causal, layout)
+        -> [B,Hq,1,D]: one decode step of a layer, kvq::append then kvq::attend, as one op so that its CUDA kernel
+        may launch the append beside the attention (`decode_attention`'s append) where the attention reads
+        nothing the append writes (`store.attention_independent`; Keys stored after RoPE). `store` is the
+        attention's list (`LayerStore.attend_tensors`); the append writes none of the codes shared from an
+        earlier layer (XQuant), which the list holds too.
 """
 from __future__ import annotations
 
@@ -246,6 +252,40 @@ def _attend_fake(query, store, key, value, positions, attn_mask, scale, is_causa
 attend_chunk_op.register_fake(_attend_fake)
 
 
+def _append_names(names, spec) -> list[str]:
+    """The attention's buffer names less the codes shared from an earlier layer (XQuant), which the append of this
+    layer must not write."""
+    shared = {f"{side}.codes" for side, src in (("k", spec.share_key_codes_from), ("v", spec.share_value_codes_from))
+              if src is not None}
+    return [n for n in names if n not in shared]
+
+
+def _append_attend_check(query, key, layout):
+    cfg, geo, spec, names = _decode_layout(layout)
+    if query.shape[2] != 1 or key.shape[2] != 1:
+        raise ValueError(f"kvq::append_attend takes one decode token per sequence, got query "
+                         f"{tuple(query.shape)} and key {tuple(key.shape)}")
+    if cfg.keys_before_rope:
+        raise ValueError("kvq::append_attend: Keys stored before RoPE append the unrotated key (kvq::append, "
+                         "kvq::attend)")
+    return cfg, geo, spec, names
+
+
+@torch.library.custom_op("kvq::append_attend", mutates_args=("store",))
+def append_attend(query: torch.Tensor, store: list[torch.Tensor], key: torch.Tensor, value: torch.Tensor,
+                  positions: torch.Tensor, attn_mask: torch.Tensor | None, scale: float, is_causal: bool,
+                  layout: str) -> torch.Tensor:
+    cfg, geo, spec, names = _append_attend_check(query, key, layout)
+    bufs = _bufs(store, names)
+    st.append_decode({n: bufs[n] for n in _append_names(names, spec)}, cfg, spec, geo, key, value, positions)
+    return attend_cpu_reference(query, store, key, value, positions, attn_mask, scale, is_causal, layout)
+
+
+@append_attend.register_fake
+def _append_attend_fake(query, store, key, value, positions, attn_mask, scale, is_causal, layout):
+    return query.new_empty(*query.shape[:-1], value.shape[-1])
+
+
 _COMPILED_APPENDS: dict = {}  # (quantizers, geometry, buffer names) -> function; lru_cache maps layouts to it
 
 
@@ -324,6 +364,22 @@ def _register_gpu_kernels() -> None:
                                      cfg, spec, geo)
         return decode_attention(query, _bufs(store, names), key, value, positions, attn_mask, scale, is_causal,
                                 cfg, spec, geo)
+
+    @append_attend.register_kernel("cuda")
+    def _append_attend_cuda(query, store, key, value, positions, attn_mask, scale, is_causal, layout):
+        cfg, geo, spec, names = _append_attend_check(query, key, layout)
+        bufs = _bufs(store, names)
+        abufs = {n: bufs[n] for n in _append_names(names, spec)}
+        append = None
+        if _triton_append(layout):   # handed to the attention: beside it where it reads nothing the append writes
+            from .templates.quantize_append import append_decode
+
+            def append(**launch):
+                append_decode(abufs, cfg, spec, geo, key, value, positions, None, None, **launch)
+        else:
+            compiled_decode_append(layout)(abufs, key, value, positions, None, None)
+        return decode_attention(query, bufs, key, value, positions, attn_mask, scale, is_causal, cfg, spec, geo,
+                                append=append)
 
 
 _register_gpu_kernels()

@@ -1,5 +1,6 @@
 """The FX pass: find each layer's KV-cache append and the attention that reads the cache back, and
-rewrite them into `kvq::append` / `kvq::attend` over a packed store.
+rewrite them into `kvq::append` / `kvq::attend` over a packed store (a decode step's pair into one
+`kvq::append_attend` where `rewrite`'s append_beside asks for it).
 
 It runs on the Dynamo graph (before AOTAutograd), walking it by hand: Inductor's pattern matcher drops
 matches that cross the cache mutation. Per attention layer it proves, from node targets and fake shapes:
@@ -296,11 +297,16 @@ def _metadata_only(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in (torch.ops.aten.sym_size.int, torch.ops.aten.sym_stride.int)
 
 
-def rewrite(gm: fx.GraphModule, matches: list[AttentionMatch], model_store, register_buffer) -> list[tuple]:
+def rewrite(gm: fx.GraphModule, matches: list[AttentionMatch], model_store, register_buffer,
+            append_beside: bool = False) -> list[tuple]:
     """Replace each match's appends with kvq::append and its attention with kvq::attend (their `chunk_ops` twins for
     chunks of several tokens). Returns the (append, attend) ops of each match.
+    append_beside: a decode step's pair becomes one kvq::append_attend in the attention's place, where its attention
+    reads nothing its append writes (`store.attention_independent`) and the Keys are stored after RoPE: its CUDA
+    kernel then launches the append beside the attention (`decode_attention`'s append).
 
     register_buffer(gm, name, tensor) -> name: makes a store tensor a get_attr of gm (compat hook)."""
+    from kvq_compile import store as st
     from kvq_compile.ops import chunk_ops
 
     graph = gm.graph
@@ -319,14 +325,20 @@ def rewrite(gm: fx.GraphModule, matches: list[AttentionMatch], model_store, regi
 
     for i, m in enumerate(matches):
         layer = model_store.layers[i]
-        names, tensors = layer.append_tensors()
-        store_nodes = getattrs(names, tensors, m.v_append, i)
-        key_in, cos, sin = (m.rotary.pre_key, m.rotary.cos, m.rotary.sin) if m.rotary else (m.k_new, None, None)
         append_op, attend_op = chunk_ops(_val(m.query).shape[2])  # decode ops, or the chunk twins
-        emitted.append((append_op, attend_op))
-        with graph.inserting_before(m.v_append):
-            graph.call_function(append_op,
-                                (store_nodes, key_in, m.v_new, m.positions, cos, sin, layer.descriptor(names)))
+        fused = (append_beside and append_op is torch.ops.kvq.append.default and m.rotary is None
+                 and st.attention_independent(layer.cfg))
+        if fused:   # the append moves to the attention's place: nothing between them reads the cache (find_attention)
+            attend_op = torch.ops.kvq.append_attend.default
+            emitted.append((attend_op,))
+        else:
+            names, tensors = layer.append_tensors()
+            store_nodes = getattrs(names, tensors, m.v_append, i)
+            key_in, cos, sin = (m.rotary.pre_key, m.rotary.cos, m.rotary.sin) if m.rotary else (m.k_new, None, None)
+            emitted.append((append_op, attend_op))
+            with graph.inserting_before(m.v_append):
+                graph.call_function(append_op,
+                                    (store_nodes, key_in, m.v_new, m.positions, cos, sin, layer.descriptor(names)))
         graph.erase_node(m.v_append)
         graph.erase_node(m.k_append)
         names, tensors = layer.attend_tensors()

@@ -26,7 +26,9 @@ token x = chunk[b, h, 0] at device position p0 and the side's fill boundary Q(L)
     sink:              p0 < S: sink[p0] = x
     ring:              p0 in the recent window (Q(p0 + 1) <= p0): ring[p0 % WR] = x; where RC > 0, after the
                        group's ring slots were read (a CTA barrier between the read and the write: the group's first
-                       slot is p0's; with RC 0 the group's slots are those of [p0 - G + 1, p0), never p0's)
+                       slot is p0's). With RC 0 the group's slots are those of [p0 - G + 1, p0): not p0's where R >= 1
+                       (WR = R + G - 1); where R = 0 the first one is, but a step that completes a group leaves p0
+                       out of the ring (Q(p0 + 1) = p0 + 1), so nothing is written there
     RoPE table (Keys stored before RoPE): cos/sin[b, p0] = the step's cos/sin row.
     A position past the buffers' rows (p0 >= T, `Geometry.rows`: the cache length rounded up to even) writes
     nothing (the reference raises or clamps; no memory is touched); at an odd cache length p0 = length writes the
@@ -546,6 +548,9 @@ def append_decode(bufs: dict, cfg, spec, geo, key, value, positions, cos=None, s
         raise NotImplementedError(f"kvq Triton append: {why}")
     if trigger and not chain:
         raise ValueError("append_decode: trigger applies to a chained append (chain=True)")
+    if chain and (gdc_wait is None or not key.is_cuda):
+        raise ValueError("append_decode: chain needs a CUDA tensor and a triton with grid dependency control "
+                         "(decode_attention chains only where PDL applies)")
     if RING_VEC < 0 or RING_VEC & (RING_VEC - 1):
         raise ValueError(f"quantize_append.RING_VEC must be 0 or a power of two, not {RING_VEC}")
     key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (key, value))

@@ -245,6 +245,17 @@ def test_channel_groups_either_ring_load(vec, monkeypatch):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("name", ["kivi-2", "innerq-2", "xquant-1.38"])
+def test_groups_coded_as_they_leave_the_window(name, monkeypatch):
+    """With `store.EAGER_GROUPS` off, groups are coded when they leave the recent window (the rule before session
+    42; single-token groups too): the template (RC = R, the ring read that meets the slot it then overwrites, behind
+    its barrier) still matches the reference."""
+    monkeypatch.setattr(st, "EAGER_GROUPS", False)
+    cfg = small_windows(name)
+    check(cfg, layers=4 if name.startswith("xquant") else 1, seed=len(name) + 1)
+
+
+@pytest.mark.interpreter
 def test_outliers_of_tied_integer_values():
     """Integer values (-0.0 for zero): scores tie at every turn; the outliers chosen and their values, a -0.0
     too, as the reference's (session 40's review: the sum that extracts a value turned -0.0 into +0.0)."""

@@ -147,6 +147,31 @@ def test_compiled_store_equals_simulation_of_its_inputs(name, monkeypatch):
         torch.testing.assert_close(v, quantized_view(V, spec.value, cfg, L, 9, src_v), atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("name", ["kivi-2", "xquant-1.38", "innerq-2", "calibquant-1", "int8"])
+def test_append_beside_op_matches_the_pair(name):
+    """`append_beside` (the CUDA default, forced here on the CPU): a decode step's (append, attention) pair becomes
+    one kvq::append_attend where the attention reads nothing its append writes (a recent window; int8 has none and
+    keeps the pair). The logits and every store buffer equal the pair's: the op writes no codes shared from an
+    earlier layer (xquant-1.38's odd layers), and an XQuant layer's attention reads the codes its source layer's op
+    wrote in the same step's graph."""
+    model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=4)
+    cfg = small_windows(name)
+    ids, mask = prompts(2, 9, pad=(2, 0))
+    runs = []
+    for beside in (False, True):
+        be = kvq_backend(cfg, append_beside=beside)
+        runs.append((_generate(model, ids, mask, be, new=12), be))
+    (pair, be_pair), (fused, be_fused) = runs
+    ops = "\n".join(map(str, be_fused.reports))
+    assert ("kvq::append_attend" in ops) is st.attention_independent(cfg), ops
+    assert "kvq::append_attend" not in "\n".join(map(str, be_pair.reports))
+    for a, b in zip(pair.logits, fused.logits):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    for la, lb in zip(be_pair.stores()[-1].layers, be_fused.stores()[-1].layers):
+        for n, t in la.buffers.items():
+            torch.testing.assert_close(lb.buffers[n], t, atol=0, rtol=0, msg=n)
+
+
 def test_fp16_cache_released_and_generate_twice(stores):
     model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=2)
     be = kvq_backend(small_windows("kivi-2"))

@@ -141,6 +141,40 @@ def test_lowering_is_registered_by_the_backend():
     assert lowering.register() and compat.has_lowering(torch.ops.kvq.attend.default)
 
 
+def test_append_beside_only_where_the_lowering_picks_the_default_launch(monkeypatch):
+    """`KVQBackend.beside`: decode steps' (append, attention) pairs become kvq::append_attend (an op Inductor leaves
+    opaque) on CUDA, unless the lowering of kvq::attend could choose anything but the opaque kernel's own launch
+    (max_autotune in the compile's options or Inductor's config, the template, other launch configurations) or
+    KVQ_APPEND_BESIDE=0; never on the CPU; append_beside overrides."""
+    from torch._inductor import config as inductor_config
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    be = kvq_backend("kivi-2")
+    monkeypatch.setattr(lowering, "TEMPLATE", False)
+    monkeypatch.setattr(inductor_config, "max_autotune", False)
+    assert be.beside(cuda, {}) and not be.beside(cpu, {})
+    assert not be.beside(cuda, {"max_autotune": True})
+    assert not be.beside(cuda, compat.inductor_config_patches("max-autotune", None))
+    with monkeypatch.context() as m:
+        m.setattr(inductor_config, "max_autotune", True)
+        assert not be.beside(cuda, {}) and be.beside(cuda, {"max_autotune": False})
+    for template in (True, None):
+        with monkeypatch.context() as m:
+            m.setattr(lowering, "TEMPLATE", template)
+            assert not be.beside(cuda, {})
+    with monkeypatch.context() as m:
+        m.setattr(lowering, "CONFIGS", (lowering.LaunchConfig(32, 4, 2, 16),))
+        assert not be.beside(cuda, {})
+    with monkeypatch.context() as m:
+        m.setenv("KVQ_APPEND_BESIDE", "0")
+        assert not be.beside(cuda, {})
+        m.setenv("KVQ_APPEND_BESIDE", "yes")
+        with pytest.raises(ValueError, match="KVQ_APPEND_BESIDE"):
+            be.beside(cuda, {})
+    assert kvq_backend("kivi-2", append_beside=True).beside(cpu, {"max_autotune": True})
+    assert not kvq_backend("kivi-2", append_beside=False).beside(cuda, {})
+
+
 def test_cache_key_pass_hashes_sources_and_chains(tmp_path):
     a, b = tmp_path / "a.py", tmp_path / "b.py"
     a.write_text("x = 1\n")

@@ -56,6 +56,41 @@ def test_presets_incremental_equals_simulation(name, dtype):
     _run(cfg, dtype, [37] + [1] * 41 + [5, 1])
 
 
+@pytest.mark.parametrize("name", ["kivi-2", "innerq-2", "xquant-1.38", "kvquant-3-1%", "int8"])
+def test_groups_coded_when_complete_read_as_coded_late(name, monkeypatch):
+    """`store.EAGER_GROUPS`: coding a group on the step that completes it, not when it leaves the recent window, changes
+    what is written when, not what is read: every read of a prefill, decode steps across several flushes and a
+    chunk is bit-equal with the rule on and off (xquant-1.38: layers sharing codes)."""
+    cfg = small_windows(name)
+    cfg.keys_before_rope = False
+    geo = st.Geometry(2, 2, 80, 64, "bfloat16")
+    gen = torch.Generator().manual_seed(5)
+    steps = [9] + [1] * 23 + [6, 1, 1]
+    kv = torch.randn(2, 4, 2, 2, sum(steps), 64, generator=gen).bfloat16()
+    reads = []
+    for eager in (True, False):
+        monkeypatch.setattr(st, "EAGER_GROUPS", eager)
+        ms = st.ModelStore(cfg, 4, geo, "cpu")
+        seen, p0 = [], 0
+        for n in steps:
+            for i, lay in enumerate(ms.layers):
+                names, tensors = lay.append_tensors()
+                bufs = dict(zip(names, tensors))
+                x = kv[:, i, :, :, p0:p0 + n]
+                if n == 1:
+                    st.append_decode(bufs, cfg, lay.spec, geo, x[0], x[1], torch.tensor([p0]))
+                else:
+                    st.append(bufs, cfg, lay.spec, geo, x[0], x[1], p0)
+            p0 += n
+            for lay in ms.layers:
+                names, tensors = lay.attend_tensors()
+                seen.append(st.read(dict(zip(names, tensors)), cfg, lay.spec, 64, p0, p0))
+        reads.append(seen)
+    for (ka, va), (kb, vb) in zip(*reads):
+        torch.testing.assert_close(ka, kb, atol=0, rtol=0)
+        torch.testing.assert_close(va, vb, atol=0, rtol=0)
+
+
 def test_xquant_sharing_layers():
     cfg = KVQConfig(key=QuantizerSpec(bits=1, axis=Axis.CHANNEL, group_size=8),
                     value=QuantizerSpec(bits=1, axis=Axis.TOKEN, group_size=16), recent=8,

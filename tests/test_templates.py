@@ -297,11 +297,14 @@ def test_attention_reads_none_of_its_steps_append_writes(name, beside):
     """A CUDA graph of one decode step, the Triton append and the decode attention, at a step that codes a group on
     both sides (`store.code_boundary`; the fill boundary moves at the same step for these presets, whose recent
     windows are whole groups): the append ahead of the attention (beside False), or handed to it (`decode_attention`'s
-    append: for the presets with a recent window, launched after the window launch as its programmatic dependent,
-    its programs beside the attention's). Before each replay every element the step's append writes is set to NaN
-    (floats) or to random codes, so that an attention reading any of this step's writes before they land shows up
-    against the reference over the appended store: where the two run side by side, the claim of
-    `store.attention_independent`; in order, a guard for any overlap. On an H200 (bench/RESULTS.md, session 38)
+    append: launched after the window launch as its programmatic dependent, its programs beside the attention's,
+    for kivi-2, innerq-2 and xquant-1.38; calibquant-1 (calibrated softmax), kvquant-4 and int8 (no recent window)
+    take it first, on its own, which the test checks too). Before each replay every element the step's append
+    changed in the warm-up call is set to NaN (floats) or to random codes (an element it rewrote with its old value
+    is not poisoned), so that an attention reading any of this step's writes before they land shows up against the
+    reference over the appended store: where the two run side by side, the claim of `store.attention_independent`
+    (a read is caught only if it comes before the append's write); in order, a guard for any overlap. On an H200
+    (bench/RESULTS.md, session 38)
     the in-order variant failed for kivi-2, innerq-2 and xquant-1.38 with the attention's Gluon launch as the
     append's programmatic dependent that did not wait for it, when groups were coded as they left the window
     (`bench/debug/head_pdl_tried.patch` with its wait removed)."""
@@ -328,7 +331,10 @@ def test_attention_reads_none_of_its_steps_append_writes(name, beside):
     names, tensors = lay.attend_tensors()
     before = [t.clone() for t in at]
 
+    chained = []
+
     def append(**kw):
+        chained.append(kw.get("chain", False))
         append_decode(dict(zip(an, at)), cfg, lay.spec, geo, k, v, pos, *cs, **kw)
 
     def step():
@@ -338,6 +344,7 @@ def test_attention_reads_none_of_its_steps_append_writes(name, beside):
                                 append=append if beside else None)
 
     graph, out = graph_of(step)   # its warm-up call appended the token: `at` holds the step's writes
+    assert set(chained) == {beside and name in ("kivi-2", "innerq-2", "xquant-1.38")}
     after = [t.clone() for t in at]
     written = [a != b for a, b in zip(after, before)]
     assert any(w.any() for w in written)
@@ -397,14 +404,16 @@ def test_window_launch_triggers_the_reduction_only_when_small(sms, trigger, monk
     assert main["PDL"] and not main.get("TRIGGER", False) and combine["PDL"] and combine["launch_pdl"]
 
 
-@pytest.mark.parametrize("name,sms,beside", [("kivi-2", 132, True), ("kivi-2", 4, True), ("innerq-2", 132, True),
-                                             ("kvquant-4", 132, False), ("int8", 132, False)])
-def test_append_goes_beside_the_attention_where_independent(name, sms, beside, monkeypatch):
+@pytest.mark.parametrize("name,sms,beside,trigger", [
+    ("kivi-2", 132, True, True), ("kivi-2", 4, True, False), ("innerq-2", 132, True, True),
+    ("kvquant-4", 132, False, True), ("int8", 132, False, True), ("calibquant-1", 132, False, True)])
+def test_append_goes_beside_the_attention_where_independent(name, sms, beside, trigger, monkeypatch):
     """`decode_attention`'s append, with PDL and the Triton launches (captured, not run): where the attention reads
-    nothing the append writes (a recent window: `store.attention_independent`), it is launched after the window
-    launch, chained (a programmatic dependent of it, which then triggers at its start), and passes the window's
-    trigger of the final reduction on; without a recent window (kvquant-4, int8) it goes first, unchained, and the
-    window launch triggers as it would alone."""
+    nothing the append writes (a recent window: `store.attention_independent`) and the softmax is plain, it is
+    launched after the window launch, chained (a programmatic dependent of it, which then triggers at its start),
+    and passes the window's trigger of the final reduction on (kivi-2's 2 x 3 window programs: at most one a SM of
+    132, not of 4); without a recent window (kvquant-4, int8) or with calibquant-1's two softmax phases it goes
+    first, unchained, and the window launch triggers as it would alone."""
     from types import SimpleNamespace
 
     from kvq_compile.templates import decode_attention as da
@@ -420,6 +429,7 @@ def test_append_goes_beside_the_attention_where_independent(name, sms, beside, m
 
     monkeypatch.setattr(da, "_decode_kernel", Capture("decode"))
     monkeypatch.setattr(da, "_combine_kernel", Capture("combine"))
+    monkeypatch.setattr(da, "_temperature_kernel", Capture("temperature"))
     monkeypatch.setattr(da, "_use_pdl", lambda q: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(multi_processor_count=sms))
     cfg = KVQConfig.preset(name)
@@ -427,33 +437,33 @@ def test_append_goes_beside_the_attention_where_independent(name, sms, beside, m
     lay = st.ModelStore(cfg, 1, geo, "cpu").layers[0]
     names, tensors = lay.attend_tensors()
     kv = torch.zeros(1, 2, 1, 128, dtype=torch.float16)
-    assert st.attention_independent(cfg) is beside
+    assert st.attention_independent(cfg) is (beside or cfg.softmax_tau is not None)
     decode_attention(torch.zeros(1, 8, 1, 128, dtype=torch.float16), dict(zip(names, tensors)), kv, kv,
                      torch.tensor([200]), None, 0.1, False, cfg, lay.spec, geo, gluon=False,
                      append=lambda **kw: launches.append(("append", kw)))
     order = [n if n != "decode" else ("window" if kw["WINDOW"] else "main") for n, kw in launches]
     kws = dict((o, kw) for o, (n, kw) in zip(order, launches))
-    trigger = da._window_triggers(2 * kws["window"]["NWIN"], torch.device("cpu"))
     if beside:
         assert order == ["main", "window", "append", "combine"]
         assert kws["window"]["TRIGGER"] and kws["append"] == dict(chain=True, trigger=trigger)
     else:
-        assert order == ["append", "main", "window", "combine"]
+        assert order[0] == "append" and order[-1] == "combine" and "append" not in order[1:]
         assert kws["window"]["TRIGGER"] is trigger and kws["append"] == dict(chain=False, trigger=False)
     assert kws["combine"]["PDL"] and kws["combine"]["launch_pdl"]
 
 
 def test_attention_with_its_append_matches_the_two_in_order():
     """`decode_attention(append=...)` writes what the append writes and returns what the attention returns after it,
-    bit for bit, at a step that codes a Key group (kivi-2): on the CPU interpreter (no PDL: the append runs first)
-    and on a GPU of sm_90+ (the append beside the attention)."""
+    bit for bit, at a step that codes a Key group (kivi-2): on a GPU of sm_90+ the append beside the attention
+    (with the Gluon launch at bf16; checked to be chained). On the CPU interpreter (no PDL) both arms run the
+    append first: there it checks the plumbing only."""
     from kvq_compile.templates.quantize_append import append_decode
 
     cfg = KVQConfig.preset("kivi-2")
-    B, H, rep, D, T = 2, 1, 3, 64, 320
-    geo = st.Geometry(B, H, T, D, "float16")
+    B, H, rep, D, T = 2, 1, 3, 128, 320
+    geo = st.Geometry(B, H, T, D, "bfloat16" if DEVICE == "cuda" else "float16")
     gen = torch.Generator(device=DEVICE).manual_seed(11)
-    rnd = lambda *s: torch.randn(*s, generator=gen, device=DEVICE).half()  # noqa: E731
+    rnd = lambda *s: torch.randn(*s, generator=gen, device=DEVICE).to(geo.torch_dtype)  # noqa: E731
     stores = [st.ModelStore(cfg, 1, geo, DEVICE) for _ in range(2)]
     prefix = rnd(2, B, H, 191, D)
     for ms in stores:
@@ -461,19 +471,21 @@ def test_attention_with_its_append_matches_the_two_in_order():
     k, v, q = rnd(B, H, 1, D), rnd(B, H, 1, D), rnd(B, H * rep, 1, D)
     pos = torch.tensor([191], device=DEVICE)
     assert st.code_boundary(192, cfg.sink, cfg.recent, 32) > st.code_boundary(191, cfg.sink, cfg.recent, 32)
-    outs = []
+    outs, chained = [], []
     for i, ms in enumerate(stores):
         lay = ms.layers[0]
         an, at = lay.append_tensors()
         names, tensors = lay.attend_tensors()
 
         def append(**kw):
+            chained.append(kw.get("chain", False))
             append_decode(dict(zip(an, at)), cfg, lay.spec, geo, k, v, pos, **kw)
 
         if i:
             append()
         outs.append((decode_attention(q, dict(zip(names, tensors)), k, v, pos, None, 0.125, False, cfg, lay.spec,
                                       geo, append=None if i else append), at))
+    assert chained == [DEVICE == "cuda" and torch.cuda.get_device_capability() >= (9, 0), False]
     (o0, s0), (o1, s1) = outs
     torch.testing.assert_close(o0, o1, atol=0, rtol=0)
     for a, b in zip(s0, s1):
