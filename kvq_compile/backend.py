@@ -71,9 +71,11 @@ class KVQBackend:
     def beside(self, device: torch.device, patches: dict) -> bool:
         """Whether decode steps' (append, attention) pairs become one kvq::append_attend (`rewrite`'s append_beside,
         whose CUDA kernel launches the append beside the attention): `append_beside` where set, else on CUDA unless
-        KVQ_APPEND_BESIDE=0 or the lowering of kvq::attend would choose anything but the opaque kernel's own launch
-        (`lowering.picks_default_launch`: max_autotune, the Inductor template, other launch configurations):
-        those keep kvq::attend for its lowering's choices, with the append on its own ahead of it."""
+        KVQ_APPEND_BESIDE=0 or the lowering of kvq::attend could choose anything but the opaque kernel's own launch
+        (`lowering.picks_default_launch`: max_autotune, the Inductor template (KVQ_TEMPLATE=1 or auto), other
+        launch configurations): those keep kvq::attend for its lowering's choices, with the append on its own
+        ahead of it. `explain(fn, ...)` compiles without Inductor's options: on CUDA it reports the op where a
+        max-autotune compile would keep the pair."""
         import os
 
         if self.append_beside is not None:
@@ -133,6 +135,7 @@ class KVQBackend:
                 report.skip(m.sdpa, "cache tensors of different layers differ in shape or dtype")
             return None
         geo = st.Geometry(B, H, T, D, st.dtype_name(k0.dtype))
+        beside = self.beside(k0.device, patches)   # (raises on a bad KVQ_APPEND_BESIDE before a store is made)
         store = _store_for(k0, self.cfg, len(matches), geo)
         pos_slice, pos_args = slice_graph(gm, [matches[0].positions])
         if pos_slice is None:
@@ -154,7 +157,7 @@ class KVQBackend:
         self._stores.append(weakref.ref(store))   # only a graph that is rewritten below writes its store
         runner = _StepRunner(store, [(index[m.k_cache], index[m.v_cache]) for m in matches],
                              (pos_slice, pos_args), rotary, self.release_fp16_cache)
-        emitted = rewrite(gm, matches, store, compat.register_store_buffer, self.beside(k0.device, patches))
+        emitted = rewrite(gm, matches, store, compat.register_store_buffer, beside)
         for i, (m, ops) in enumerate(zip(matches, emitted)):
             ops = " + ".join(op.name() for op in ops)
             report.rewritten.append(f"layer {i}: {m.k_cache.name}/{m.v_cache.name} -> {ops} "

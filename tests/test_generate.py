@@ -9,6 +9,7 @@ from kvq_compile.simulate import HFSimulation, quantized_view
 from models import LAYOUT_PRESETS, GptFastModel, compile_config, hf_model, prompts, small_windows, snr_db
 
 GEN = dict(do_sample=False, output_logits=True, return_dict_in_generate=True)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture
@@ -153,10 +154,12 @@ def test_append_beside_op_matches_the_pair(name):
     one kvq::append_attend where the attention reads nothing its append writes (a recent window; int8 has none and
     keeps the pair). The logits and every store buffer equal the pair's: the op writes no codes shared from an
     earlier layer (xquant-1.38's odd layers), and an XQuant layer's attention reads the codes its source layer's op
-    wrote in the same step's graph."""
-    model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=4)
+    wrote in the same step's graph. On a CUDA machine the model runs there: the op's CUDA kernel (the append beside
+    the attention; calibquant-1's first) against the pair's kernels. (Session 42 ran this test on a GPU machine
+    with the model on the CPU: the CUDA leg has not run yet.)"""
+    model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=4).to(DEVICE)
     cfg = small_windows(name)
-    ids, mask = prompts(2, 9, pad=(2, 0))
+    ids, mask = (t.to(DEVICE) for t in prompts(2, 9, pad=(2, 0)))
     runs = []
     for beside in (False, True):
         be = kvq_backend(cfg, append_beside=beside)

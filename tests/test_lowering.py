@@ -151,26 +151,26 @@ def test_append_beside_only_where_the_lowering_picks_the_default_launch(monkeypa
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     be = kvq_backend("kivi-2")
     monkeypatch.setattr(lowering, "TEMPLATE", False)
-    monkeypatch.setattr(inductor_config, "max_autotune", False)
-    assert be.beside(cuda, {}) and not be.beside(cpu, {})
-    assert not be.beside(cuda, {"max_autotune": True})
-    assert not be.beside(cuda, compat.inductor_config_patches("max-autotune", None))
-    with monkeypatch.context() as m:
-        m.setattr(inductor_config, "max_autotune", True)
+    with inductor_config.patch(max_autotune=False):   # (not monkeypatch: Inductor's config module lost the key)
+        assert be.beside(cuda, {}) and not be.beside(cpu, {})
+        assert not be.beside(cuda, {"max_autotune": True})
+        assert not be.beside(cuda, compat.inductor_config_patches("max-autotune", None))
+    with inductor_config.patch(max_autotune=True):
         assert not be.beside(cuda, {}) and be.beside(cuda, {"max_autotune": False})
+    off = {"max_autotune": False}
     for template in (True, None):
         with monkeypatch.context() as m:
             m.setattr(lowering, "TEMPLATE", template)
-            assert not be.beside(cuda, {})
+            assert not be.beside(cuda, off)
     with monkeypatch.context() as m:
         m.setattr(lowering, "CONFIGS", (lowering.LaunchConfig(32, 4, 2, 16),))
-        assert not be.beside(cuda, {})
+        assert not be.beside(cuda, off)
     with monkeypatch.context() as m:
         m.setenv("KVQ_APPEND_BESIDE", "0")
-        assert not be.beside(cuda, {})
+        assert not be.beside(cuda, off)
         m.setenv("KVQ_APPEND_BESIDE", "yes")
         with pytest.raises(ValueError, match="KVQ_APPEND_BESIDE"):
-            be.beside(cuda, {})
+            be.beside(cuda, off)
     assert kvq_backend("kivi-2", append_beside=True).beside(cpu, {"max_autotune": True})
     assert not kvq_backend("kivi-2", append_beside=False).beside(cuda, {})
 
