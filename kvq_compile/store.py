@@ -93,15 +93,17 @@ def code_boundary(length: int, sink: int, recent: int, tokens_per_group: int) ->
 
 def attention_independent(cfg: KVQConfig) -> bool:
     """Whether a decode step's attention reads nothing that the same step's append writes, so that the two may run
-    in either order or side by side: with EAGER_GROUPS and a recent window. The attention at position p0 reads codes
-    below Q(p0 + 1); the append codes only on a step that completes a group, [p0 + 1 - G, p0 + 1) (p0 + 1 - S a
-    multiple of G), and there Q(p0 + 1) = max(S, p0 + 1 - ceil(R / G) G) <= p0 + 1 - G for R >= 1; the ring's slots of [Q(p0 + 1), p0) (the append writes
-    slot p0 % (R + G - 1), position p0 - R - G + 1's, below Q(p0 + 1)), the sink below min(S, p0) (the append writes
-    sink[p0]), rows below p0 of the RoPE table and of unquantized sides, and the appended token from the op's own
-    inputs; the norm and static ranges are set at p0 == 0, when the attention reads nothing stored. Without a recent
-    window a group of G > 1 tokens that p0 completes is read at once. (Layouts of single-token groups without one,
-    int8 and kvquant's, read codes below p0 only and may be independent too; not claimed here: unchecked against
-    every kernel.)"""
+    in either order or side by side: with EAGER_GROUPS and a recent window. The attention at position p0 reads:
+    - codes below Q(p0 + 1). The append codes only on a step that completes a group, [p0 + 1 - G, p0 + 1)
+      (p0 + 1 - S a multiple of G), and there Q(p0 + 1) = max(S, p0 + 1 - ceil(R / G) G) <= p0 + 1 - G for R >= 1;
+    - the ring's slots of [Q(p0 + 1), p0). The append writes slot p0 % (R + G - 1), position p0 - R - G + 1's,
+      below Q(p0 + 1);
+    - the sink below min(S, p0) (the append writes sink[p0]), rows below p0 of the RoPE table and of unquantized
+      sides, and the appended token from the op's own inputs. The norm and static ranges are set at p0 == 0, when
+      the attention reads nothing stored.
+    Without a recent window a group of G > 1 tokens that p0 completes is read at once. (Layouts of single-token
+    groups without one, int8 and kvquant's, read codes below p0 only and may be independent too; not claimed here:
+    unchecked against every kernel.)"""
     return EAGER_GROUPS and cfg.recent >= 1
 
 

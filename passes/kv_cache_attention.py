@@ -300,7 +300,7 @@ def _metadata_only(node: fx.Node) -> bool:
 def rewrite(gm: fx.GraphModule, matches: list[AttentionMatch], model_store, register_buffer,
             append_beside: bool = False) -> list[tuple]:
     """Replace each match's appends with kvq::append and its attention with kvq::attend (their `chunk_ops` twins for
-    chunks of several tokens). Returns the (append, attend) ops of each match.
+    chunks of several tokens). Returns the ops of each match: (append, attend), or (append_attend,).
     append_beside: a decode step's pair becomes one kvq::append_attend in the attention's place, where its attention
     reads nothing its append writes (`store.attention_independent`) and the Keys are stored after RoPE: its CUDA
     kernel then launches the append beside the attention (`decode_attention`'s append).

@@ -24,7 +24,9 @@ acc); `_combine_kernel` merges them. On sm_90+ the window launch and the merge a
 (PDL): the window launch may start while launch 1 runs, since it reads nothing launch 1 writes (its slots are its
 own), and its last program waits for launch 1 before it ends (`WINDOW_ONE_WAIT`: the others end at once and free
 their slots); the merge waits for the window launch's end, hence launch 1's, before it reads (TRIGGER lets the merge
-launch at once where the SMs hold its programs beside the others: `_window_triggers`). CalibQuant's
+launch at once where the SMs hold its programs beside the others: `_window_triggers`). A step's append handed to
+the call (`append`, `kvq::append_attend`) goes out between the window launch and the merge, as the window launch's
+dependent, where the attention reads nothing it writes (`APPEND_BESIDE`). CalibQuant's
 temperature needs each row's logit range first: TAU_PHASE 1 runs both launches without V (with its own split count
 and max / min buffers), `_temperature_kernel` turns each row's range into its temperature, then TAU_PHASE 2
 attends (the Gluon launch's range pass also keeps its logits, which its attention pass reads instead of the Keys).
