@@ -252,32 +252,35 @@ def _attend_fake(query, store, key, value, positions, attn_mask, scale, is_causa
 attend_chunk_op.register_fake(_attend_fake)
 
 
-def _append_names(names, spec) -> list[str]:
-    """The attention's buffer names less the codes shared from an earlier layer (XQuant), which the append of this
-    layer must not write."""
-    shared = {f"{side}.codes" for side, src in (("k", spec.share_key_codes_from), ("v", spec.share_value_codes_from))
-              if src is not None}
-    return [n for n in names if n not in shared]
-
-
-def _append_attend_check(query, key, layout):
+@functools.lru_cache(maxsize=512)
+def _append_attend_layout(layout: str):
+    """(cfg, geo, spec, names, append names) of a kvq::append_attend layout: the append's names are the attention's
+    less the codes shared from an earlier layer (XQuant), which the append of this layer must not write."""
     cfg, geo, spec, names = _decode_layout(layout)
-    if query.shape[2] != 1 or key.shape[2] != 1:
-        raise ValueError(f"kvq::append_attend takes one decode token per sequence, got query "
-                         f"{tuple(query.shape)} and key {tuple(key.shape)}")
     if cfg.keys_before_rope:
         raise ValueError("kvq::append_attend: Keys stored before RoPE append the unrotated key (kvq::append, "
                          "kvq::attend)")
-    return cfg, geo, spec, names
+    shared = {f"{side}.codes" for side, src in (("k", spec.share_key_codes_from), ("v", spec.share_value_codes_from))
+              if src is not None}
+    return cfg, geo, spec, names, tuple(n for n in names if n not in shared)
+
+
+def _append_attend_bufs(query, store, key, layout):
+    """(cfg, geo, spec, the attention's buffers by name, the append's) of one kvq::append_attend call."""
+    if query.shape[2] != 1 or key.shape[2] != 1:
+        raise ValueError(f"kvq::append_attend takes one decode token per sequence, got query "
+                         f"{tuple(query.shape)} and key {tuple(key.shape)}")
+    cfg, geo, spec, names, append_names = _append_attend_layout(layout)
+    bufs = _bufs(store, names)
+    return cfg, geo, spec, bufs, {n: bufs[n] for n in append_names}
 
 
 @torch.library.custom_op("kvq::append_attend", mutates_args=("store",))
 def append_attend(query: torch.Tensor, store: list[torch.Tensor], key: torch.Tensor, value: torch.Tensor,
                   positions: torch.Tensor, attn_mask: torch.Tensor | None, scale: float, is_causal: bool,
                   layout: str) -> torch.Tensor:
-    cfg, geo, spec, names = _append_attend_check(query, key, layout)
-    bufs = _bufs(store, names)
-    st.append_decode({n: bufs[n] for n in _append_names(names, spec)}, cfg, spec, geo, key, value, positions)
+    cfg, geo, spec, _, abufs = _append_attend_bufs(query, store, key, layout)
+    st.append_decode(abufs, cfg, spec, geo, key, value, positions)
     return attend_cpu_reference(query, store, key, value, positions, attn_mask, scale, is_causal, layout)
 
 
@@ -367,9 +370,7 @@ def _register_gpu_kernels() -> None:
 
     @append_attend.register_kernel("cuda")
     def _append_attend_cuda(query, store, key, value, positions, attn_mask, scale, is_causal, layout):
-        cfg, geo, spec, names = _append_attend_check(query, key, layout)
-        bufs = _bufs(store, names)
-        abufs = {n: bufs[n] for n in _append_names(names, spec)}
+        cfg, geo, spec, bufs, abufs = _append_attend_bufs(query, store, key, layout)
         append = None
         if _triton_append(layout):   # handed to the attention: beside it where it reads nothing the append writes
             from .templates.quantize_append import append_decode

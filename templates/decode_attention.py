@@ -55,6 +55,7 @@ import triton
 import triton.language as tl
 
 from kvq_compile import compat
+from kvq_compile import store as st
 from kvq_compile.templates import decode_attention_gluon as dag
 
 try:
@@ -1267,8 +1268,6 @@ def decode_attention(query, bufs: dict, key, value, positions, attn_mask, scale:
     it goes out after the window launch as its programmatic dependent (`APPEND_BESIDE`): its programs run beside the
     attention's, and the final reduction waits for it; elsewhere it is launched first, on its own."""
     import torch
-
-    from kvq_compile import store as st
 
     if fused:
         if append is not None:

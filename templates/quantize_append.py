@@ -42,16 +42,16 @@ over the D // GS groups; per-channel groups reduce over the tokens (where the pr
 power-of-two words, RING_VEC > 0: loaded from the ring as [channel vectors, VEC, tokens] and permuted, which led
 Triton to a layout with several tokens of a channel in a thread).
 
-Glossary: D head_dim; G tokens per group (1 unless Keys/Values are CHANNEL-grouped, KIVI); GP its power of two;
-BITS code width (16: unquantized); CPW codes per int32 word (32 // BITS), CP its power of two; W words per token,
-WP its power of two; AXIS 0 TOKEN / 1 CHANNEL; GS channels (TOKEN) or tokens (CHANNEL, 0 = static ranges) per
-group; NGRP groups per token (TOKEN axis); EAGER single-token groups coded on append (G 1,
-`store.EAGER_GROUPS`); RC the code boundary's recent window (0 with `store.EAGER_GROUPS`, else R); SYM 0 asymmetric / 1 symmetric / 2 hybrid; LUT levels from a table of NLEV; NOUT
-outliers per token; NORM InnerQ key normalization; S sink, R recent, WR ring slots; T max cache length; HAS_CODES
-False when the codes are shared from an earlier layer (XQuant: only this layer's statistics are written); ETA
-XQuant's range shrink; RSCALE static ranges' range_scale; NCH programs per side, each over D / NCH channels (CCH,
-WC words: `_chunks`); VEC channels a vector of a group's ring load, loaded as [channel vectors, VEC, tokens]
-(`RING_VEC`; 0: loaded as [tokens, words, codes]).
+Glossary: D head_dim; G tokens per group (1 unless Keys/Values are CHANNEL-grouped, KIVI); GP its power of two; BITS
+code width (16: unquantized); CPW codes per int32 word (32 // BITS), CP its power of two; W words per token, WP its
+power of two; AXIS 0 TOKEN / 1 CHANNEL; GS channels (TOKEN) or tokens (CHANNEL, 0 = static ranges) per group; NGRP
+groups per token (TOKEN axis); EAGER single-token groups coded on append (G 1, `store.EAGER_GROUPS`); RC the code
+boundary's recent window (0 with `store.EAGER_GROUPS`, else R); SYM 0 asymmetric / 1 symmetric / 2 hybrid; LUT
+levels from a table of NLEV; NOUT outliers per token; NORM InnerQ key normalization; S sink, R recent, WR ring
+slots; T max cache length; HAS_CODES False when the codes are shared from an earlier layer (XQuant: only this
+layer's statistics are written); ETA XQuant's range shrink; RSCALE static ranges' range_scale; NCH programs per
+side, each over D / NCH channels (CCH, WC words: `_chunks`); VEC channels a vector of a group's ring load, loaded as
+[channel vectors, VEC, tokens] (`RING_VEC`; 0: loaded as [tokens, words, codes]).
 """
 from __future__ import annotations
 

@@ -365,11 +365,9 @@ def test_attention_reads_none_of_its_steps_append_writes(name, beside):
             torch.testing.assert_close(t, a, atol=0, rtol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("sms,trigger", [(132, True), (4, False)])
-def test_window_launch_triggers_the_reduction_only_when_small(sms, trigger, monkeypatch):
-    """With PDL and the Triton launches (no Gluon launch: see test_decode_gluon.py for KIVI's), the window launch
-    lets the final reduction launch early (TRIGGER) only when it has at most one program per SM
-    (`_window_triggers`): the launches as `decode_attention` makes them, captured, not run."""
+def capture_launches(monkeypatch, sms: int) -> list:
+    """`decode_attention`'s Triton launches (decode, combine, temperature) recorded as (name, grid, keywords) instead
+    of run, with PDL on and `sms` SMs: the list they go to."""
     from types import SimpleNamespace
 
     from kvq_compile.templates import decode_attention as da
@@ -383,10 +381,21 @@ def test_window_launch_triggers_the_reduction_only_when_small(sms, trigger, monk
         def __getitem__(self, grid):
             return lambda *args, **kw: launches.append((self.name, grid, kw))
 
-    monkeypatch.setattr(da, "_decode_kernel", Capture("decode"))
-    monkeypatch.setattr(da, "_combine_kernel", Capture("combine"))
+    for name in ("decode", "combine", "temperature"):
+        monkeypatch.setattr(da, f"_{name}_kernel", Capture(name))
     monkeypatch.setattr(da, "_use_pdl", lambda q: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(multi_processor_count=sms))
+    return launches
+
+
+@pytest.mark.parametrize("sms,trigger", [(132, True), (4, False)])
+def test_window_launch_triggers_the_reduction_only_when_small(sms, trigger, monkeypatch):
+    """With PDL and the Triton launches (no Gluon launch: see test_decode_gluon.py for KIVI's), the window launch
+    lets the final reduction launch early (TRIGGER) only when it has at most one program per SM
+    (`_window_triggers`): the launches as `decode_attention` makes them, captured, not run."""
+    from kvq_compile.templates import decode_attention as da
+
+    launches = capture_launches(monkeypatch, sms)
     cfg = KVQConfig.preset("kivi-2")
     geo = st.Geometry(1, 2, 256, 128, "float16")
     lay = st.ModelStore(cfg, 1, geo, "cpu").layers[0]
@@ -414,24 +423,7 @@ def test_append_goes_beside_the_attention_where_independent(name, sms, beside, t
     and passes the window's trigger of the final reduction on (kivi-2's 2 x 3 window programs: at most one a SM of
     132, not of 4); without a recent window (kvquant-4, int8) or with calibquant-1's two softmax phases it goes
     first, unchained, and the window launch triggers as it would alone."""
-    from types import SimpleNamespace
-
-    from kvq_compile.templates import decode_attention as da
-
-    launches = []
-
-    class Capture:
-        def __init__(self, name):
-            self.name = name
-
-        def __getitem__(self, grid):
-            return lambda *args, **kw: launches.append((self.name, kw))
-
-    monkeypatch.setattr(da, "_decode_kernel", Capture("decode"))
-    monkeypatch.setattr(da, "_combine_kernel", Capture("combine"))
-    monkeypatch.setattr(da, "_temperature_kernel", Capture("temperature"))
-    monkeypatch.setattr(da, "_use_pdl", lambda q: True)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(multi_processor_count=sms))
+    launches = capture_launches(monkeypatch, sms)
     cfg = KVQConfig.preset(name)
     geo = st.Geometry(1, 2, 256, 128, "float16")
     lay = st.ModelStore(cfg, 1, geo, "cpu").layers[0]
@@ -440,9 +432,9 @@ def test_append_goes_beside_the_attention_where_independent(name, sms, beside, t
     assert st.attention_independent(cfg) is (beside or cfg.softmax_tau is not None)
     decode_attention(torch.zeros(1, 8, 1, 128, dtype=torch.float16), dict(zip(names, tensors)), kv, kv,
                      torch.tensor([200]), None, 0.1, False, cfg, lay.spec, geo, gluon=False,
-                     append=lambda **kw: launches.append(("append", kw)))
-    order = [n if n != "decode" else ("window" if kw["WINDOW"] else "main") for n, kw in launches]
-    kws = dict((o, kw) for o, (n, kw) in zip(order, launches))
+                     append=lambda **kw: launches.append(("append", None, kw)))
+    order = [n if n != "decode" else ("window" if kw["WINDOW"] else "main") for n, _, kw in launches]
+    kws = dict((o, kw) for o, (n, _, kw) in zip(order, launches))
     if beside:
         assert order == ["main", "window", "append", "combine"]
         assert kws["window"]["TRIGGER"] and kws["append"] == dict(chain=True, trigger=trigger)
