@@ -76,14 +76,9 @@ class KVQBackend:
         launch configurations): those keep kvq::attend for its lowering's choices, with the append on its own
         ahead of it. `explain(fn, ...)` compiles without Inductor's options: on CUDA it reports the op where a
         max-autotune compile would keep the pair."""
-        import os
-
         if self.append_beside is not None:
             return self.append_beside
-        choice = os.environ.get("KVQ_APPEND_BESIDE", "1")
-        if choice not in ("0", "1"):
-            raise ValueError(f"KVQ_APPEND_BESIDE={choice!r}: use 1 (default) or 0")
-        return device.type == "cuda" and choice == "1" and lowering.picks_default_launch(patches)
+        return device.type == "cuda" and lowering.beside_by_default(patches)
 
     def stores(self) -> list[st.ModelStore]:
         """The stores of the graphs compiled so far that are still alive, oldest first, each once (a recompile of

@@ -17,7 +17,10 @@ Which path saves what:
   AttentionInterface); a module not served by a KVQCache in the current forward falls back to SDPA.
 
 `cache.update` only assigns positions; the attention function appends the chunk and attends, because it is
-also where the position ids (needed to un-rotate keys stored before RoPE) are known.
+also where the position ids (needed to un-rotate keys stored before RoPE) are known. A decode step whose attention
+reads nothing its append writes (`store.attention_independent`, Keys stored after RoPE) calls the pair as one
+`kvq::append_attend`, as `kvq_backend` emits it: on CUDA its kernel launches the append beside the attention
+(`append_beside`, below).
 """
 from __future__ import annotations
 
@@ -43,9 +46,12 @@ class KVQLayer(CacheLayerMixin):
     is_compileable = True
     is_sliding = False
 
-    def __init__(self, layer: st.LayerStore, max_cache_len: int, device, rotary=None):
+    def __init__(self, layer: st.LayerStore, max_cache_len: int, device, rotary=None, append_beside: bool = False):
         super().__init__()
         self.store, self.max_cache_len, self.rotary = layer, max_cache_len, rotary
+        # decode steps as one kvq::append_attend: only where the attention reads nothing the append writes and the
+        # Keys are stored after RoPE (the op appends the rotated key; `ops._append_attend_layout`)
+        self.append_beside = append_beside and rotary is None and st.attention_independent(layer.cfg)
         self.cumulative_length = torch.zeros((), dtype=torch.int64, device=device)
         self.pending: torch.Tensor | None = None
         self.append_names, self.append_tensors = layer.append_tensors()
@@ -96,6 +102,9 @@ class KVQLayer(CacheLayerMixin):
                 raise ValueError("KVQCache with keys_before_rope needs the model to pass position_ids to attention")
             cos, sin = self.rotary(value, position_ids)
             stored_key = ref.rope_unrotate(key.float(), cos.float(), sin.float()).to(key.dtype)
+        if self.append_beside and query.shape[2] == 1:
+            return torch.ops.kvq.append_attend(query, self.attend_tensors, key, value, positions, attention_mask,
+                                               scale, is_causal, self.attend_layout)
         append, attend = ops.chunk_ops(query.shape[2])
         append(self.append_tensors, stored_key, value, positions, cos, sin, self.append_layout)
         return attend(query, self.attend_tensors, key, value, positions, attention_mask, scale, is_causal,
@@ -108,9 +117,15 @@ class KVQCache(Cache):
     model:         a transformers decoder whose attention modules carry `layer_idx` (Llama, Mistral, Qwen...)
     cfg:           a KVQConfig or a preset name
     batch_size:    rows of the batch it will serve; max_cache_len: prompt + new tokens, at most
+    append_beside: decode steps call one kvq::append_attend where the layer's attention reads nothing its append
+                   writes (the pair otherwise). None (default): on CUDA, unless KVQ_APPEND_BESIDE=0 or Inductor's
+                   global config asks for max_autotune (`lowering.picks_default_launch`); a
+                   `CompileConfig(mode="max-autotune")` is not visible from here: pass False to keep kvq::attend
+                   and its lowering's autotuned choices. Results are the same either way (tests/test_hf_cache.py).
     """
 
-    def __init__(self, model, cfg: KVQConfig | str, batch_size: int, max_cache_len: int, device=None, dtype=None):
+    def __init__(self, model, cfg: KVQConfig | str, batch_size: int, max_cache_len: int, device=None, dtype=None,
+                 append_beside: bool | None = None):
         cfg = KVQConfig.preset(cfg) if isinstance(cfg, str) else cfg
         conf = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         if getattr(conf, "sliding_window", None) is not None and getattr(conf, "use_sliding_window", True):
@@ -130,7 +145,11 @@ class KVQCache(Cache):
             if rotary is None:
                 raise ValueError(f"config {cfg.name!r} stores keys before RoPE, but the model has no "
                                  "`model.rotary_emb` to recompute cos/sin; pick a post-RoPE config")
-        layers = [KVQLayer(layer, max_cache_len, device, rotary) for layer in self.model_store.layers]
+        if append_beside is None:   # kvq_backend's rule, without a compile's options
+            from . import lowering
+
+            append_beside = device.type == "cuda" and lowering.beside_by_default({})
+        layers = [KVQLayer(layer, max_cache_len, device, rotary, append_beside) for layer in self.model_store.layers]
         super().__init__(layers=layers)
         _bind(model, self)
         if device.type == "cuda":  # compiled steps (CompileConfig) lower kvq::attend through Inductor

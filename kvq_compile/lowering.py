@@ -311,6 +311,15 @@ def picks_default_launch(patches: dict) -> bool:
             and not patches.get("max_autotune", compat.max_autotune()))
 
 
+def beside_by_default(patches: dict) -> bool:
+    """The default of `append_beside` (kvq_backend, KVQCache) on CUDA: KVQ_APPEND_BESIDE (1, the default, or 0) and
+    `picks_default_launch(patches)`."""
+    choice = os.environ.get("KVQ_APPEND_BESIDE", "1")
+    if choice not in ("0", "1"):
+        raise ValueError(f"KVQ_APPEND_BESIDE={choice!r}: use 1 (default) or 0")
+    return choice == "1" and picks_default_launch(patches)
+
+
 def distinct_launches(configs, layout: str) -> tuple[LaunchConfig, ...]:
     """The configurations that launch differently for this layout: the default tile (block_t 0) resolved to the
     layout's (`decode_attention.layout_block_t`), later equal launches dropped (Inductor would time them twice)."""

@@ -65,6 +65,54 @@ class _Allocations(TorchDispatchMode):
         return out
 
 
+class _KvqOps(TorchDispatchMode):
+    """The kvq ops an eager forward dispatches, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "kvq":
+            self.names.add(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("name", ["kivi-2", "xquant-1.38", "calibquant-1", "kvquant-4-1%", "int8"])
+def test_kvqcache_append_beside_matches_the_pair(name, compiled):
+    """KVQCache(append_beside=True) (the CUDA default) calls one kvq::append_attend on decode steps where the
+    attention reads nothing its append writes and the Keys are stored after RoPE (kvquant stores them before, int8
+    has no recent window: both keep the pair), eager and compiled; logits and every store buffer equal the pair's.
+    On a CUDA machine the model runs there: the op's CUDA kernel against the pair's."""
+    model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=4).to(DEVICE)
+    cfg = small_windows(name)
+    ids, mask = (t.to(DEVICE) for t in prompts(2, 9, pad=(2, 0)))
+    runs = []
+    for beside in (False, True):
+        cache = KVQCache(model, cfg, batch_size=2, max_cache_len=22, append_beside=beside)
+        log = _KvqOps()
+        kw = dict(compile_config=_compiled()) if compiled else {}
+        torch._dynamo.reset()
+        with (log if not compiled else torch.no_grad()):
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=12, past_key_values=cache, **kw, **GEN)
+        runs.append((out, cache, log.names))
+    (pair, c_pair, ops_pair), (fused, c_fused, ops_fused) = runs
+    expect = st.attention_independent(cfg) and not cfg.keys_before_rope
+    assert all(layer.append_beside is expect for layer in c_fused.layers)
+    assert not any(layer.append_beside for layer in c_pair.layers)
+    if not compiled:
+        assert "append_attend" not in ops_pair and ("append_attend" in ops_fused) is expect, (ops_pair, ops_fused)
+    for a, b in zip(pair.logits, fused.logits):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    for la, lb in zip(c_pair.model_store.layers, c_fused.model_store.layers):
+        for n, t in la.buffers.items():
+            torch.testing.assert_close(lb.buffers[n], t, atol=0, rtol=0, msg=n)
+
+
 def test_kvqcache_never_allocates_fp16_cache_and_holds_quantized_bytes():
     model = hf_model("llama", kv_heads=2, gqa=2, head_dim=64, layers=2)
     cfg = small_windows("kivi-2")
