@@ -378,7 +378,9 @@ def main():
                 step, _ = timed_generate(model, ids, args.new, **kw)
                 peak = torch.cuda.max_memory_allocated()
                 gpu = gpu_summed = None
-                if args.gpu_time and kind in ("hf-compiled", *KVQ_COMPILED):  # (a used KVQCache is full)
+                if args.gpu_time and kind in ("hf-compiled", "kvqcache", *KVQ_COMPILED):
+                    if kind == "kvqcache":
+                        cache.reset()   # a used KVQCache is full
                     gpu, gpu_summed = gpu_ms_per_step(model, ids, new=args.new, **kw)
             except Exception as e:  # noqa: BLE001  report and go on
                 print(f"{kind} {preset} B={B} P={P}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
