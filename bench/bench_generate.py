@@ -366,7 +366,8 @@ def main():
             elif kind == "kvqcache":  # the HF-native path: a Cache made of the packed store alone
                 from kvq_compile.hf import KVQCache
 
-                cache = KVQCache(model, preset, batch_size=B, max_cache_len=P + args.new)
+                # room for the profiled generate too (`profiled_decode`: at least 18 new tokens)
+                cache = KVQCache(model, preset, batch_size=B, max_cache_len=P + max(args.new, 18))
                 kw = dict(past_key_values=cache, compile_config=CompileConfig(fullgraph=True))
             elif kind.startswith("quanto-"):  # HF's QuantizedCache, optimum-quanto backend (eager: not compileable)
                 kw = dict(cache_implementation="quantized", disable_compile=True,

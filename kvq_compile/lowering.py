@@ -314,7 +314,7 @@ def picks_default_launch(patches: dict) -> bool:
 def beside_by_default(patches: dict) -> bool:
     """The default of `append_beside` (kvq_backend, KVQCache) on CUDA: KVQ_APPEND_BESIDE (1, the default, or 0) and
     `picks_default_launch(patches)`."""
-    choice = os.environ.get("KVQ_APPEND_BESIDE", "1")
+    choice = os.environ.get("KVQ_APPEND_BESIDE") or "1"   # unset or empty: the default
     if choice not in ("0", "1"):
         raise ValueError(f"KVQ_APPEND_BESIDE={choice!r}: use 1 (default) or 0")
     return choice == "1" and picks_default_launch(patches)

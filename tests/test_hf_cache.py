@@ -81,13 +81,24 @@ class _KvqOps(TorchDispatchMode):
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _recording_inductor(names: set):
+    """A torch.compile backend: Inductor (HF's CompileConfig mode / options as kvq_backend takes them), after adding
+    the kvq ops of each graph to `names`."""
+    from kvq_compile import compat
+
+    def backend(gm, example_inputs, mode=None, options=None):
+        names.update(str(n.target).split(".")[1] for n in gm.graph.nodes if str(n.target).startswith("kvq."))
+        return compat.compile_fx(gm, example_inputs, compat.inductor_config_patches(mode, options))
+    return backend
+
+
 @pytest.mark.parametrize("compiled", [False, True])
-@pytest.mark.parametrize("name", ["kivi-2", "xquant-1.38", "calibquant-1", "kvquant-4-1%", "int8"])
+@pytest.mark.parametrize("name", ["kivi-2", "xquant-1.38", "innerq-2", "calibquant-1", "kvquant-4-1%", "int8"])
 def test_kvqcache_append_beside_matches_the_pair(name, compiled):
-    """KVQCache(append_beside=True) (the CUDA default) calls one kvq::append_attend on decode steps where the
-    attention reads nothing its append writes and the Keys are stored after RoPE (kvquant stores them before, int8
-    has no recent window: both keep the pair), eager and compiled; logits and every store buffer equal the pair's.
-    On a CUDA machine the model runs there: the op's CUDA kernel against the pair's."""
+    """KVQCache(append_beside=True) (the CUDA default) calls one kvq::append_attend, and no kvq::append, on decode
+    steps where the attention reads nothing its append writes and the Keys are stored after RoPE (kvquant stores them
+    before, int8 has no recent window: both keep the pair), eager and compiled through Inductor; logits and every
+    store buffer equal the pair's. On a CUDA machine the model runs there: the op's CUDA kernel against the pair's."""
     model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=4).to(DEVICE)
     cfg = small_windows(name)
     ids, mask = (t.to(DEVICE) for t in prompts(2, 9, pad=(2, 0)))
@@ -95,7 +106,10 @@ def test_kvqcache_append_beside_matches_the_pair(name, compiled):
     for beside in (False, True):
         cache = KVQCache(model, cfg, batch_size=2, max_cache_len=22, append_beside=beside)
         log = _KvqOps()
-        kw = dict(compile_config=_compiled()) if compiled else {}
+        kw = {}
+        if compiled:
+            kw = dict(compile_config=CompileConfig(fullgraph=True, backend=_recording_inductor(log.names)))
+            kw["compile_config"]._compile_all_devices = True
         torch._dynamo.reset()
         with (log if not compiled else torch.no_grad()):
             out = model.generate(ids, attention_mask=mask, max_new_tokens=12, past_key_values=cache, **kw, **GEN)
@@ -104,8 +118,9 @@ def test_kvqcache_append_beside_matches_the_pair(name, compiled):
     expect = st.attention_independent(cfg) and not cfg.keys_before_rope
     assert all(layer.append_beside is expect for layer in c_fused.layers)
     assert not any(layer.append_beside for layer in c_pair.layers)
-    if not compiled:
-        assert "append_attend" not in ops_pair and ("append_attend" in ops_fused) is expect, (ops_pair, ops_fused)
+    # decode steps append through kvq::append (the prompt through kvq::append_chunk): none beside the op
+    assert "append_attend" not in ops_pair and "append" in ops_pair, ops_pair
+    assert ("append_attend" in ops_fused) is expect and ("append" in ops_fused) is not expect, ops_fused
     for a, b in zip(pair.logits, fused.logits):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
     for la, lb in zip(c_pair.model_store.layers, c_fused.model_store.layers):
