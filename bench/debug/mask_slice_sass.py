@@ -1,0 +1,29 @@
+"""InnerQ's ring build of `_kivi_decode_kernel` (bool mask) compiled for sm_90 without a GPU, with MOK 0 and
+`MASK_SLICE` (the slice's mask checked once ahead of the loop): registers, spills and the main loop's instructions.
+KIVI's ring build: bench/debug/kivi_ring_sass.py KBITS VBITS MOK=1024.
+    env -u TRITON_INTERPRET PYTHONPATH=tests python bench/debug/mask_slice_sass.py"""
+import torch
+from triton.runtime.jit import mangle_type
+
+from kvq_compile.templates import decode_attention_gluon as dag
+from sm90_sass import compile_sm90, main_loop
+
+for bf16, kb, vb, hyb, norm in ((True, 2, 2, True, True), (False, 2, 2, True, True), (True, 4, 1, False, False)):
+    for mok in (0, dag.MASK_SLICE):
+        ty = "*bf16" if bf16 else "*fp16"
+        kc, vc = map(mangle_type, dag.row_descriptors(dict(codes=torch.zeros(2, 2, 64, 4 * kb, dtype=torch.int32)),
+                                                      dict(codes=torch.zeros(2, 2, 64, 4 * vb, dtype=torch.int32)),
+                                                      4 * kb, dag.KIVI_BT, 4 * vb))
+        sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC=kc, KCEN=ty, KHALF=ty, VC=vc, VCEN=ty, VHALF=ty,
+                   POS="*i64", AMASK="*i1", stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32", OUT_ACC="*fp32",
+                   scale="fp32", T="i32", NG_K="i32", NSPLIT="i32", KMASK="*u8" if hyb else ty,
+                   VMASK="*u8" if hyb else ty, KNORM="*fp32" if norm else ty, KHROWS=ty, KCROWS=ty)
+        ka, va = (dag.split_scale(2 / (2 ** n - (2 if hyb else 1)), bf16) for n in (kb, vb))
+        cx = dict(H=8, REP=4, S=32, R=128, TPG_K=1, TPG_V=32, MASK_KIND=1, IS_BF16=bf16, BT=32, KBITS=kb,
+                  VBITS=vb, KA_HI=ka[0], KA_LO=ka[1], VA_HI=va[0], VA_LO=va[1], NWIN=3, TMA=True, NST=dag.NSTAGES,
+                  PDL=True, INNER=True, KHYB=hyb, VHYB=hyb, NORM=norm, WL=dag.WIDEN_IN_LANES, WT=dag.WHOLE_TILES,
+                  TPS=1, MOK=mok)
+        b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 4, 5, 7, 8, 12, 13, 14))
+        ops = main_loop(b.sass)
+        print(f"bf16={bf16} k{kb}v{vb} hyb={hyb} MOK={mok}: regs {b.regs} stack {b.stack} "
+              f"loop {sum(ops.values())} LDG {ops['LDG']} ISETP {ops['ISETP']}", flush=True)
