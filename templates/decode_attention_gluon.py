@@ -1005,20 +1005,16 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _mask_scores(s, trow, tcol, t0, stop, AMASK, moff, REP: gl.constexpr, MASK_KIND: gl.constexpr,
-                     WT: gl.constexpr = False, MOK: gl.constexpr = False, mok=0):
+                     WT: gl.constexpr = False):
         """(s, allowed) of a transposed [BT, 8] tile of base-2 logits (rows: positions t0 + trow, columns: query
         heads): real heads, positions < stop (WT: all, `_whole_tiles`), and the one-row attention mask (MASK_KIND 1
         bool, 2 additive: added to s in base 2; 3 none, through the bool build's code with its load predicated off:
-        kvquant's kernel only, `LUT_NO_MASK_AS_BOOL`). MOK (bool mask): mok = 1 where the program's whole slice is
-        allowed (`_mask_slice_ok`): the row's load is then predicated off."""
+        kvquant's kernel only, `LUT_NO_MASK_AS_BOOL`)."""
         tt = t0 + trow
         inside = _before(tt, stop, WT)
         allowed = gl.expand_dims(tcol < REP, 0) & gl.expand_dims(inside, 1)
         if MASK_KIND == 1:
-            if MOK:   # positions past stop are out of `allowed` already: other=1 stands for the slice's checked rows
-                mv = gl.load(AMASK + moff + tt, mask=inside & (trow * 0 + mok == 0), other=1)
-            else:
-                mv = gl.load(AMASK + moff + tt, mask=inside, other=0)
+            mv = gl.load(AMASK + moff + tt, mask=inside, other=0)
             allowed = allowed & gl.expand_dims(mv != 0, 1)
         elif MASK_KIND == 3:   # no mask, through the bool build's code: a load predicated off (tt >= 0)
             mv = gl.load(AMASK.to(gl.pointer_type(gl.int8), bitcast=True) + moff + tt, mask=tt < 0, other=1)
@@ -1028,16 +1024,6 @@ if HAVE_GLUON:
             s = s + gl.expand_dims(mv * 1.4426950408889634, 1)
             allowed = allowed & gl.expand_dims(mv > float("-inf"), 1)
         return s, allowed
-
-    @gluon.jit
-    def _mask_slice_ok(AMASK, moff, start, stop, N: gl.constexpr):
-        """1 where the bool mask row allows every position of [start, stop) and the range holds at most N of them,
-        else 0 (int32, one value for the program): its N bytes loaded at once, ahead of the loop (`MASK_SLICE`)."""
-        lay: gl.constexpr = gl.BlockedLayout([N // 32], [32], [1], [0])
-        i = gl.arange(0, N, layout=lay)
-        mv = gl.load(AMASK + moff + start + i, mask=start + i < stop, other=1)
-        bad = gl.sum(gl.where(mv != 0, 0, 1), axis=0)
-        return ((bad == 0) & (stop - start <= N)).to(gl.int32)
 
     @gluon.jit
     def _load_qT(Q, b, h, stride_qb, stride_qh, tchan, REP: gl.constexpr, b_l: gl.constexpr):
@@ -1618,8 +1604,8 @@ if HAVE_GLUON:
             VHYB: gl.constexpr = False, NORM: gl.constexpr = False, KPOST: gl.constexpr = False,
             QZROWS: gl.constexpr = False, QZ_N: gl.constexpr = 8, VZ: gl.constexpr = False,
             WL: gl.constexpr = True, WT: gl.constexpr = False, TPS: gl.constexpr = 1, PAIR: gl.constexpr = False,
-            KSUB: gl.constexpr = False, VF: gl.constexpr = False, KSW: gl.constexpr = 7, MOK: gl.constexpr = 0,
-            TRB=None, TRACE: gl.constexpr = False):
+            KSUB: gl.constexpr = False, VF: gl.constexpr = False, KSW: gl.constexpr = 7, TRB=None,
+            TRACE: gl.constexpr = False):
         """KIVI's layout, or with INNER InnerQ's (Keys per token in groups of 32 channels, Values per channel in
         groups of 32 tokens: the same packed words, the statistics the other way round, the codes alone through the
         ring where TMA). NG_K: the
@@ -1665,9 +1651,6 @@ if HAVE_GLUON:
         (`_fold_finish`). Exact where p half >= 2^-57 (below, that token's code products drop out: less than 2^-56
         of absolute error each), half < 2^64 (p' half in bf16) and |z| sum p < 2^64 (the offsets' share in fp32), z
         the group's offset (VF_E).
-        MOK (`MASK_SLICE`, bool mask): where the mask row allows the whole of this program's slice (at most MOK
-        positions), checked once ahead of the loop by one load of MOK bytes (`_mask_slice_ok`), the tiles' mask
-        loads are predicated off: each tile's compare waited on its row's load (Nsight Compute, session 43).
         TRACE (debug, `decode_attention.TRACE`, bench/debug/timeline.py): each program writes 8 int64 to TRB at
         8 (bh NSPLIT + split): the global timer at its start, before its loop, once its first ring slot has landed
         (TMA; else before its loop again), after its loop and after its stores, then its SM and its tile count."""
@@ -1879,12 +1862,6 @@ if HAVE_GLUON:
                     mbarrier.wait(bars.index(0), 0)
             tr2 = _trace_now()
 
-        moff = b.to(gl.int64) * stride_mb   # the batch row's mask
-        MOKON: gl.constexpr = (MOK > 0) and (MASK_KIND == 1)
-        if MOKON:   # after the ring's first copies: its latency beside theirs
-            mok = _mask_slice_ok(AMASK, moff, start, stop, MOK)
-        else:
-            mok = 0
         if PAIR:  # two tiles (one ring slot) per online-softmax step: one max, one rescale per 64 tokens
             gl.static_assert(TMA and (not INNER) and KPOST and (TPS == 2) and WT, "PAIR: KIVI's ring, 2 tiles a slot")
             gl.static_assert((not QZROWS) or (QZ_N % 2 == 0), "PAIR: refills on a slot's first tile need an even QZ_N")
@@ -1908,8 +1885,8 @@ if HAVE_GLUON:
                         kwords = kwords >> kshift
                     s = _post_logits(kwords, kh, zrows.index(grel + sub) if QZROWS else kcen, qT, qaT, negm, kdummy,
                                      sscale, cinv, a_l, b_l, mma, BT, KBITS, KP, IS_BF16, QZROWS, KSUB, KSW)
-                    s, allowed = _mask_scores(s, trow, tcol, t0 + sub * BT, stop, AMASK, moff, REP, MASK_KIND, WT,
-                                              MOKON, mok)
+                    s, allowed = _mask_scores(s, trow, tcol, t0 + sub * BT, stop, AMASK, b.to(gl.int64) * stride_mb,
+                                              REP, MASK_KIND, WT)
                     if sub == 0:
                         s_a = gl.where(allowed, s, float("-inf"))
                     else:
@@ -2007,7 +1984,8 @@ if HAVE_GLUON:
                     kv = _unpack(wb, ks4, kz4, "k", KBITS, KP, IS_BF16)
                     s = mma_v2(gl.convert_layout(_kred_t(kv, KP, BT), a_l), qT,
                                gl.zeros([BT, 8], gl.float32, mma)) * qscale
-                s, allowed = _mask_scores(s, trow, tcol, t0, stop, AMASK, moff, REP, MASK_KIND, WT, MOKON, mok)
+                s, allowed = _mask_scores(s, trow, tcol, t0, stop, AMASK, b.to(gl.int64) * stride_mb, REP, MASK_KIND,
+                                          WT)
                 p, alpha8, m8, lacc = _softmax_step(s, allowed, m8, lacc, PEV)
 
                 if INNER:  # [8, 2, 8] -> [1, 8, 2, 8]: one scale and offset per channel
@@ -2769,9 +2747,6 @@ INNER_TMA = True  # InnerQ's launch reads its codes through the TMA ring (where 
                   # plain loads: innerq-2 6.8-10.2% faster at batch x context >= 64k (bool mask; slices sized for the
                   # plain build), 1.1-1.8% less GPU time per decode step end to end (H100, bench/RESULTS.md session
                   # 24); session 15's ring with the statistics too was 0-3% slower than plain loads
-MASK_SLICE = 1024  # KIVI's and InnerQ's launches with a bool mask check it over each program's slice (up to this many
-# positions) once, ahead of the loop, and skip the tiles' mask loads where it allows them all (`_kivi_decode_kernel`
-# MOK; 0: off; session 43: the mask cost innerq-2 7.9% and kivi-2 6.6% of a call at (32, 4096), H200)
 POST_TMA = True   # calibquant's launches take the TMA path too (where `USE_TMA` does): 2.73 against 2.75-2.76 ms per
                   # decode step at (32, 4096) end to end; the kernel 0.4-3.5% faster at four of the six shapes of
                   # batch x context >= 64k, 1.1% / 4.8% slower at (8, 65536) / (1, 65536) (means of two runs; H100,
@@ -2906,8 +2881,7 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
             H=H, REP=rep, S=sink, R=recent, TPG_K=1, TPG_V=32, MASK_KIND=mask_kind, IS_BF16=bf16, BT=KIVI_BT,
             KBITS=kbits, VBITS=vbits, KA_HI=ka_hi, KA_LO=ka_lo, VA_HI=va_hi, VA_LO=va_lo, NWIN=nwin, TMA=tma_on,
             NST=NSTAGES, PDL=pdl, INNER=True, KHYB=khyb, VHYB=vhyb, NORM=norm, WL=WIDEN_IN_LANES,
-            WT=WHOLE_TILES and whole_tiles(recent, 1, 32, KIVI_BT), MOK=MASK_SLICE if mask_kind == 1 else 0,
-            **_trace_kw(trace), num_warps=1)
+            WT=WHOLE_TILES and whole_tiles(recent, 1, 32, KIVI_BT), **_trace_kw(trace), num_warps=1)
     ka_hi, ka_lo = split_scale(2.0 / (2 ** kbits - 1), bf16)
     va_hi, va_lo = split_scale(2.0 / (2 ** vbits - 1), bf16)
     use_tma = _use_tma(query, sink, T, use_tma)
@@ -2925,8 +2899,8 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
         IS_BF16=bf16, BT=KIVI_BT, KBITS=kbits, VBITS=vbits, KA_HI=ka_hi, KA_LO=ka_lo, VA_HI=va_hi, VA_LO=va_lo,
         NWIN=nwin, TMA=use_tma, NST=NSTAGES, PDL=pdl, KPOST=KEY_POST, QZROWS=qz, QZ_N=QZ_N,
         VZ=VALUE_ZERO_APART and bf16, WL=WIDEN_IN_LANES, WT=wt, TPS=tps,
-        KSUB=BF16_SUBNORMAL_KEYS and KEY_POST and bf16, KSW=SUB_WINDOW, **pair, **fold,
-        MOK=MASK_SLICE if mask_kind == 1 else 0, **_trace_kw(trace), num_warps=1)
+        KSUB=BF16_SUBNORMAL_KEYS and KEY_POST and bf16, KSW=SUB_WINDOW, **pair, **fold, **_trace_kw(trace),
+        num_warps=1)
 
 
 def _trace_kw(trace) -> dict:

@@ -860,41 +860,6 @@ def test_matches_reference_on_gpu(dtype, layout, case, mask, monkeypatch):
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("preset", ["kivi-2", "kivi-4", "innerq-2", "xquant-1.38"])
-def test_mask_slice_check_on_gpu(dtype, preset, monkeypatch):
-    """`MASK_SLICE`: a program whose bool mask row allows its whole slice skips the tiles' mask loads. Bit-equal with
-    the check off (MASK_SLICE 0), and against the reference, for masks that allow everything, that mask one
-    position (at a random place past the sink) in each row, and that mask the first positions of one row (left
-    padding); slices short enough to be checked (the default split) and longer than MASK_SLICE (one slice: the
-    tiles load their rows as before); the TMA ring and plain loads."""
-    B, H, rep, T, n0 = 2, 2, 4, 1600, 1500
-    cfg, ms, lay, k, v, p = _store(preset, B, H, T, n0, dtype, "cuda", seed=7)
-    names, tensors = lay.attend_tensors()
-    bufs = dict(zip(names, tensors))
-    q = torch.randn(B, H * rep, 1, 128, device="cuda").to(dtype)
-    allow = torch.ones(B, 1, 1, T, dtype=torch.bool, device="cuda")
-    one = allow.clone()
-    for b in range(B):
-        one[b, 0, 0, int(torch.randint(cfg.sink + 1, n0 - cfg.recent, ()))] = False
-    pad = allow.clone()
-    pad[1, 0, 0, :37] = False
-    for am in (allow, one, pad):
-        ref = attend_cpu_reference(q, tensors, k, v, p, am, 128 ** -0.5, False, lay.descriptor(names)).float()
-        for ns, tma in ((None, True), (1, True), (None, False)):
-            monkeypatch.setattr(dag, "USE_TMA", tma)
-            outs = []
-            for check in (0, 1024):
-                monkeypatch.setattr(dag, "MASK_SLICE", check)
-                outs.append(da.decode_attention(q, bufs, k, v, p, am, 128 ** -0.5, False, cfg, lay.spec, ms.geo,
-                                                gluon=True, num_splits=ns).float())
-            assert "_kivi_decode_kernel" in str(getattr(da.LAST_KERNELS["main"], "name", da.LAST_KERNELS["main"]))
-            assert torch.equal(outs[0], outs[1]), (ns, tma, (outs[0] - outs[1]).abs().max().item())
-            rel = ((outs[1] - ref).norm() / ref.norm()).item()
-            assert rel < (1.5e-2 if dtype == torch.bfloat16 else 3e-3), (ns, tma, rel)
-
-
-@pytest.mark.skipif(not CUDA, reason="needs a GPU")
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("n0,sink", [(40, None), (20, 33), (70, 33), (150, 33)])
 @pytest.mark.parametrize("num_splits", [None, 1])
 def test_calibquant_windows_inside_short_and_sink_windows_on_gpu(dtype, n0, sink, num_splits, monkeypatch):

@@ -1,7 +1,9 @@
-"""InnerQ's ring build of `_kivi_decode_kernel` (bool mask) compiled for sm_90 without a GPU, with MOK 0 and
-`MASK_SLICE` (the slice's mask checked once ahead of the loop): registers, spills and the main loop's instructions.
-KIVI's ring build: bench/debug/kivi_ring_sass.py KBITS VBITS MOK=1024.
-    env -u TRITON_INTERPRET PYTHONPATH=tests python bench/debug/mask_slice_sass.py"""
+"""InnerQ's ring build of `_kivi_decode_kernel` (bool mask) compiled for sm_90 without a GPU, with MOK 0 and 1024
+(session 43's bench/debug/mask_slice_tried.patch applied first: the slice's mask checked once ahead of the loop):
+registers, spills and the main loop's instructions; CAP=N sets a register cap. KIVI's ring build: kivi_ring_sass.py KBITS
+VBITS MOK=1024.   env -u TRITON_INTERPRET PYTHONPATH=tests python bench/debug/mask_slice_sass.py"""
+import os
+
 import torch
 from triton.runtime.jit import mangle_type
 
@@ -23,7 +25,7 @@ for bf16, kb, vb, hyb, norm in ((True, 2, 2, True, True), (False, 2, 2, True, Tr
                   VBITS=vb, KA_HI=ka[0], KA_LO=ka[1], VA_HI=va[0], VA_LO=va[1], NWIN=3, TMA=True, NST=dag.NSTAGES,
                   PDL=True, INNER=True, KHYB=hyb, VHYB=hyb, NORM=norm, WL=dag.WIDEN_IN_LANES, WT=dag.WHOLE_TILES,
                   TPS=1, MOK=mok)
-        b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 4, 5, 7, 8, 12, 13, 14))
+        b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 4, 5, 7, 8, 12, 13, 14), **({"maxnreg": int(os.environ["CAP"])} if os.environ.get("CAP") else {}))
         ops = main_loop(b.sass)
         print(f"bf16={bf16} k{kb}v{vb} hyb={hyb} MOK={mok}: regs {b.regs} stack {b.stack} "
               f"loop {sum(ops.values())} LDG {ops['LDG']} ISETP {ops['ISETP']}", flush=True)
