@@ -142,6 +142,29 @@ def _repeat_chain(node: fx.Node, query_heads: int):
     return None, chain, f"attention reads {node.format_node()[:80]!r}, not a cache placeholder through repeat-KV"
 
 
+# ops that make a write index wrap around or stop (a ring buffer's `pos % W`, a clamp): positions through them are not
+# the written length the store counts
+_NON_MONOTONE = {"mod", "remainder", "fmod", "__mod__", "__rmod__", "remainder_", "fmod_", "and_", "__and__",
+                 "bitwise_and", "where", "clamp", "clamp_", "clip", "clamp_min", "clamp_max", "minimum", "maximum",
+                 "min", "max"}
+
+
+def _non_monotone_producer(pos) -> str | None:
+    """The name of an op in the positions' producers (back to the graph inputs) that can wrap or clamp, else None."""
+    seen, todo = set(), [pos]
+    while todo:
+        n = todo.pop()
+        if not isinstance(n, fx.Node) or n in seen:
+            continue
+        seen.add(n)
+        if n.op in ("call_function", "call_method"):
+            name = n.target if n.op == "call_method" else getattr(n.target, "__name__", str(n.target))
+            if name in _NON_MONOTONE:
+                return name
+        todo.extend(n.all_input_nodes)
+    return None
+
+
 def _arg(node: fx.Node, pos: int, name: str, default=None):
     if len(node.args) > pos:
         return node.args[pos]
@@ -191,7 +214,7 @@ def find_attention(gm: fx.GraphModule, keys_before_rope: bool, report: RewriteRe
                 appends[cache] = None
                 continue
             appends[cache] = (node, *a[1:])
-    matches, explained = [], set()
+    matches, explained, matched = [], set(), set()
     for node in graph.nodes:
         if node.op != "call_function" or node.target not in _SDPA:
             continue
@@ -218,6 +241,19 @@ def find_attention(gm: fx.GraphModule, keys_before_rope: bool, report: RewriteRe
             continue
         (k_cache, k_chain), (v_cache, v_chain) = found
         explained.update((k_cache, v_cache))  # any skip below already names these caches' attention
+        if k_cache is v_cache:
+            report.skip(node, f"{k_cache.name} serves as both keys and values")
+            continue
+        taken = next((c for c in (k_cache, v_cache) if c in matched), None)
+        if taken is not None:
+            report.skip(node, f"{taken.name} is read by an earlier attention too")
+            continue
+        shared = next((n for n in k_chain + v_chain
+                       if any(u not in {node, *k_chain, *v_chain} and not _metadata_only(u) for u in n.users)), None)
+        if shared is not None:
+            user = next(u for u in shared.users if u not in {node, *k_chain, *v_chain} and not _metadata_only(u))
+            report.skip(node, f"the repeated cache {shared.name} is also used by {user.format_node()[:60]!r}")
+            continue
         enable_gqa = node.kwargs.get("enable_gqa", False)
         if not k_chain and _val(k_cache).shape[1] != qv.shape[1] and not enable_gqa:
             report.skip(node, "query and cache head counts differ without repeat-KV or enable_gqa")
@@ -248,11 +284,19 @@ def find_attention(gm: fx.GraphModule, keys_before_rope: bool, report: RewriteRe
         if k_pos is not v_pos:
             report.skip(node, "keys and values are appended at different position tensors")
             continue
+        wrap = _non_monotone_producer(k_pos)
+        if wrap is not None:
+            report.skip(node, f"append positions come through {wrap!r} (a wrap-around or clamped write index, e.g. a "
+                              "ring-buffer cache): the store needs the written length")
+            continue
         if k_app.users or v_app.users:
             report.skip(node, "the append's result is used")
             continue
         mask = _arg(node, 3, "attn_mask")
         max_len = _val(k_cache).shape[2]
+        if mask is None and not _arg(node, 5, "is_causal", False):
+            report.skip(node, "attention without a mask or is_causal reads every cache slot, written or not")
+            continue
         if mask is not None:
             mv = _val(mask)
             if mv is None or mv.shape[-1] != max_len:
@@ -268,6 +312,7 @@ def find_attention(gm: fx.GraphModule, keys_before_rope: bool, report: RewriteRe
             if rotary is None:
                 report.skip(node, "keys_before_rope: the appended key is not recognized as x*cos + rotate_half(x)*sin")
                 continue
+        matched.update((k_cache, v_cache))
         matches.append(AttentionMatch(
             k_cache, v_cache, k_app, v_app, k_pos, k_new, v_new, node, q, mask,
             bool(_arg(node, 5, "is_causal", False)),

@@ -1,4 +1,5 @@
 """Patterns the pass must leave unchanged, each with a recorded reason (acceptance f)."""
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -78,3 +79,64 @@ def test_sliding_window_attention_left_unchanged():
     assert torch.equal(ref, out)
     assert isinstance(be, KVQBackend) and be.reports and all(not r.rewritten for r in be.reports), explain(be)
     assert all(r.skipped for r in be.reports), explain(be)
+
+
+class PatternProbe(nn.Module):
+    """One decode attention over a 16-slot cache with 2 KV heads and 4 query heads, broken in one way (`kind`)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.register_buffer("k", torch.zeros(1, 2, 16, 32))
+        self.register_buffer("v", torch.zeros(1, 2, 16, 32))
+        self.kind = kind
+
+    def forward(self, q, k_new, v_new, pos):
+        slot = pos % 8 if self.kind == "ring" else pos   # a ring buffer: 8 slots reused
+        self.k[:, :, slot] = k_new
+        if self.kind != "tied":
+            self.v[:, :, slot] = v_new
+        mask = (torch.arange(16) <= pos[-1])[None, None, None, :]
+        kr, vr = self.k.repeat_interleave(2, dim=1), self.v.repeat_interleave(2, dim=1)
+        if self.kind == "repeat_read":   # the repeated heads also feed other code
+            return F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask) + (q @ kr.transpose(-1, -2)).amax(-1, True)
+        if self.kind == "two_readers":   # two attentions over one repeated cache
+            return (F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask)
+                    + F.scaled_dot_product_attention(2 * q, kr, vr, attn_mask=mask))
+        if self.kind == "tied":          # one cache as keys and values
+            return F.scaled_dot_product_attention(q, kr, kr, attn_mask=mask)
+        if self.kind == "no_mask":       # reads every slot, written or not
+            return F.scaled_dot_product_attention(q, kr, vr)
+        return F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask)
+
+
+@pytest.mark.parametrize("kind,reason", [
+    ("ring", "wrap-around or clamped write index"), ("repeat_read", "repeated cache"),
+    ("two_readers", "repeated cache"), ("tied", "serves as both keys and values"),
+    ("no_mask", "without a mask or is_causal")])
+def test_patterns_that_change_meaning_left_unchanged(kind, reason):
+    """Rewriting these would change the outputs (found by an audit, session 43: a ring buffer's wrapped positions
+    read as the written length, other readers of the repeated heads or of the cache left with a cache that no longer
+    receives tokens, unwritten slots no longer attended): each is left unchanged with its reason, and the compiled
+    steps match the uncompiled module, past the ring's first wrap."""
+    text = explain(PatternProbe(kind), *_probe_args(3), cfg="fp16")
+    assert "0 attention layer(s) rewritten" in text and reason in text, text
+    torch.manual_seed(0)
+    module, ref = PatternProbe(kind), PatternProbe(kind)
+    step = torch.compile(module, backend=kvq_backend("fp16"))
+    for p in range(11):
+        args = _probe_args(p)
+        torch.testing.assert_close(step(*args), ref(*args), atol=1e-5, rtol=1e-5)
+
+
+def test_positive_probe_is_rewritten_and_matches():
+    """The probe without a break: rewritten, and equal to the uncompiled module (fp16 preset: no quantization)."""
+    assert "1 attention layer(s) rewritten" in explain(PatternProbe("plain"), *_probe_args(3), cfg="fp16")
+    module, ref = PatternProbe("plain"), PatternProbe("plain")
+    step = torch.compile(module, backend=kvq_backend("fp16"))
+    for p in range(11):
+        args = _probe_args(p)
+        torch.testing.assert_close(step(*args), ref(*args), atol=1e-5, rtol=1e-5)
+
+
+def _probe_args(p: int):
+    return torch.randn(1, 4, 1, 32), torch.randn(1, 2, 1, 32), torch.randn(1, 2, 1, 32), torch.tensor([p])
