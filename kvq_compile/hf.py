@@ -45,10 +45,12 @@ class KVQLayer(CacheLayerMixin):
 
     is_compileable = True
     is_sliding = False
+    is_croppable = False   # flushed groups cannot be un-quantized (HF's assisted decoding checks this)
 
     def __init__(self, layer: st.LayerStore, max_cache_len: int, device, rotary=None, append_beside: bool = False):
         super().__init__()
         self.store, self.max_cache_len, self.rotary = layer, max_cache_len, rotary
+        self.bound = True   # False once a later KVQCache took the model's attention modules (`_bind`)
         # decode steps as one kvq::append_attend: only where the attention reads nothing the append writes and the
         # Keys are stored after RoPE (the op appends the rotated key; `ops._append_attend_layout`)
         self.append_beside = append_beside and rotary is None and st.attention_independent(layer.cfg)
@@ -70,9 +72,22 @@ class KVQLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         n = key_states.shape[-2]
-        if tuple(key_states.shape[:2]) != (self.batch_size, self.num_heads) or key_states.shape[-1] != self.store.geo.head_dim:
+        if not self.bound:
+            raise ValueError("this KVQCache no longer serves the model: a later KVQCache(model, ...) took its "
+                             "attention modules; build this cache again, or generate with the later one")
+        geo = self.store.geo
+        if tuple(key_states.shape[:2]) != (self.batch_size, self.num_heads) or key_states.shape[-1] != geo.head_dim:
             raise ValueError(f"KVQCache was sized for batch {self.batch_size}, {self.num_heads} KV heads, head_dim "
-                             f"{self.store.geo.head_dim}; got key states of shape {tuple(key_states.shape)}")
+                             f"{self.store.geo.head_dim}; got key states of shape {tuple(key_states.shape)} (num_beams "
+                             "and num_return_sequences multiply generate's batch; beam search is not supported)")
+        if self.store.layer_index == 0 and not torch.compiler.is_compiling():
+            # eager (prefill, chunks, uncompiled steps): checked on the host before anything is written. Compiled
+            # decode steps are not checked (a host read would break the graph): on CUDA their writes past the end
+            # are clamped to the last row, so size max_cache_len for prompt + max_new_tokens
+            filled = int(self.cumulative_length)
+            if filled + n > self.max_cache_len:
+                raise ValueError(f"KVQCache holds {self.max_cache_len} positions: {filled} are filled and {n} more "
+                                 f"were appended; size max_cache_len for the prompt plus max_new_tokens")
         self.pending = torch.arange(n, device=key_states.device) + self.cumulative_length
         self.cumulative_length.add_(n)
         return key_states, value_states
@@ -116,7 +131,8 @@ class KVQCache(Cache):
 
     model:         a transformers decoder whose attention modules carry `layer_idx` (Llama, Mistral, Qwen...)
     cfg:           a KVQConfig or a preset name
-    batch_size:    rows of the batch it will serve; max_cache_len: prompt + new tokens, at most
+    batch_size:    rows of the batch it will serve (one sequence a row: no beam search); max_cache_len: prompt + new
+                   tokens, at most (eager steps refuse to append past it; compiled decode steps are not checked)
     append_beside: decode steps call one kvq::append_attend where the layer's attention reads nothing its append
                    writes (the pair otherwise). None (default): on CUDA, unless KVQ_APPEND_BESIDE=0 or Inductor's
                    global config asks for max_autotune (`lowering.picks_default_launch`); a
@@ -128,8 +144,10 @@ class KVQCache(Cache):
                  append_beside: bool | None = None):
         cfg = KVQConfig.preset(cfg) if isinstance(cfg, str) else cfg
         conf = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        if getattr(conf, "sliding_window", None) is not None and getattr(conf, "use_sliding_window", True):
-            raise ValueError("KVQCache does not support sliding-window attention layers; use the model's own cache")
+        window = getattr(conf, "sliding_window", None)
+        if window is not None and getattr(conf, "use_sliding_window", True) and window < max_cache_len:
+            raise ValueError(f"KVQCache does not support sliding-window attention (window {window} < max_cache_len "
+                             f"{max_cache_len}); use the model's own cache, or max_cache_len <= {window}")
         if getattr(conf, "is_encoder_decoder", False):
             raise ValueError("KVQCache serves decoder-only models; encoder-decoder caches are not supported")
         num_layers = conf.num_hidden_layers
@@ -157,6 +175,19 @@ class KVQCache(Cache):
 
             lowering.register()
             lowering.install_cache_key_pass()
+
+
+def _unsupported(what: str):
+    def method(self, *args, **kwargs):
+        raise NotImplementedError(f"KVQCache does not support {what}: its quantized groups cannot be reordered, "
+                                  "repeated or cut back; use greedy or sampling decoding with one sequence per row")
+    return method
+
+
+for _name, _what in (("reorder_cache", "beam search (reorder_cache)"), ("crop", "crop"),
+                     ("batch_repeat_interleave", "batch_repeat_interleave"),
+                     ("batch_select_indices", "batch_select_indices")):
+    setattr(KVQCache, _name, _unsupported(_what))
 
 
 def kvq_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -194,6 +225,9 @@ def _bind(model, cache: KVQCache) -> None:
                 hasattr(module, p) for p in ("q_proj", "qkv_proj", "c_attn")):
             if idx >= len(cache.layers):
                 raise ValueError(f"attention module with layer_idx {idx}, but the cache has {len(cache.layers)} layers")
+            previous = module.__dict__.get("_kvq_layer")
+            if previous is not None and previous is not cache.layers[idx]:
+                previous.bound = False   # an older cache of this model: its update now raises, not falls back
             module.__dict__["_kvq_layer"] = cache.layers[idx]
             bound += 1
     if bound != len(cache.layers):

@@ -234,3 +234,59 @@ def test_chunks_run_the_cudagraph_unsafe_twins():
                    compile_config=compile_config(backend), **GEN)
     report = explain(backend)
     assert "kvq::append_chunk + kvq::attend_chunk" in report and "kvq::append + kvq::attend " in report, report
+
+
+def test_kvqcache_refuses_to_overflow_before_writing():
+    """Appending past max_cache_len is an error raised before anything is written (eager steps; compiled decode
+    steps are not checked: the docstring says so), whether the prompt or a later step overflows."""
+    model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=2)
+    ids, mask = prompts(1, 9)
+    cache = KVQCache(model, small_windows("kivi-2"), batch_size=1, max_cache_len=15)
+    with pytest.raises(ValueError, match="holds 15 positions: 15 are filled and 1 more"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=12, past_key_values=cache, **GEN)
+    assert int(cache.get_seq_length()) == 15   # the refused step added nothing
+    long_ids, long_mask = prompts(1, 20)
+    cache.reset()
+    with pytest.raises(ValueError, match="holds 15 positions: 0 are filled and 20 more"):
+        model.generate(long_ids, attention_mask=long_mask, max_new_tokens=2, past_key_values=cache, **GEN)
+    assert int(cache.get_seq_length()) == 0 and all(not t.any() for t in cache.layers[0].append_tensors)
+
+
+def test_kvqcache_refuses_beam_search_and_crop():
+    model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=2)
+    ids, mask = prompts(1, 9)
+    cache = KVQCache(model, "fp16", batch_size=2, max_cache_len=20)
+    with pytest.raises(NotImplementedError, match="beam search"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, num_beams=2, past_key_values=cache)
+    with pytest.raises(NotImplementedError, match="crop"):
+        cache.crop(3)
+    small = KVQCache(model, "fp16", batch_size=1, max_cache_len=20)
+    with pytest.raises(ValueError, match="num_beams and num_return_sequences"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, num_beams=2, past_key_values=small)
+
+
+def test_a_later_kvqcache_unbinds_the_earlier_one():
+    """A second KVQCache on the same model takes its attention modules: generating with the first raises, instead of
+    falling back to SDPA over the chunk alone; the second works."""
+    model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=2)
+    ids, mask = prompts(1, 9)
+    first = KVQCache(model, "fp16", batch_size=1, max_cache_len=20)
+    second = KVQCache(model, "fp16", batch_size=1, max_cache_len=20)
+    with pytest.raises(ValueError, match="no longer serves the model"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, past_key_values=first, **GEN)
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=3, cache_implementation="static", **GEN)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=3, past_key_values=second, **GEN)
+    assert torch.equal(ref.sequences, out.sequences)
+
+
+def test_sliding_window_wider_than_the_cache_is_served():
+    """A sliding window at least max_cache_len long never slides: served (equal to the static cache); a narrower one
+    is refused with its sizes."""
+    model = hf_model("mistral", kv_heads=1, gqa=2, head_dim=64, layers=2, sliding_window=32)
+    ids, mask = prompts(1, 9)
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=4, cache_implementation="static", **GEN)
+    cache = KVQCache(model, "fp16", batch_size=1, max_cache_len=16)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=4, past_key_values=cache, **GEN)
+    assert torch.equal(ref.sequences, out.sequences)
+    with pytest.raises(ValueError, match="window 32 < max_cache_len 64"):
+        KVQCache(model, "fp16", batch_size=1, max_cache_len=64)
