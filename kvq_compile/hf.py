@@ -45,7 +45,6 @@ class KVQLayer(CacheLayerMixin):
 
     is_compileable = True
     is_sliding = False
-    is_croppable = False   # flushed groups cannot be un-quantized (HF's assisted decoding checks this)
 
     def __init__(self, layer: st.LayerStore, max_cache_len: int, device, rotary=None, append_beside: bool = False):
         super().__init__()
@@ -81,13 +80,13 @@ class KVQLayer(CacheLayerMixin):
                              f"{self.store.geo.head_dim}; got key states of shape {tuple(key_states.shape)} (num_beams "
                              "and num_return_sequences multiply generate's batch; beam search is not supported)")
         if self.store.layer_index == 0 and not torch.compiler.is_compiling():
-            # eager (prefill, chunks, uncompiled steps): checked on the host before anything is written. Compiled
-            # decode steps are not checked (a host read would break the graph): on CUDA their writes past the end
-            # are clamped to the last row, so size max_cache_len for prompt + max_new_tokens
+            # eager (prefill, chunks, uncompiled steps): checked on the host before anything is written (compiled
+            # chunks by their append, `ops._append_impl`). Compiled decode steps are not checked (a host read would
+            # break the graph): on CUDA their writes past the end are clamped to the last row
             filled = int(self.cumulative_length)
             if filled + n > self.max_cache_len:
-                raise ValueError(f"KVQCache holds {self.max_cache_len} positions: {filled} are filled and {n} more "
-                                 f"were appended; size max_cache_len for the prompt plus max_new_tokens")
+                raise ValueError(f"KVQCache holds {self.max_cache_len} positions: {filled} are filled, cannot "
+                                 f"append {n} more; size max_cache_len for the prompt plus max_new_tokens")
         self.pending = torch.arange(n, device=key_states.device) + self.cumulative_length
         self.cumulative_length.add_(n)
         return key_states, value_states
@@ -218,20 +217,20 @@ def _bind(model, cache: KVQCache) -> None:
 
     AttentionInterface.register(ATTN_NAME, kvq_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, sdpa_mask)
-    bound = 0
-    for module in model.modules():
-        idx = getattr(module, "layer_idx", None)
-        if isinstance(idx, int) and hasattr(module, "config") and any(
-                hasattr(module, p) for p in ("q_proj", "qkv_proj", "c_attn")):
-            if idx >= len(cache.layers):
-                raise ValueError(f"attention module with layer_idx {idx}, but the cache has {len(cache.layers)} layers")
-            previous = module.__dict__.get("_kvq_layer")
-            if previous is not None and previous is not cache.layers[idx]:
-                previous.bound = False   # an older cache of this model: its update now raises, not falls back
-            module.__dict__["_kvq_layer"] = cache.layers[idx]
-            bound += 1
-    if bound != len(cache.layers):
-        raise ValueError(f"KVQCache found {bound} attention modules with a layer_idx, expected {len(cache.layers)}")
+    modules = [m for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int) and hasattr(m, "config")
+               and any(hasattr(m, p) for p in ("q_proj", "qkv_proj", "c_attn"))]
+    for module in modules:   # every check before any module changes hands
+        if module.layer_idx >= len(cache.layers):
+            raise ValueError(f"attention module with layer_idx {module.layer_idx}, but the cache has "
+                             f"{len(cache.layers)} layers")
+    if len(modules) != len(cache.layers):
+        raise ValueError(f"KVQCache found {len(modules)} attention modules with a layer_idx, expected "
+                         f"{len(cache.layers)}")
+    for module in modules:
+        previous = module.__dict__.get("_kvq_layer")
+        if previous is not None and previous is not cache.layers[module.layer_idx]:
+            previous.bound = False   # an older cache of this model: its update now raises, not falls back
+        module.__dict__["_kvq_layer"] = cache.layers[module.layer_idx]
     for conf in {id(c): c for c in (model.config, getattr(model.config, "get_text_config", lambda: None)())
                  if c is not None}.values():
         conf._attn_implementation = ATTN_NAME

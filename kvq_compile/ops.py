@@ -88,7 +88,10 @@ def _append_impl(store, key, value, positions, cos, sin, layout: str, compiled: 
     cfg, geo, spec, names = _decode_layout(layout)
     bufs = _bufs(store, names)
     if key.shape[2] != 1:
-        p0, _ = st.positions_span(positions)
+        p0, n = st.positions_span(positions)
+        if p0 + n > geo.max_len:
+            raise ValueError(f"kvq store holds {geo.max_len} positions: cannot append {n} more at position {p0}; "
+                             "size the cache (max_cache_len) for the prompt plus the new tokens")
         st.append(bufs, cfg, spec, geo, key, value, p0, cos, sin)
     elif compiled and _triton_append(layout):
         from .templates.quantize_append import append_decode

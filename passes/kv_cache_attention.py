@@ -142,15 +142,16 @@ def _repeat_chain(node: fx.Node, query_heads: int):
     return None, chain, f"attention reads {node.format_node()[:80]!r}, not a cache placeholder through repeat-KV"
 
 
-# ops that make a write index wrap around or stop (a ring buffer's `pos % W`, a clamp): positions through them are not
-# the written length the store counts
-_NON_MONOTONE = {"mod", "remainder", "fmod", "__mod__", "__rmod__", "remainder_", "fmod_", "and_", "__and__",
-                 "bitwise_and", "where", "clamp", "clamp_", "clip", "clamp_min", "clamp_max", "minimum", "maximum",
-                 "min", "max"}
+# the ops a write index may come through (back to the graph inputs): offsets, ranges, casts and views keep it the
+# written length the store counts; anything else (a ring buffer's `pos % W` in any spelling, a clamp, a table lookup)
+# may not. Positions computed outside the graph are trusted.
+_MONOTONE = {"add", "iadd", "__add__", "__radd__", "arange", "view", "reshape", "to", "_to_copy", "type", "long",
+             "int", "unsqueeze", "squeeze", "expand", "contiguous", "clone", "detach", "size", "sym_size", "getitem"}
 
 
 def _non_monotone_producer(pos) -> str | None:
-    """The name of an op in the positions' producers (back to the graph inputs) that can wrap or clamp, else None."""
+    """The name of the first op among the positions' producers (back to the graph inputs) that is not known to keep a
+    write index monotone (`_MONOTONE`; a getitem only with a constant index), else None."""
     seen, todo = set(), [pos]
     while todo:
         n = todo.pop()
@@ -159,7 +160,11 @@ def _non_monotone_producer(pos) -> str | None:
         seen.add(n)
         if n.op in ("call_function", "call_method"):
             name = n.target if n.op == "call_method" else getattr(n.target, "__name__", str(n.target))
-            if name in _NON_MONOTONE:
+            name = name.split(".")[0]   # aten overloads (sym_size.int)
+            index = []
+            if name == "getitem":   # a tensor index is a lookup (`table[pos]`), a constant one a slice or element
+                fx.node.map_arg(n.args[1:], index.append)
+            if name not in _MONOTONE or any(isinstance(_val(x), torch.Tensor) for x in index):
                 return name
         todo.extend(n.all_input_nodes)
     return None
@@ -244,6 +249,7 @@ def find_attention(gm: fx.GraphModule, keys_before_rope: bool, report: RewriteRe
         if k_cache is v_cache:
             report.skip(node, f"{k_cache.name} serves as both keys and values")
             continue
+        # (a second reader of a cache fails the users checks below first; kept as a guard for forms that pass them)
         taken = next((c for c in (k_cache, v_cache) if c in matched), None)
         if taken is not None:
             report.skip(node, f"{taken.name} is read by an earlier attention too")
@@ -286,8 +292,8 @@ def find_attention(gm: fx.GraphModule, keys_before_rope: bool, report: RewriteRe
             continue
         wrap = _non_monotone_producer(k_pos)
         if wrap is not None:
-            report.skip(node, f"append positions come through {wrap!r} (a wrap-around or clamped write index, e.g. a "
-                              "ring-buffer cache): the store needs the written length")
+            report.skip(node, f"append positions come through {wrap!r}, not only offsets, ranges and casts (e.g. a "
+                              "ring buffer's wrap-around): the store needs the written length")
             continue
         if k_app.users or v_app.users:
             report.skip(node, "the append's result is used")

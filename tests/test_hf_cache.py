@@ -242,14 +242,19 @@ def test_kvqcache_refuses_to_overflow_before_writing():
     model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=2)
     ids, mask = prompts(1, 9)
     cache = KVQCache(model, small_windows("kivi-2"), batch_size=1, max_cache_len=15)
-    with pytest.raises(ValueError, match="holds 15 positions: 15 are filled and 1 more"):
+    with pytest.raises(ValueError, match="holds 15 positions: 15 are filled, cannot append 1 more"):
         model.generate(ids, attention_mask=mask, max_new_tokens=12, past_key_values=cache, **GEN)
     assert int(cache.get_seq_length()) == 15   # the refused step added nothing
     long_ids, long_mask = prompts(1, 20)
     cache.reset()
-    with pytest.raises(ValueError, match="holds 15 positions: 0 are filled and 20 more"):
+    with pytest.raises(ValueError, match="holds 15 positions: 0 are filled, cannot append 20 more"):
         model.generate(long_ids, attention_mask=long_mask, max_new_tokens=2, past_key_values=cache, **GEN)
     assert int(cache.get_seq_length()) == 0 and all(not t.any() for t in cache.layers[0].append_tensors)
+    # compiled chunks (a chunked prefill under CompileConfig) are refused by their append, which reads its start
+    cache.reset()
+    with pytest.raises(Exception, match="holds 15 positions: cannot append 8 more at position 8"):
+        model.generate(prompts(1, 21)[0], max_new_tokens=2, past_key_values=cache, prefill_chunk_size=8,
+                       compile_config=_compiled(), **GEN)
 
 
 def test_kvqcache_refuses_beam_search_and_crop():

@@ -91,7 +91,11 @@ class PatternProbe(nn.Module):
         self.kind = kind
 
     def forward(self, q, k_new, v_new, pos):
-        slot = pos % 8 if self.kind == "ring" else pos   # a ring buffer: 8 slots reused
+        slot = {"ring": lambda: pos % 8, "ring_div": lambda: pos - torch.div(pos, 8, rounding_mode="floor") * 8,
+                "ring_table": lambda: torch.arange(16) % 8}.get(self.kind, lambda: None)()   # 8 slots reused
+        if self.kind == "ring_table":
+            slot = slot[pos]
+        slot = pos if slot is None else slot
         self.k[:, :, slot] = k_new
         if self.kind != "tied":
             self.v[:, :, slot] = v_new
@@ -110,14 +114,16 @@ class PatternProbe(nn.Module):
 
 
 @pytest.mark.parametrize("kind,reason", [
-    ("ring", "wrap-around or clamped write index"), ("repeat_read", "repeated cache"),
+    ("ring", "not only offsets, ranges and casts"), ("ring_div", "not only offsets, ranges and casts"),
+    ("ring_table", "not only offsets, ranges and casts"), ("repeat_read", "repeated cache"),
     ("two_readers", "repeated cache"), ("tied", "serves as both keys and values"),
     ("no_mask", "without a mask or is_causal")])
 def test_patterns_that_change_meaning_left_unchanged(kind, reason):
-    """Rewriting these would change the outputs (found by an audit, session 43: a ring buffer's wrapped positions
-    read as the written length, other readers of the repeated heads or of the cache left with a cache that no longer
-    receives tokens, unwritten slots no longer attended): each is left unchanged with its reason, and the compiled
-    steps match the uncompiled module, past the ring's first wrap."""
+    """Rewriting these changed the outputs or failed the compile (found by audits, session 43: a ring buffer's
+    wrapped positions, in three spellings, read as the written length; other readers of the repeated heads left with
+    a cache that no longer receives tokens; two attentions erasing one append twice; unwritten slots no longer
+    attended), or rewrote on luck (one cache as keys and values: the append erased twice): each is left unchanged
+    with its reason, and the compiled steps match the uncompiled module, past the ring's first wrap."""
     text = explain(PatternProbe(kind), *_probe_args(3), cfg="fp16")
     assert "0 attention layer(s) rewritten" in text and reason in text, text
     torch.manual_seed(0)
