@@ -130,7 +130,7 @@ class KVQBackend:
                 report.skip(m.sdpa, "cache tensors of different layers differ in shape or dtype")
             return None
         geo = st.Geometry(B, H, T, D, st.dtype_name(k0.dtype))
-        beside = self.beside(k0.device, patches)   # (on CUDA: raises on a bad KVQ_APPEND_BESIDE before a store is made)
+        beside = self.beside(k0.device, patches)   # (CUDA: raises on a bad KVQ_APPEND_BESIDE before a store is made)
         store = _store_for(k0, self.cfg, len(matches), geo)
         pos_slice, pos_args = slice_graph(gm, [matches[0].positions])
         if pos_slice is None:

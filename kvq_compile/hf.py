@@ -77,7 +77,7 @@ class KVQLayer(CacheLayerMixin):
         geo = self.store.geo
         if tuple(key_states.shape[:2]) != (self.batch_size, self.num_heads) or key_states.shape[-1] != geo.head_dim:
             raise ValueError(f"KVQCache was sized for batch {self.batch_size}, {self.num_heads} KV heads, head_dim "
-                             f"{self.store.geo.head_dim}; got key states of shape {tuple(key_states.shape)} (num_beams "
+                             f"{geo.head_dim}; got key states of shape {tuple(key_states.shape)} (num_beams "
                              "and num_return_sequences multiply generate's batch; beam search is not supported)")
         if self.store.layer_index == 0 and not torch.compiler.is_compiling():
             # eager (prefill, chunks, uncompiled steps): checked on the host before anything is written (compiled
@@ -134,7 +134,7 @@ class KVQCache(Cache):
                    tokens, at most (eager steps refuse to append past it; compiled decode steps are not checked)
     append_beside: decode steps call one kvq::append_attend where the layer's attention reads nothing its append
                    writes (the pair otherwise). None (default): on CUDA, unless KVQ_APPEND_BESIDE=0 or Inductor's
-                   global config asks for max_autotune (`lowering.picks_default_launch`); a
+                   global config asks for max_autotune (`lowering.beside_by_default`); a
                    `CompileConfig(mode="max-autotune")` is not visible from here: pass False to keep kvq::attend
                    and its lowering's autotuned choices. Results are the same either way (tests/test_hf_cache.py).
     """

@@ -145,13 +145,13 @@ def _repeat_chain(node: fx.Node, query_heads: int):
 # the ops a write index may come through (back to the graph inputs): offsets, ranges, casts and views keep it the
 # written length the store counts; anything else (a ring buffer's `pos % W` in any spelling, a clamp, a table lookup)
 # may not. Positions computed outside the graph are trusted.
-_MONOTONE = {"add", "iadd", "__add__", "__radd__", "arange", "view", "reshape", "to", "_to_copy", "type", "long",
+_POSITION_OPS = {"add", "iadd", "__add__", "__radd__", "arange", "view", "reshape", "to", "_to_copy", "type", "long",
              "int", "unsqueeze", "squeeze", "expand", "contiguous", "clone", "detach", "size", "sym_size", "getitem"}
 
 
 def _non_monotone_producer(pos) -> str | None:
     """The name of the first op among the positions' producers (back to the graph inputs) that is not known to keep a
-    write index monotone (`_MONOTONE`; a getitem only with a constant index), else None."""
+    write index monotone (`_POSITION_OPS`; a getitem only with a constant index), else None."""
     seen, todo = set(), [pos]
     while todo:
         n = todo.pop()
@@ -164,7 +164,7 @@ def _non_monotone_producer(pos) -> str | None:
             index = []
             if name == "getitem":   # a tensor index is a lookup (`table[pos]`), a constant one a slice or element
                 fx.node.map_arg(n.args[1:], index.append)
-            if name not in _MONOTONE or any(isinstance(_val(x), torch.Tensor) for x in index):
+            if name not in _POSITION_OPS or any(isinstance(_val(x), torch.Tensor) for x in index):
                 return name
         todo.extend(n.all_input_nodes)
     return None
@@ -254,11 +254,11 @@ def find_attention(gm: fx.GraphModule, keys_before_rope: bool, report: RewriteRe
         if taken is not None:
             report.skip(node, f"{taken.name} is read by an earlier attention too")
             continue
-        shared = next((n for n in k_chain + v_chain
-                       if any(u not in {node, *k_chain, *v_chain} and not _metadata_only(u) for u in n.users)), None)
+        inside = {node, *k_chain, *v_chain}
+        shared = next(((n, u) for n in k_chain + v_chain for u in n.users
+                       if u not in inside and not _metadata_only(u)), None)
         if shared is not None:
-            user = next(u for u in shared.users if u not in {node, *k_chain, *v_chain} and not _metadata_only(u))
-            report.skip(node, f"the repeated cache {shared.name} is also used by {user.format_node()[:60]!r}")
+            report.skip(node, f"the repeated cache {shared[0].name} is also used by {shared[1].format_node()[:60]!r}")
             continue
         enable_gqa = node.kwargs.get("enable_gqa", False)
         if not k_chain and _val(k_cache).shape[1] != qv.shape[1] and not enable_gqa:

@@ -91,11 +91,13 @@ class PatternProbe(nn.Module):
         self.kind = kind
 
     def forward(self, q, k_new, v_new, pos):
-        slot = {"ring": lambda: pos % 8, "ring_div": lambda: pos - torch.div(pos, 8, rounding_mode="floor") * 8,
-                "ring_table": lambda: torch.arange(16) % 8}.get(self.kind, lambda: None)()   # 8 slots reused
-        if self.kind == "ring_table":
-            slot = slot[pos]
-        slot = pos if slot is None else slot
+        slot = pos
+        if self.kind == "ring":          # a ring buffer: 8 slots reused, in three spellings
+            slot = pos % 8
+        elif self.kind == "ring_div":
+            slot = pos - torch.div(pos, 8, rounding_mode="floor") * 8
+        elif self.kind == "ring_table":
+            slot = (torch.arange(16) % 8)[pos]
         self.k[:, :, slot] = k_new
         if self.kind != "tied":
             self.v[:, :, slot] = v_new
