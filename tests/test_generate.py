@@ -148,14 +148,30 @@ def test_compiled_store_equals_simulation_of_its_inputs(name, monkeypatch):
         torch.testing.assert_close(v, quantized_view(V, spec.value, cfg, L, 9, src_v), atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["kivi-2", "xquant-1.38", "innerq-2", "calibquant-1", "int8"])
+def test_append_beside_keeps_the_pair_without_a_recent_window():
+    """int8 has no recent window: its attention may read what its append writes, so append_beside keeps the pair.
+    (Until session 43 an int8 case of the test below compared two compiles of this one configuration: in two CI runs
+    of one commit, in some test orders, 48 of 192 logits differed by up to 5.7e-5 between them; not understood, see
+    the session 43 note. The comparison is of the op against the pair, which int8 does not have.)"""
+    model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=4).to(DEVICE)
+    cfg = small_windows("int8")
+    assert not st.attention_independent(cfg)
+    ids, mask = (t.to(DEVICE) for t in prompts(2, 9, pad=(2, 0)))
+    be = kvq_backend(cfg, append_beside=True)
+    _generate(model, ids, mask, be, new=4)
+    ops = "\n".join(map(str, be.reports))
+    assert "kvq::append + kvq::attend" in ops and "kvq::append_attend" not in ops, ops
+
+
+@pytest.mark.parametrize("name", ["kivi-2", "xquant-1.38", "innerq-2", "calibquant-1"])
 def test_append_beside_op_matches_the_pair(name):
     """`append_beside` (the CUDA default, forced here on the CPU): a decode step's (append, attention) pair becomes
-    one kvq::append_attend where the attention reads nothing its append writes (a recent window; int8 has none and
-    keeps the pair). The logits and every store buffer equal the pair's: the op writes no codes shared from an
-    earlier layer (xquant-1.38's odd layers), and an XQuant layer's attention reads the codes its source layer's op
-    wrote in the same step's graph. On a CUDA machine the model runs there: the op's CUDA kernel (the append beside
-    the attention; calibquant-1's first) against the pair's kernels (first run there in session 43: 5 passed)."""
+    one kvq::append_attend where the attention reads nothing its append writes (a recent window; int8, without one,
+    keeps the pair: the test above). The logits and every store buffer equal the pair's: the op writes no codes
+    shared from an earlier layer (xquant-1.38's odd layers), and an XQuant layer's attention reads the codes its
+    source layer's op wrote in the same step's graph. On a CUDA machine the model runs there: the op's CUDA kernel
+    (the append beside the attention; calibquant-1's first) against the pair's kernels (first run there in session
+    43: 5 passed, int8 included)."""
     model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=4).to(DEVICE)
     cfg = small_windows(name)
     ids, mask = (t.to(DEVICE) for t in prompts(2, 9, pad=(2, 0)))
