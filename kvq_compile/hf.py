@@ -24,6 +24,8 @@ reads nothing its append writes (`store.attention_independent`, Keys stored afte
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from . import ops
@@ -81,12 +83,19 @@ class KVQLayer(CacheLayerMixin):
                              "and num_return_sequences multiply generate's batch; beam search is not supported)")
         if self.store.layer_index == 0 and not torch.compiler.is_compiling():
             # eager (prefill, chunks, uncompiled steps): checked on the host before anything is written (compiled
-            # chunks by their append, `ops._append_impl`). Compiled decode steps are not checked (a host read would
-            # break the graph): on CUDA their writes past the end are clamped to the last row
+            # chunks by their append too, `ops._append_impl`)
             filled = int(self.cumulative_length)
             if filled + n > self.max_cache_len:
                 raise ValueError(f"KVQCache holds {self.max_cache_len} positions: {filled} are filled, cannot "
                                  f"append {n} more; size max_cache_len for the prompt plus max_new_tokens")
+        elif self.store.layer_index == 0 and n == 1 and key_states.is_cuda:
+            # compiled CUDA decode steps: a host read would break the graph (and CUDA graphs), so the check is an
+            # assertion on the device (Inductor's tl.device_assert, kept by CUDA graphs); a failed one ends the
+            # process's CUDA context, as an out-of-range index does in torch. Compiled chunks, and decode tokens on
+            # the CPU, are refused by their append (`ops._refuse_overflow`)
+            torch._assert_async(self.cumulative_length + n <= self.max_cache_len,
+                                f"KVQCache holds {self.max_cache_len} positions: cannot append {n} more; size "
+                                "max_cache_len for the prompt plus max_new_tokens")
         self.pending = torch.arange(n, device=key_states.device) + self.cumulative_length
         self.cumulative_length.add_(n)
         return key_states, value_states
@@ -131,7 +140,8 @@ class KVQCache(Cache):
     model:         a transformers decoder whose attention modules carry `layer_idx` (Llama, Mistral, Qwen...)
     cfg:           a KVQConfig or a preset name
     batch_size:    rows of the batch it will serve (one sequence a row: no beam search); max_cache_len: prompt + new
-                   tokens, at most (eager steps refuse to append past it; compiled decode steps are not checked)
+                   tokens, at most (steps that would append past it raise; compiled CUDA decode steps fail a
+                   device assertion)
     append_beside: decode steps call one kvq::append_attend where the layer's attention reads nothing its append
                    writes (the pair otherwise). None (default): on CUDA, unless KVQ_APPEND_BESIDE=0 or Inductor's
                    global config asks for max_autotune (`lowering.beside_by_default`); a
@@ -192,7 +202,8 @@ for _name, _what in (("reorder_cache", "beam search (reorder_cache)"), ("crop", 
 def kvq_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The "kvq" attention implementation: append + attend through the store when a KVQCache announced
     this chunk, plain SDPA otherwise (another cache, or no cache)."""
-    layer = getattr(module, "_kvq_layer", None)
+    handle = module.__dict__.get("_kvq_layer")   # a weak reference: a module does not keep a dropped cache alive
+    layer = None if handle is None else handle()
     if layer is None or layer.pending is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -228,9 +239,10 @@ def _bind(model, cache: KVQCache) -> None:
                          f"{len(cache.layers)}")
     for module in modules:
         previous = module.__dict__.get("_kvq_layer")
+        previous = None if previous is None else previous()
         if previous is not None and previous is not cache.layers[module.layer_idx]:
             previous.bound = False   # an older cache of this model: its update now raises, not falls back
-        module.__dict__["_kvq_layer"] = cache.layers[module.layer_idx]
+        module.__dict__["_kvq_layer"] = weakref.ref(cache.layers[module.layer_idx])
     for conf in {id(c): c for c in (model.config, getattr(model.config, "get_text_config", lambda: None)())
                  if c is not None}.values():
         conf._attn_implementation = ATTN_NAME

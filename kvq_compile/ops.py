@@ -89,9 +89,7 @@ def _append_impl(store, key, value, positions, cos, sin, layout: str, compiled: 
     bufs = _bufs(store, names)
     if key.shape[2] != 1:
         p0, n = st.positions_span(positions)
-        if p0 + n > geo.max_len:
-            raise ValueError(f"kvq store holds {geo.max_len} positions: cannot append {n} more at position {p0}; "
-                             "size the cache (max_cache_len) for the prompt plus the new tokens")
+        _refuse_overflow(geo, p0, n)
         st.append(bufs, cfg, spec, geo, key, value, p0, cos, sin)
     elif compiled and _triton_append(layout):
         from .templates.quantize_append import append_decode
@@ -99,8 +97,17 @@ def _append_impl(store, key, value, positions, cos, sin, layout: str, compiled: 
         append_decode(bufs, cfg, spec, geo, key, value, positions, cos, sin)
     elif compiled:
         compiled_decode_append(layout)(bufs, key, value, positions, cos, sin)
-    else:
+    else:   # the reference path (CPU): reading the position costs no synchronization there
+        _refuse_overflow(geo, int(positions.max()), 1)
         st.append_decode(bufs, cfg, spec, geo, key, value, positions, cos, sin)
+
+
+def _refuse_overflow(geo, p0: int, n: int) -> None:
+    """Chunks on any device, decode tokens on the reference path. Compiled CUDA decode steps cannot read their
+    position on the host: KVQCache asserts it on the device (`hf.KVQLayer.update`)."""
+    if p0 + n > geo.max_len:
+        raise ValueError(f"kvq store holds {geo.max_len} positions: cannot append {n} more at position {p0}; "
+                         "size the cache (max_cache_len) for the prompt plus the new tokens")
 
 
 PREFILL_TEMPLATE_MAX_CHUNK = 128  # query tokens per sequence up to which `auto` picks the prefill template
@@ -283,6 +290,7 @@ def append_attend(query: torch.Tensor, store: list[torch.Tensor], key: torch.Ten
                   positions: torch.Tensor, attn_mask: torch.Tensor | None, scale: float, is_causal: bool,
                   layout: str) -> torch.Tensor:
     cfg, geo, spec, _, abufs = _append_attend_bufs(query, store, key, layout)
+    _refuse_overflow(geo, int(positions.max()), 1)
     st.append_decode(abufs, cfg, spec, geo, key, value, positions)
     return attend_cpu_reference(query, store, key, value, positions, attn_mask, scale, is_causal, layout)
 

@@ -237,8 +237,9 @@ def test_chunks_run_the_cudagraph_unsafe_twins():
 
 
 def test_kvqcache_refuses_to_overflow_before_writing():
-    """Appending past max_cache_len is an error raised before anything is written (eager steps; compiled decode
-    steps are not checked: the docstring says so), whether the prompt or a later step overflows."""
+    """Appending past max_cache_len is an error raised before anything is written (eager steps), whether the prompt
+    or a later step overflows; compiled chunks, and compiled decode steps on the CPU, by their append; compiled CUDA
+    decode steps by a device assertion (test_compiled_decode_overflow_is_a_device_assert)."""
     model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=2)
     ids, mask = prompts(1, 9)
     cache = KVQCache(model, small_windows("kivi-2"), batch_size=1, max_cache_len=15)
@@ -255,6 +256,69 @@ def test_kvqcache_refuses_to_overflow_before_writing():
     with pytest.raises(Exception, match="holds 15 positions: cannot append 8 more at position 8"):
         model.generate(prompts(1, 21)[0], max_new_tokens=2, past_key_values=cache, prefill_chunk_size=8,
                        compile_config=_compiled(), **GEN)
+    # compiled decode steps (on the CPU the append reads its position): the 7th new token of a 9-token prompt
+    cache.reset()
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="holds 15 positions: cannot append 1 more at position 15"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=12, past_key_values=cache,
+                       compile_config=_compiled(), **GEN)
+    # the compiled graph counted the refused token before its append raised: reset() before using the cache again
+    assert int(cache.get_seq_length()) == 16
+
+
+OVERFLOW_SCRIPT = """
+import sys, torch
+sys.path.insert(0, "tests")
+from transformers import CompileConfig
+from kvq_compile.hf import KVQCache
+from models import hf_model, prompts, small_windows
+model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=2).cuda()
+ids, mask = (t.cuda() for t in prompts(1, 9))
+cache = KVQCache(model, small_windows("kivi-2"), batch_size=1, max_cache_len=15)
+cc = CompileConfig(fullgraph=True, mode="reduce-overhead")
+model.generate(ids, attention_mask=mask, max_new_tokens=int(sys.argv[1]), past_key_values=cache, compile_config=cc,
+               do_sample=False)
+torch.cuda.synchronize()
+print("FILLED", int(cache.get_seq_length()))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_decode_overflow_is_a_device_assert():
+    """On CUDA a compiled decode step past max_cache_len fails a device assertion (it ends the CUDA context, so in
+    a subprocess) instead of writing clamped to the last row; up to max_cache_len it runs (6 new tokens: 9 + 5)."""
+    import subprocess
+    import sys
+
+    ok = subprocess.run([sys.executable, "-c", OVERFLOW_SCRIPT, "6"], capture_output=True, text=True, timeout=600)
+    assert ok.returncode == 0 and "FILLED 14" in ok.stdout, ok.stdout + ok.stderr[-3000:]
+    bad = subprocess.run([sys.executable, "-c", OVERFLOW_SCRIPT, "12"], capture_output=True, text=True, timeout=600)
+    assert bad.returncode != 0 and "FILLED" not in bad.stdout, bad.stdout + bad.stderr[-3000:]
+    assert "device-side assert" in bad.stderr or "holds 15 positions" in bad.stderr, bad.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["kivi-2", "kvquant-4-1%"])
+def test_kvqcache_reduce_overhead_keeps_cuda_graphs(name):
+    """A KVQCache under CompileConfig(mode="reduce-overhead"): its decode steps (overflow assertion included)
+    record with no cudagraph skip, and the logits equal the eager KVQCache's to float tolerance."""
+    from torch._dynamo.utils import counters
+
+    model = hf_model("llama", kv_heads=2, gqa=4, head_dim=128, layers=2).cuda()
+    cfg = small_windows(name)
+    ids, mask = (t.cuda() for t in prompts(2, 37, pad=(0, 5)))
+    eager = model.generate(ids, attention_mask=mask, max_new_tokens=10,
+                           past_key_values=KVQCache(model, cfg, batch_size=2, max_cache_len=64), **GEN)
+    counters.clear()
+    cc = CompileConfig(fullgraph=True, mode="reduce-overhead")
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=10,
+                         past_key_values=KVQCache(model, cfg, batch_size=2, max_cache_len=64), compile_config=cc,
+                         **GEN)
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    for a, b in zip(eager.logits, out.logits):
+        torch.testing.assert_close(b, a, atol=2e-3, rtol=2e-3)
 
 
 def test_kvqcache_refuses_beam_search_and_crop():
@@ -281,6 +345,24 @@ def test_a_later_kvqcache_unbinds_the_earlier_one():
         model.generate(ids, attention_mask=mask, max_new_tokens=3, past_key_values=first, **GEN)
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=3, cache_implementation="static", **GEN)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=3, past_key_values=second, **GEN)
+    assert torch.equal(ref.sequences, out.sequences)
+
+
+def test_a_dropped_kvqcache_is_freed():
+    """The model's attention modules hold their cache layers weakly: deleting the cache frees its store (until
+    session 44 the modules kept the last cache's layers alive); the model then attends through SDPA again."""
+    import gc
+    import weakref
+
+    model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=2)
+    ids, mask = prompts(1, 9)
+    cache = KVQCache(model, "fp16", batch_size=1, max_cache_len=20)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=3, past_key_values=cache, **GEN)
+    alive = weakref.ref(cache.layers[0].store)
+    del cache
+    gc.collect()
+    assert alive() is None
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=3, cache_implementation="static", **GEN)
     assert torch.equal(ref.sequences, out.sequences)
 
 
