@@ -13,6 +13,7 @@ reads). The stride change causes one recompilation. `release_fp16_cache=False` k
 """
 from __future__ import annotations
 
+import copy
 import logging
 import weakref
 
@@ -111,6 +112,10 @@ class KVQBackend:
             runner = self._prepare(gm, example_inputs, matches, index, report, patches)
         if runner is not None:
             compat.bump_counter("kvq", "attention_rewrite", len(matches))
+        keep = None
+        if runner is not None:   # the fp16 caches the rewrite left unread are no inputs of the compiled graph
+            gm, keep = _without_inputs(gm, [n for m in matches for n in (m.k_cache, m.v_cache)])
+            example_inputs = [example_inputs[i] for i in keep]
         if self.compile_with_inductor:
             if runner is not None:
                 lowering.register()
@@ -119,7 +124,7 @@ class KVQBackend:
             compiled = gm.forward
         if runner is None:
             return compiled
-        return runner.wrap(compiled)
+        return runner.wrap(compiled, keep)
 
     def _prepare(self, gm, example_inputs, matches, index, report, patches):
         caches = [example_inputs[index[n]] for m in matches for n in (m.k_cache, m.v_cache)]
@@ -150,8 +155,15 @@ class KVQBackend:
                 return None
             rotary.append((gmod, args, ints[0]))
         self._stores.append(weakref.ref(store))   # only a graph that is rewritten below writes its store
+        mask = None   # the first step's mask: which of the eagerly written tokens are pads (`_StepRunner.absorb`)
+        if isinstance(matches[0].attn_mask, torch.fx.Node):
+            mask_slice, mask_args = slice_graph(gm, [matches[0].attn_mask])
+            mask = (mask_slice, mask_args) if mask_slice is not None else None
+            if mask is None:
+                log.info("kvq: the mask cannot be evaluated ahead of the step (%s); an eagerly written prefix is "
+                         "quantized with its pads", mask_args)
         runner = _StepRunner(store, [(index[m.k_cache], index[m.v_cache]) for m in matches],
-                             (pos_slice, pos_args), rotary, self.release_fp16_cache)
+                             (pos_slice, pos_args), rotary, self.release_fp16_cache, mask)
         emitted = rewrite(gm, matches, store, compat.register_store_buffer, beside)
         for i, (m, ops) in enumerate(zip(matches, emitted)):
             ops = " + ".join(op.name() for op in ops)
@@ -163,16 +175,18 @@ class KVQBackend:
 class _StepRunner:
     """Runs before and after each compiled step: absorbs eager writes, then releases fp16 storage."""
 
-    def __init__(self, store, cache_args, positions, rotary, release):
-        self.store, self.cache_args, self.positions, self.rotary, self.release = (
-            store, cache_args, positions, rotary, release)
+    def __init__(self, store, cache_args, positions, rotary, release, mask=None):
+        self.store, self.cache_args, self.positions, self.rotary, self.release, self.mask = (
+            store, cache_args, positions, rotary, release, mask)
 
-    def wrap(self, compiled):
+    def wrap(self, compiled, keep: list[int]):
+        """compiled takes the inputs at `keep` of the step's (`_drop_inputs`); the hooks see them all."""
         def run(*args):
             boxed = len(args) == 1 and isinstance(args[0], list)  # Dynamo's boxed calling convention
             flat = args[0] if boxed else args
             self.before(flat)
-            out = compiled(*args)
+            kept = [flat[i] for i in keep]
+            out = compiled(kept) if boxed else compiled(*kept)
             self.after(flat)
             return out
 
@@ -197,6 +211,10 @@ class _StepRunner:
     def absorb(self, args, p0):
         """Quantize positions [0, p0) that eager code wrote into the fp16 cache, through the same op."""
         positions = torch.arange(p0, device=args[self.cache_args[0][0]].device)
+        mask = None
+        if self.mask is not None:   # the step's query attends every real token before it: the others are pads
+            gmod, idx = self.mask
+            mask = gmod(*[args[i] for i in idx])[0]
         for layer, (ki, vi), rot in zip(self.store.layers, self.cache_args, self.rotary):
             k, v = args[ki][:, :, :p0], args[vi][:, :, :p0]
             cos = sin = None
@@ -209,6 +227,8 @@ class _StepRunner:
                 cos, sin = gmod(*call)
                 c3, s3 = (c[:, 0] if c.dim() == 4 else c for c in (cos, sin))
                 k = ref.rope_unrotate(k.float(), c3.float(), s3.float()).to(k.dtype)
+            if mask is not None and (layer.spec.key.quantized or layer.spec.value.quantized):
+                k, v = st.neutralize_pads(mask, positions, k, v)
             names, tensors = layer.append_tensors()
             torch.ops.kvq.append(tensors, k, v, positions, cos, sin, layer.descriptor(names))
 
@@ -220,6 +240,32 @@ class _StepRunner:
             release_storage(args[ki])
             release_storage(args[vi])
         self.store.owner_version = k0._version
+
+
+def _without_inputs(gm: torch.fx.GraphModule, caches) -> tuple[torch.fx.GraphModule, list[int]]:
+    """(the graph to compile, the indices of the step's inputs it takes): a copy of gm without the placeholders of
+    `caches` that nothing reads after the rewrite. A released cache (`release_storage`: zero strides) is then no
+    input of the compiled graph, whose stride checks it would fail: torch 2.11 does not guard a module buffer's
+    strides, so a step compiled before the release is called with it (a gpt-fast-style cache; torch 2.13
+    recompiles). Dynamo's graph keeps every placeholder: it passes the step's inputs, and `_StepRunner`'s hooks
+    read the caches among them."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    dead = [i for i, n in enumerate(placeholders) if n in caches and not n.users]
+    if not dead:
+        return gm, list(range(len(placeholders)))
+    graph = copy.deepcopy(gm.graph)
+    copies = [n for n in graph.nodes if n.op == "placeholder"]
+    for old, new in zip(placeholders, copies):   # AOTAutograd reads each placeholder's source (static inputs)
+        if hasattr(old, "_dynamo_source"):
+            new._dynamo_source = old._dynamo_source
+    for i in dead:
+        graph.erase_node(copies[i])
+    inner = torch.fx.GraphModule(gm, graph)
+    inner.meta = gm.meta
+    for name in ("_param_name_to_source",):   # Dynamo's metadata that AOTAutograd reads (`compat`)
+        if hasattr(gm, name):
+            setattr(inner, name, getattr(gm, name))
+    return inner, [i for i in range(len(placeholders)) if i not in dead]
 
 
 def kvq_backend(cfg: KVQConfig | str, *, release_fp16_cache: bool = True,

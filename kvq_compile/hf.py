@@ -129,7 +129,11 @@ class KVQLayer(CacheLayerMixin):
             return torch.ops.kvq.append_attend(query, self.attend_tensors, key, value, positions, attention_mask,
                                                scale, is_causal, self.attend_layout)
         append, attend = ops.chunk_ops(query.shape[2])
-        append(self.append_tensors, stored_key, value, positions, cos, sin, self.append_layout)
+        stored_value = value
+        if query.shape[2] > 1 and attention_mask is not None and (self.store.spec.key.quantized
+                                                                  or self.store.spec.value.quantized):
+            stored_key, stored_value = st.neutralize_pads(attention_mask, positions, stored_key, value)
+        append(self.append_tensors, stored_key, stored_value, positions, cos, sin, self.append_layout)
         return attend(query, self.attend_tensors, key, value, positions, attention_mask, scale, is_causal,
                       self.attend_layout)
 

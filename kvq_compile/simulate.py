@@ -8,7 +8,7 @@ import torch
 
 from . import reference as ref
 from .config import Axis, KVQConfig, QuantizerSpec
-from .store import fill_boundary
+from .store import fill_boundary, neutralize_pads
 
 
 
@@ -95,14 +95,22 @@ class HFSimulation:
         finally:
             self.model.config._attn_implementation = previous
 
-    def _history(self, i, length, position_ids):
+    def _history(self, i, length, position_ids, mask=None):
+        """(keys, values, RoPE's (cos, sin) or None) of layer i's first `length` positions as the store quantizes
+        them: keys un-rotated where stored before RoPE, the prompt's pads neutralized (`store.neutralize_pads`,
+        with the step's mask, as the backend absorbs an eager prefill) where the layer quantizes."""
         layer = self.cache.layers[i]
-        k = layer.keys[:, :, :length]
-        if not self.cfg.keys_before_rope:
-            return k, layer.values[:, :, :length], None
-        pos = position_ids[:, -1:] - (length - 1) + torch.arange(length, device=k.device)
-        cos, sin = self.model.model.rotary_emb(k, pos)
-        return ref.rope_unrotate(k.float(), cos.float(), sin.float()).to(k.dtype), layer.values[:, :, :length], (cos, sin)
+        k, v, rope = layer.keys[:, :, :length], layer.values[:, :, :length], None
+        if self.cfg.keys_before_rope:
+            pos = position_ids[:, -1:] - (length - 1) + torch.arange(length, device=k.device)
+            rope = self.model.model.rotary_emb(k, pos)
+            k = ref.rope_unrotate(k.float(), rope[0].float(), rope[1].float()).to(k.dtype)
+        spec = self.specs[i]
+        if mask is not None and (spec.key.quantized or spec.value.quantized):
+            n = self.first_chunk
+            pk, pv = neutralize_pads(mask, torch.arange(n, device=k.device), k[:, :, :n], v[:, :, :n])
+            k, v = torch.cat([pk, k[:, :, n:]], 2), torch.cat([pv, v[:, :, n:]], 2)
+        return k, v, rope
 
     def _attention(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -117,12 +125,13 @@ class HFSimulation:
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                           scaling=scaling, **kwargs)
         spec, cfg = self.specs[i], self.cfg
-        kh, vh, rope = self._history(i, length, kwargs["position_ids"])
+        pid = kwargs["position_ids"]
+        kh, vh, rope = self._history(i, length, pid, attention_mask)
         src_k = src_v = None
         if spec.share_key_codes_from is not None:
-            src_k = self._history(spec.share_key_codes_from, length, kwargs["position_ids"])[0]
+            src_k = self._history(spec.share_key_codes_from, length, pid, attention_mask)[0]
         if spec.share_value_codes_from is not None:
-            src_v = self._history(spec.share_value_codes_from, length, kwargs["position_ids"])[1]
+            src_v = self._history(spec.share_value_codes_from, length, pid, attention_mask)[1]
         dev = kh.device
         lk = ref.levels_for(spec.key, cfg.codebooks.get(f"{i}.key"), dev) if spec.key.quantized else None
         lv = ref.levels_for(spec.value, cfg.codebooks.get(f"{i}.value"), dev) if spec.value.quantized else None

@@ -482,3 +482,24 @@ def append_decode(bufs: dict, cfg: KVQConfig, spec: LayerSpec, geo: Geometry, ke
             bufs[name].index_copy_(1, p0.reshape(1), c.to(bufs[name].dtype).expand(geo.batch, 1, geo.head_dim))
     append_side_decode(_side(bufs, "k"), spec.key, cfg, geo, key, p0, True)
     append_side_decode(_side(bufs, "v"), spec.value, cfg, geo, value, p0, False)
+
+
+def neutralize_pads(attention_mask: torch.Tensor, positions: torch.Tensor, *sides: torch.Tensor):
+    """sides [B, H, n, D] of a chunk at `positions` with each row's masked tokens (left padding) replaced by the
+    row's first attended token of the chunk. The attention never reads a masked token, but quantization statistics
+    would: a pad widens the groups over tokens it shares, InnerQ's Key normalization and KVQuant's static channel
+    ranges (taken over the prefill). A token is masked where the chunk's last query may not attend to it (a padded
+    row's pads; that query is a real token); a row with no attended token in the chunk is left as it is.
+    attention_mask: bool (True = attend) or additive [B, 1 or Hq, n, T] (any other shape: sides unchanged)."""
+    if attention_mask.dim() != 4:
+        return list(sides)
+    mask_row = attention_mask[:, 0, -1]   # (positions past the mask: the append refuses them with its own error)
+    last = mask_row.index_select(-1, positions.clamp(max=mask_row.shape[-1] - 1))   # [B, n]
+    keep = last if last.dtype == torch.bool else last > torch.finfo(last.dtype).min
+    first = keep.to(torch.int8).argmax(-1)                          # each row's first attended token
+    keep = keep | ~keep.any(-1, keepdim=True)
+    out = []
+    for x in sides:
+        src = x.gather(2, first[:, None, None, None].expand(-1, x.shape[1], 1, x.shape[3]))
+        out.append(torch.where(keep[:, None, :, None], x, src))
+    return out

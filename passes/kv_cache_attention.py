@@ -348,6 +348,18 @@ def _metadata_only(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in (torch.ops.aten.sym_size.int, torch.ops.aten.sym_stride.int)
 
 
+def _pads_to_neutralize(graph: fx.Graph, m: AttentionMatch, append_op, layer) -> bool:
+    """Whether a chunk's append takes its K/V through `store.neutralize_pads` (its left padding replaced by real
+    tokens, so that pads stay out of the quantization statistics): a chunk (not a decode token), a mask computed
+    before the append, and something quantized."""
+    if append_op is not torch.ops.kvq.append_chunk.default or not isinstance(m.attn_mask, fx.Node):
+        return False
+    if not (layer.spec.key.quantized or layer.spec.value.quantized):
+        return False
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return order[m.attn_mask] < order[m.v_append] and getattr(_val(m.attn_mask), "dim", lambda: 0)() == 4
+
+
 def rewrite(gm: fx.GraphModule, matches: list[AttentionMatch], model_store, register_buffer,
             append_beside: bool = False) -> list[tuple]:
     """Replace each match's appends with kvq::append and its attention with kvq::attend (their `chunk_ops` twins for
@@ -386,10 +398,14 @@ def rewrite(gm: fx.GraphModule, matches: list[AttentionMatch], model_store, regi
             names, tensors = layer.append_tensors()
             store_nodes = getattrs(names, tensors, m.v_append, i)
             key_in, cos, sin = (m.rotary.pre_key, m.rotary.cos, m.rotary.sin) if m.rotary else (m.k_new, None, None)
+            value_in = m.v_new
             emitted.append((append_op, attend_op))
             with graph.inserting_before(m.v_append):
+                if _pads_to_neutralize(graph, m, append_op, layer):   # a chunk's pads out of its statistics
+                    pair = graph.call_function(st.neutralize_pads, (m.attn_mask, m.positions, key_in, value_in))
+                    key_in, value_in = (graph.call_function(operator.getitem, (pair, j)) for j in (0, 1))
                 graph.call_function(append_op,
-                                    (store_nodes, key_in, m.v_new, m.positions, cos, sin, layer.descriptor(names)))
+                                    (store_nodes, key_in, value_in, m.positions, cos, sin, layer.descriptor(names)))
         graph.erase_node(m.v_append)
         graph.erase_node(m.k_append)
         names, tensors = layer.attend_tensors()

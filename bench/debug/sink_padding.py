@@ -11,6 +11,7 @@ over tokens (pads are written into the store and may share a group with real tok
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -54,6 +55,7 @@ def main():
     ap.add_argument("--windows", type=int, default=2)
     ap.add_argument("--prefix", type=int, default=192)
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--sink", type=int, default=None, help="override every preset's sink window")
     a = ap.parse_args()
     torch.manual_seed(0)
     model, tok = load_model()
@@ -66,6 +68,9 @@ def main():
     print("|---|" + "---|" * len(pads))
     for name in a.presets.split(","):
         cfg = KVQConfig.preset(name)
+        if a.sink is not None:
+            cfg = dataclasses.replace(cfg, sink=a.sink)
+            name = f"{name} (sink {a.sink})"
         ppl = [math.exp(padded_nll(model, ids, a.prefix, cfg, p, pad_id)) for p in pads]
         print(f"| {name} | " + " | ".join(f"{x:.4f}" for x in ppl) + " |", flush=True)
 
