@@ -180,7 +180,7 @@ class _StepRunner:
             store, cache_args, positions, rotary, release, mask)
 
     def wrap(self, compiled, keep: list[int]):
-        """compiled takes the inputs at `keep` of the step's (`_drop_inputs`); the hooks see them all."""
+        """compiled takes the inputs at `keep` of the step's (`_without_inputs`); the hooks see them all."""
         def run(*args):
             boxed = len(args) == 1 and isinstance(args[0], list)  # Dynamo's boxed calling convention
             flat = args[0] if boxed else args
@@ -202,6 +202,8 @@ class _StepRunner:
                                "or pass release_fp16_cache=False to kvq_backend")
         gmod, idx = self.positions
         p0 = int(gmod(*[args[i] for i in idx])[0].reshape(-1)[0])
+        if self.store.seats is not None:   # a new sequence: seated again by its absorb, if any
+            self.store.seats.copy_(torch.arange(self.store.seats.shape[1], device=self.store.seats.device))
         if p0 > 0:
             self.absorb(args, p0)
         self.store.owner = weakref.ref(k0)
@@ -211,10 +213,16 @@ class _StepRunner:
     def absorb(self, args, p0):
         """Quantize positions [0, p0) that eager code wrote into the fp16 cache, through the same op."""
         positions = torch.arange(p0, device=args[self.cache_args[0][0]].device)
-        mask = None
+        keep = seats = None
         if self.mask is not None:   # the step's query attends every real token before it: the others are pads
             gmod, idx = self.mask
-            mask = gmod(*[args[i] for i in idx])[0]
+            keep = st.attended(gmod(*[args[i] for i in idx])[0], positions)
+        if keep is not None:
+            keep = keep.expand(args[self.cache_args[0][0]].shape[0], -1)
+            if self.store.seats is not None and not bool(keep.all()):   # (`store.seating`, as KVQCache's)
+                seats = st.seating(keep, self.store.cfg.sink)
+                self.store.seats[:, :p0] = seats
+                keep = keep.gather(-1, seats)
         for layer, (ki, vi), rot in zip(self.store.layers, self.cache_args, self.rotary):
             k, v = args[ki][:, :, :p0], args[vi][:, :, :p0]
             cos = sin = None
@@ -227,8 +235,12 @@ class _StepRunner:
                 cos, sin = gmod(*call)
                 c3, s3 = (c[:, 0] if c.dim() == 4 else c for c in (cos, sin))
                 k = ref.rope_unrotate(k.float(), c3.float(), s3.float()).to(k.dtype)
-            if mask is not None and (layer.spec.key.quantized or layer.spec.value.quantized):
-                k, v = st.neutralize_pads(mask, positions, k, v)
+                if seats is not None:
+                    cos, sin = st.seat(c3, seats, 1), st.seat(s3, seats, 1)
+            if seats is not None:
+                k, v = st.seat(k, seats, 2), st.seat(v, seats, 2)
+            if keep is not None and (layer.spec.key.quantized or layer.spec.value.quantized):
+                k, v = st.neutralized(keep, k, v)
             names, tensors = layer.append_tensors()
             torch.ops.kvq.append(tensors, k, v, positions, cos, sin, layer.descriptor(names))
 
@@ -262,7 +274,8 @@ def _without_inputs(gm: torch.fx.GraphModule, caches) -> tuple[torch.fx.GraphMod
         graph.erase_node(copies[i])
     inner = torch.fx.GraphModule(gm, graph)
     inner.meta = gm.meta
-    for name in ("_param_name_to_source",):   # Dynamo's metadata that AOTAutograd reads (`compat`)
+    for name in ("_param_name_to_source", "_backend_id", "_source_to_user_stacks", "compile_subgraph_reason"):
+        # Dynamo's metadata that AOTAutograd and Inductor read (static inputs, packaging, logs)
         if hasattr(gm, name):
             setattr(inner, name, getattr(gm, name))
     return inner, [i for i in range(len(placeholders)) if i not in dead]

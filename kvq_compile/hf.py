@@ -57,6 +57,9 @@ class KVQLayer(CacheLayerMixin):
         self.append_beside = append_beside and rotary is None and st.attention_independent(layer.cfg)
         self.cumulative_length = torch.zeros((), dtype=torch.int64, device=device)
         self.pending: torch.Tensor | None = None
+        # [B, n] slot -> prompt token, where an eager first chunk had masked tokens (left padding) and the config
+        # keeps a sink: each row's real tokens fill slots 0.. so that its sink holds its first tokens (`seat_rows`)
+        self.seats: torch.Tensor | None = None
         self.append_names, self.append_tensors = layer.append_tensors()
         self.attend_names, self.attend_tensors = layer.attend_tensors()
         self.append_layout = layer.descriptor(self.append_names)
@@ -90,9 +93,10 @@ class KVQLayer(CacheLayerMixin):
                                  f"append {n} more; size max_cache_len for the prompt plus max_new_tokens")
         elif self.store.layer_index == 0 and n == 1 and key_states.is_cuda:
             # compiled CUDA decode steps: a host read would break the graph (and CUDA graphs), so the check is an
-            # assertion on the device (Inductor's tl.device_assert, kept by CUDA graphs); a failed one ends the
-            # process's CUDA context, as an out-of-range index does in torch. Compiled chunks, and decode tokens on
-            # the CPU, are refused by their append (`ops._refuse_overflow`)
+            # assertion on the device (Inductor's tl.device_assert, kept by CUDA graphs; active while Inductor
+            # compiles Triton with debug asserts, its default assert_indirect_indexing, not on ROCm); a failed one
+            # ends the process's CUDA context, as an out-of-range index does in torch. Compiled chunks, and decode
+            # tokens on the CPU, are refused by their append (`ops._refuse_overflow`)
             torch._assert_async(self.cumulative_length + n <= self.max_cache_len,
                                 f"KVQCache holds {self.max_cache_len} positions: cannot append {n} more; size "
                                 "max_cache_len for the prompt plus max_new_tokens")
@@ -115,6 +119,24 @@ class KVQLayer(CacheLayerMixin):
                 t.zero_()
         self.cumulative_length.zero_()
         self.pending = None
+        self.seats = None
+
+    def seat_rows(self, attention_mask, positions, key, value, cos, sin):
+        """The first chunk's tokens seated per row (`store.seating`: its first `sink` real tokens, its pads, its
+        other real tokens), pads `neutralized`, so that a left-padded row's sink holds its first real tokens and its
+        recent window no pads; `self.seats` records the order for later steps' masks (`kvq_attention`). Only where
+        the chunk has masked tokens (else `seats` stays None)."""
+        keep = st.attended(attention_mask, positions)
+        if keep is None or bool(keep.all()):
+            return key, value, cos, sin
+        keep = keep.expand(key.shape[0], -1)
+        seats = st.seating(keep, self.store.cfg.sink)
+        torch._dynamo.mark_static_address(seats)
+        self.seats = seats
+        key, value = st.neutralized(keep.gather(-1, seats), st.seat(key, seats, 2), st.seat(value, seats, 2))
+        if cos is not None:   # keys stored before RoPE: each slot's table row goes with its token
+            cos, sin = st.seat(cos, seats, 1), st.seat(sin, seats, 1)
+        return key, value, cos, sin
 
     def append_and_attend(self, query, key, value, attention_mask, scale, is_causal, position_ids):
         positions, self.pending = self.pending, None
@@ -132,7 +154,11 @@ class KVQLayer(CacheLayerMixin):
         stored_value = value
         if query.shape[2] > 1 and attention_mask is not None and (self.store.spec.key.quantized
                                                                   or self.store.spec.value.quantized):
-            stored_key, stored_value = st.neutralize_pads(attention_mask, positions, stored_key, value)
+            if self.store.cfg.sink > 0 and not torch.compiler.is_compiling() and int(positions[0]) == 0:
+                stored_key, stored_value, cos, sin = self.seat_rows(attention_mask, positions, stored_key,
+                                                                    stored_value, cos, sin)
+            else:
+                stored_key, stored_value = st.neutralize_pads(attention_mask, positions, stored_key, value)
         append(self.append_tensors, stored_key, stored_value, positions, cos, sin, self.append_layout)
         return attend(query, self.attend_tensors, key, value, positions, attention_mask, scale, is_causal,
                       self.attend_layout)
@@ -221,6 +247,7 @@ def kvq_attention(module, query, key, value, attention_mask, scaling=None, dropo
     n = query.shape[2]
     is_causal = attention_mask is None and n > 1 and getattr(module, "is_causal", True)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    attention_mask = st.seated_mask(attention_mask, layer.seats)   # (the first chunk's own call: no seats yet)
     out = layer.append_and_attend(query, key, value, attention_mask, float(scale), bool(is_causal),
                                   kwargs.get("position_ids"))
     return out.transpose(1, 2).contiguous(), None

@@ -8,7 +8,7 @@ import torch
 
 from . import reference as ref
 from .config import Axis, KVQConfig, QuantizerSpec
-from .store import fill_boundary, neutralize_pads
+from .store import attended, fill_boundary, neutralized, seat, seated_mask, seating
 
 
 
@@ -95,21 +95,31 @@ class HFSimulation:
         finally:
             self.model.config._attn_implementation = previous
 
-    def _history(self, i, length, position_ids, mask=None):
-        """(keys, values, RoPE's (cos, sin) or None) of layer i's first `length` positions as the store quantizes
-        them: keys un-rotated where stored before RoPE, the prompt's pads neutralized (`store.neutralize_pads`,
-        with the step's mask, as the backend absorbs an eager prefill) where the layer quantizes."""
+    def _history(self, i, length, position_ids, keep=None, seats=None):
+        """(keys, values, RoPE's (cos, sin) or None) of layer i's first `length` positions as the store holds
+        them: keys un-rotated where stored before RoPE; the prompt seated (`store.seating`, `seats` [B, n]) and its
+        pads `neutralized` where the layer quantizes (`keep` [B, n], in the seats' order), as the backend absorbs
+        an eager prefill."""
         layer = self.cache.layers[i]
         k, v, rope = layer.keys[:, :, :length], layer.values[:, :, :length], None
         if self.cfg.keys_before_rope:
             pos = position_ids[:, -1:] - (length - 1) + torch.arange(length, device=k.device)
             rope = self.model.model.rotary_emb(k, pos)
             k = ref.rope_unrotate(k.float(), rope[0].float(), rope[1].float()).to(k.dtype)
+        n = self.first_chunk
+
+        def prompt(x, f, dim):   # f applied to the prompt's tokens along `dim`
+            head = f(x.narrow(dim, 0, n))
+            return torch.cat([head, x.narrow(dim, n, x.shape[dim] - n)], dim)
+
+        if seats is not None:
+            k, v = prompt(k, lambda x: seat(x, seats, 2), 2), prompt(v, lambda x: seat(x, seats, 2), 2)
+            if rope is not None:
+                rope = tuple(prompt(c, lambda x: seat(x, seats, 1), 1) for c in rope)
         spec = self.specs[i]
-        if mask is not None and (spec.key.quantized or spec.value.quantized):
-            n = self.first_chunk
-            pk, pv = neutralize_pads(mask, torch.arange(n, device=k.device), k[:, :, :n], v[:, :, :n])
-            k, v = torch.cat([pk, k[:, :, n:]], 2), torch.cat([pv, v[:, :, n:]], 2)
+        if keep is not None and (spec.key.quantized or spec.value.quantized):
+            k = prompt(k, lambda x: neutralized(keep, x)[0], 2)
+            v = prompt(v, lambda x: neutralized(keep, x)[0], 2)
         return k, v, rope
 
     def _attention(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -126,12 +136,21 @@ class HFSimulation:
                                           scaling=scaling, **kwargs)
         spec, cfg = self.specs[i], self.cfg
         pid = kwargs["position_ids"]
-        kh, vh, rope = self._history(i, length, pid, attention_mask)
+        keep = seats = None
+        if attention_mask is not None:   # the step's query attends every real token of the prompt
+            keep = attended(attention_mask, torch.arange(self.first_chunk, device=query.device))
+        if keep is not None:
+            keep = keep.expand(query.shape[0], -1)
+            if cfg.sink > 0 and not bool(keep.all()):
+                seats = seating(keep, cfg.sink)
+                keep = keep.gather(-1, seats)
+                attention_mask = seated_mask(attention_mask, seats)
+        kh, vh, rope = self._history(i, length, pid, keep, seats)
         src_k = src_v = None
         if spec.share_key_codes_from is not None:
-            src_k = self._history(spec.share_key_codes_from, length, pid, attention_mask)[0]
+            src_k = self._history(spec.share_key_codes_from, length, pid, keep, seats)[0]
         if spec.share_value_codes_from is not None:
-            src_v = self._history(spec.share_value_codes_from, length, pid, attention_mask)[1]
+            src_v = self._history(spec.share_value_codes_from, length, pid, keep, seats)[1]
         dev = kh.device
         lk = ref.levels_for(spec.key, cfg.codebooks.get(f"{i}.key"), dev) if spec.key.quantized else None
         lv = ref.levels_for(spec.value, cfg.codebooks.get(f"{i}.value"), dev) if spec.value.quantized else None

@@ -235,6 +235,11 @@ class ModelStore:
         self.rope = {}
         if cfg.keys_before_rope:
             self.rope = {n: torch.zeros(s, dtype=dt, device=device) for n, (s, dt) in rope_table_shapes(geo).items()}
+        # slot -> token order of each row's first (absorbed) prefix, identity after it (`seating`; the backend's
+        # graphs read their masks through it): configs with a sink only; B x T int64, not counted in `nbytes`
+        self.seats = None
+        if cfg.sink > 0:
+            self.seats = torch.arange(geo.max_len, device=device).expand(geo.batch, -1).clone()
         self.layers: list[LayerStore] = []
         for i, spec in enumerate(self.specs):
             src_idx = spec.share_key_codes_from if spec.share_key_codes_from is not None else spec.share_value_codes_from
@@ -484,22 +489,77 @@ def append_decode(bufs: dict, cfg: KVQConfig, spec: LayerSpec, geo: Geometry, ke
     append_side_decode(_side(bufs, "v"), spec.value, cfg, geo, value, p0, False)
 
 
-def neutralize_pads(attention_mask: torch.Tensor, positions: torch.Tensor, *sides: torch.Tensor):
-    """sides [B, H, n, D] of a chunk at `positions` with each row's masked tokens (left padding) replaced by the
-    row's first attended token of the chunk. The attention never reads a masked token, but quantization statistics
-    would: a pad widens the groups over tokens it shares, InnerQ's Key normalization and KVQuant's static channel
-    ranges (taken over the prefill). A token is masked where the chunk's last query may not attend to it (a padded
-    row's pads; that query is a real token); a row with no attended token in the chunk is left as it is.
-    attention_mask: bool (True = attend) or additive [B, 1 or Hq, n, T] (any other shape: sides unchanged)."""
+def attended(attention_mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+    """[B or 1, n] bool: which tokens of a chunk at `positions` its last query attends to (a padded row's real
+    tokens; that query is a real token), from a bool (True = attend) or additive [B, 1 or Hq, q, T] mask; None for
+    any other shape. Positions past the mask read its last column (the append refuses them with its own error)."""
     if attention_mask.dim() != 4:
-        return list(sides)
-    mask_row = attention_mask[:, 0, -1]   # (positions past the mask: the append refuses them with its own error)
-    last = mask_row.index_select(-1, positions.clamp(max=mask_row.shape[-1] - 1))   # [B, n]
-    keep = last if last.dtype == torch.bool else last > torch.finfo(last.dtype).min
-    first = keep.to(torch.int8).argmax(-1)                          # each row's first attended token
-    keep = keep | ~keep.any(-1, keepdim=True)
+        return None
+    row = attention_mask[:, 0, -1]
+    last = row.index_select(-1, positions.clamp(max=row.shape[-1] - 1))
+    return last if last.dtype == torch.bool else last > torch.finfo(last.dtype).min
+
+
+def neutralize_pads(attention_mask: torch.Tensor, positions: torch.Tensor, *sides: torch.Tensor):
+    """`neutralized` sides of a chunk at `positions`, its masked tokens read from `attended` (left padding); any
+    other mask shape: sides unchanged."""
+    keep = attended(attention_mask, positions)
+    return list(sides) if keep is None else neutralized(keep, *sides)
+
+
+def neutralized(keep: torch.Tensor, *sides: torch.Tensor):
+    """sides [B, H, n, D] with each token not kept (`keep` [B or 1, n] bool: a pad) replaced by the nearest kept
+    token after it in its row (before it where none follows; a row with none is left as it is). Attention never
+    reads a pad, but quantization statistics would: a pad widens the groups over tokens it shares, InnerQ's Key
+    normalization and KVQuant's static channel ranges (taken over the prefill). The nearest real token after a
+    block of left padding is the row's first (or, seated, the first after its sink: `seating`). The copies leave
+    minima, maxima and maxima of magnitude (InnerQ's Key norm) as the real tokens have them; a percentile (KVQuant's
+    outlier ranges) moves slightly towards the copied token (P copies among n + P tokens). `keep` comes from the
+    chunk's last query (`attended`): a token that an earlier query attends but the last does not (a sliding
+    window) is replaced too; later queries do not attend it either."""
+    n = keep.shape[-1]
+    at = torch.arange(n, device=keep.device).expand_as(keep)
+    nxt = torch.where(keep, at, n).flip(-1).cummin(-1).values.flip(-1)
+    prev = torch.where(keep, at, -1).cummax(-1).values
+    src = torch.where(nxt < n, nxt, prev)
+    src = torch.where(src < 0, at, src)                     # a row with no kept token
     out = []
     for x in sides:
-        src = x.gather(2, first[:, None, None, None].expand(-1, x.shape[1], 1, x.shape[3]))
-        out.append(torch.where(keep[:, None, :, None], x, src))
+        idx = src.expand(x.shape[0], n)[:, None, :, None].expand(-1, x.shape[1], n, x.shape[3])
+        out.append(x.gather(2, idx))
     return out
+
+
+def seating(keep: torch.Tensor, sink: int) -> torch.Tensor:
+    """[B, n] int64 slot -> token of a first chunk (`keep` [B, n] bool: its attended tokens) reordered per row as
+    its first `sink` real tokens, then its pads, then its other real tokens, each in its order. A left-padded row's
+    sink then holds its first real tokens, and its pads sit in the quantized region (masked, `neutralized`) rather
+    than in the recent window. KVQCache's eager first chunk and the backend's absorbed prefill; later masks are
+    read through `seated_mask`."""
+    real = keep.long()
+    rank = real.cumsum(-1) - 1                       # a real token's rank among its row's real tokens
+    prank = (1 - real).cumsum(-1) - 1                # a pad's among the pads
+    pads = (1 - real).sum(-1, keepdim=True)
+    head = real.sum(-1, keepdim=True).clamp(max=sink)
+    slot = torch.where(keep, rank + (rank >= sink) * pads, head + prank)
+    return slot.argsort(-1)
+
+
+def seat(x: torch.Tensor, seats: torch.Tensor, dim: int) -> torch.Tensor:
+    """x [B, ..., n, ...] (token axis `dim`, batch 1 broadcast) with token seats[b, s] of row b at slot s."""
+    B, n = seats.shape
+    x = x.expand(B, *x.shape[1:])
+    shape = [1] * x.dim()
+    shape[0], shape[dim] = B, n
+    return x.gather(dim, seats.view(shape).expand(*x.shape[:dim], n, *x.shape[dim + 1:]))
+
+
+def seated_mask(mask: torch.Tensor | None, seats: torch.Tensor | None) -> torch.Tensor | None:
+    """mask [B or 1, 1 or Hq, q, T] with its first n columns in `seats`' ([B, n]) order; None or another shape:
+    unchanged."""
+    if seats is None or mask is None or mask.dim() != 4:
+        return mask
+    B, n = seats.shape
+    m = mask.expand(B, *mask.shape[1:])
+    head = m[..., :n].gather(-1, seats[:, None, None, :].expand(B, m.shape[1], m.shape[2], n))
+    return head if n == m.shape[-1] else torch.cat([head, m[..., n:]], -1)

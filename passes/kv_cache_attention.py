@@ -386,6 +386,31 @@ def rewrite(gm: fx.GraphModule, matches: list[AttentionMatch], model_store, regi
                 nodes.append(graph.get_attr(attr_names[id(t)]))
         return nodes
 
+    seated: dict[fx.Node, fx.Node] = {}
+
+    def seated_mask(mask):
+        """The mask node read through the store's seats (`store.seating`), once per mask; configs with a sink."""
+        if model_store.seats is None or not isinstance(mask, fx.Node) or getattr(_val(mask), "dim", lambda: 0)() != 4:
+            return mask
+        if mask not in seated:   # torch-level nodes (a plain Python target would keep AOTAutograd from caching)
+            if id(model_store.seats) not in attr_names:
+                attr_names[id(model_store.seats)] = register_buffer(gm, "kvq_store_seats", model_store.seats)
+            B, T = model_store.seats.shape
+            _, Hm, q, Tm = _val(mask).shape
+            if Tm != T:
+                return mask
+            with graph.inserting_after(mask):
+                seats = graph.get_attr(attr_names[id(model_store.seats)])
+            with graph.inserting_after(seats):
+                idx = graph.call_method("view", (seats, B, 1, 1, T))
+            with graph.inserting_after(idx):
+                idx = graph.call_method("expand", (idx, B, Hm, q, T))
+            with graph.inserting_after(idx):
+                full = graph.call_method("expand", (mask, B, Hm, q, T))
+            with graph.inserting_after(full):
+                seated[mask] = graph.call_function(torch.gather, (full, -1, idx))   # `store.seated_mask`
+        return seated[mask]
+
     for i, m in enumerate(matches):
         layer = model_store.layers[i]
         append_op, attend_op = chunk_ops(_val(m.query).shape[2])  # decode ops, or the chunk twins
@@ -412,7 +437,7 @@ def rewrite(gm: fx.GraphModule, matches: list[AttentionMatch], model_store, regi
         store_nodes = getattrs(names, tensors, m.sdpa, i)
         with graph.inserting_before(m.sdpa):
             out = graph.call_function(attend_op,
-                                      (m.query, store_nodes, m.k_new, m.v_new, m.positions, m.attn_mask,
+                                      (m.query, store_nodes, m.k_new, m.v_new, m.positions, seated_mask(m.attn_mask),
                                        m.scale, m.is_causal, layer.descriptor(names)))
         out.meta.update(m.sdpa.meta)
         m.sdpa.replace_all_uses_with(out)

@@ -197,11 +197,10 @@ def test_chunked_prefill(name):
 @pytest.mark.parametrize("name", ["kivi-2", "kvquant-4-1%", "innerq-2"])
 def test_pads_stay_out_of_the_statistics(name):
     """A left-padded row's pads are never attended, but their K/V would enter its quantization statistics (groups
-    over tokens, KVQuant's static channel ranges, InnerQ's Key norm): `store.neutralize_pads` replaces them by the
-    row's first real token before the append. So other pad tokens leave every logit unchanged: KVQCache, and
-    kvq_backend's compiled steps after an eager prefill (absorbed with the step's mask) and over compiled chunks.
-    (Session 44 found it: with 40 pads SmolLM2's perplexity under kvquant-4 rose 17.22 -> 17.39, kivi-2 18.98 ->
-    19.12; with the pads neutralized 17.23 and 18.95, bench/RESULTS.md.)"""
+    over tokens, KVQuant's static channel ranges, InnerQ's Key norm): they take the value of the nearest real token
+    after them (`store.neutralized`; seated first where the config has a sink, `store.seating`). So other pad
+    tokens leave every logit unchanged: KVQCache, and kvq_backend's compiled steps after an eager prefill (absorbed
+    with the step's mask) and over compiled chunks (session 44; SmolLM2's perplexities in bench/RESULTS.md)."""
     model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=2)
     cfg = small_windows(name)
     ids, mask = prompts(2, 21, pad=(0, 5))
@@ -223,7 +222,50 @@ def test_pads_stay_out_of_the_statistics(name):
             torch.testing.assert_close(lb, la, atol=1e-5, rtol=1e-5)
 
 
-def test_neutralize_pads_takes_each_rows_first_real_token():
+def test_padded_rows_sink_holds_their_first_tokens():
+    """An eager prefill with left padding seats each row's real tokens first (`KVQLayer.seat_rows`): a padded row's
+    sink holds its first real tokens (before session 44: pads); later steps read the mask in the same order."""
+    model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=2)
+    ids, mask = prompts(2, 21, pad=(0, 5))
+    fp16 = KVQCache(model, "fp16", batch_size=2, max_cache_len=32)
+    model.generate(ids, attention_mask=mask, max_new_tokens=2, past_key_values=fp16, **GEN)
+    cache = KVQCache(model, small_windows("innerq-2"), batch_size=2, max_cache_len=32)
+    model.generate(ids, attention_mask=mask, max_new_tokens=2, past_key_values=cache, **GEN)
+    for exact, layer in zip(fp16.model_store.layers, cache.model_store.layers):
+        k, v = exact.buffers["k.data"], exact.buffers["v.data"]
+        torch.testing.assert_close(layer.buffers["k.sink"][1], k[1, :, 5:7], atol=0, rtol=0)
+        torch.testing.assert_close(layer.buffers["v.sink"][1], v[1, :, 5:7], atol=0, rtol=0)
+        torch.testing.assert_close(layer.buffers["k.sink"][0], k[0, :, 0:2], atol=0, rtol=0)
+    assert cache.layers[0].seats is not None and fp16.layers[0].seats is None
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_seated_rows_attend_as_unseated_ones(compiled, monkeypatch):
+    """With a sink longer than the prompt every prompt token stays exact, so seating is a pure reordering of the
+    keys and their mask: logits equal those of the same cache with seating off (each step's mask read in the
+    seats' order, `store.seated_mask`; a mask left unpermuted would attend pads and skip real tokens), eager and
+    compiled."""
+    model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=2)
+    cfg = small_windows("innerq-2")
+    cfg.sink = 24
+    ids, mask = prompts(3, 21, pad=(0, 5, 9))
+    kw = dict(compile_config=_compiled()) if compiled else {}
+
+    def run():
+        torch._dynamo.reset()
+        cache = KVQCache(model, cfg, batch_size=3, max_cache_len=40)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=12, past_key_values=cache, **kw, **GEN)
+        return out, cache
+
+    seated, c1 = run()
+    monkeypatch.setattr(st, "seating", lambda keep, sink: torch.arange(keep.shape[-1]).expand_as(keep).clone())
+    plain, c2 = run()   # the same pads neutralized (the Key norm is a maximum: the copies do not move it), unseated
+    assert not torch.equal(c1.layers[0].seats, c2.layers[0].seats)
+    for a, b in zip(plain.logits, seated.logits):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
+def test_neutralize_pads_takes_each_rows_next_real_token():
     """bool and additive masks; an unpadded row and a row with no attended token in the chunk stay as they are."""
     B, H, n, D, T = 3, 2, 6, 5, 9
     k, v = torch.randn(B, H, n, D), torch.randn(B, H, n, D)
@@ -237,6 +279,26 @@ def test_neutralize_pads_takes_each_rows_first_real_token():
             assert torch.equal(y[0], x[0]) and torch.equal(y[2], x[2])
             assert torch.equal(y[1, :, 3:], x[1, :, 3:])
             assert torch.equal(y[1, :, :3], x[1, :, 3:4].expand(-1, 3, -1))
+
+
+def test_seating_puts_the_sink_then_the_pads_then_the_rest():
+    """`store.seating`: each row's first `sink` real tokens, its pads, its other real tokens, each in order; the
+    seated pads take the next real token (`neutralized`), or the previous one where none follows; a batch-1 mask
+    (`attended` through a [1, 1, q, T] mask) applies to every row with each row's own tokens."""
+    keep = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 0, 1]]).bool()
+    seats = st.seating(keep, 2)
+    assert seats.tolist() == [[3, 4, 0, 1, 2, 5, 6, 7], list(range(8)), [7, 0, 1, 2, 3, 4, 5, 6]]
+    x = torch.arange(24.0).view(3, 1, 8, 1)
+    (y,) = st.neutralized(keep.gather(-1, seats), st.seat(x, seats, 2))
+    assert y[:, 0, :, 0].tolist() == [[3, 4, 5, 5, 5, 5, 6, 7], list(range(8, 16)), [23] * 8]
+    mask = torch.zeros(1, 1, 1, 10, dtype=torch.bool)
+    mask[..., 2:] = True
+    (z,) = st.neutralize_pads(mask, torch.arange(8), x)
+    assert z[:, 0, :, 0].tolist() == [[2, 2, 2, 3, 4, 5, 6, 7], [10, 10, 10, 11, 12, 13, 14, 15],
+                                      [18, 18, 18, 19, 20, 21, 22, 23]]
+    m = torch.arange(10.0).expand(3, 1, 1, 10)
+    assert st.seated_mask(m, seats)[:, 0, 0].tolist() == [[3, 4, 0, 1, 2, 5, 6, 7, 8, 9],
+                                                           list(range(10)), [7, 0, 1, 2, 3, 4, 5, 6, 8, 9]]
 
 
 def test_chunks_run_the_cudagraph_unsafe_twins():

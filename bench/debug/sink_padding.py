@@ -3,11 +3,13 @@
     python bench/debug/sink_padding.py [--presets fp16,kivi-2,innerq-2,kvquant-4] [--pads 0,40] [--windows 2]
                                        [--prefix 192] [--tokens 128]
 
-Each window is decoded as bench_accuracy.decode_nll does (prefill `prefix` tokens, then one token a step through
-KVQCache), once per pad count: `pad` pad tokens (attention mask 0) before the text, the same text after them. fp16's
-perplexity does not depend on the padding (up to float rounding); a preset whose does moves its quantization with
-the absolute positions: the sink window (shared positions 0..S-1: a padded row's sink holds pads) and the groups
-over tokens (pads are written into the store and may share a group with real tokens)."""
+Each window is decoded alone (batch 1: in a batch, float32 GEMMs on the CPU round a row differently with other rows
+beside it, and quantization turns that into logit differences of up to 0.8 after a few steps, so batched
+perplexities carry that noise) as bench_accuracy.decode_nll does (prefill `prefix` tokens, then one token a step
+through KVQCache), once per pad count: `pad` pad tokens (attention mask 0) before the text, the same text after
+them. fp16's perplexity does not depend on the padding; a preset whose does moves its quantization with the
+positions: the sink window (before session 44 a padded row's sink held pads), the recent window and the groups over
+tokens. --unfixed: without session 44's seating and pad neutralization (`store.seating`, `store.neutralized`)."""
 from __future__ import annotations
 
 import argparse
@@ -56,14 +58,20 @@ def main():
     ap.add_argument("--prefix", type=int, default=192)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--sink", type=int, default=None, help="override every preset's sink window")
+    ap.add_argument("--unfixed", action="store_true", help="no seating, no pad neutralization")
     a = ap.parse_args()
     torch.manual_seed(0)
+    if a.unfixed:
+        from kvq_compile import store as st
+        st.seating = lambda keep, sink: torch.arange(keep.shape[-1]).expand_as(keep).clone()
+        st.neutralized = lambda keep, *sides: list(sides)
     model, tok = load_model()
     wins = token_windows(tok, EVALUATION_NOVELS, a.prefix + a.tokens, a.windows)
     ids = torch.stack(list(wins)) if not torch.is_tensor(wins) else wins
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
     pads = [int(p) for p in a.pads.split(",")]
-    print(f"SmolLM2-135M, {ids.shape[0]} windows, prefix {a.prefix}, {a.tokens} decoded tokens, pad id {pad_id}")
+    print(f"SmolLM2-135M, {ids.shape[0]} windows one at a time, prefix {a.prefix}, {a.tokens} decoded tokens, pad id "
+          f"{pad_id}{', unfixed' if a.unfixed else ''}")
     print("| preset | " + " | ".join(f"ppl, {p} pads" for p in pads) + " |")
     print("|---|" + "---|" * len(pads))
     for name in a.presets.split(","):
@@ -71,7 +79,8 @@ def main():
         if a.sink is not None:
             cfg = dataclasses.replace(cfg, sink=a.sink)
             name = f"{name} (sink {a.sink})"
-        ppl = [math.exp(padded_nll(model, ids, a.prefix, cfg, p, pad_id)) for p in pads]
+        ppl = [math.exp(sum(padded_nll(model, w[None], a.prefix, cfg, p, pad_id) for w in ids) / len(ids))
+               for p in pads]
         print(f"| {name} | " + " | ".join(f"{x:.4f}" for x in ppl) + " |", flush=True)
 
 
