@@ -48,7 +48,8 @@ class KVQLayer(CacheLayerMixin):
     is_compileable = True
     is_sliding = False
 
-    def __init__(self, layer: st.LayerStore, max_cache_len: int, device, rotary=None, append_beside: bool = False):
+    def __init__(self, layer: st.LayerStore, max_cache_len: int, device, rotary=None, append_beside: bool = False,
+                 seats: torch.Tensor | None = None):
         super().__init__()
         self.store, self.max_cache_len, self.rotary = layer, max_cache_len, rotary
         self.bound = True   # False once a later KVQCache took the model's attention modules (`_bind`)
@@ -57,8 +58,9 @@ class KVQLayer(CacheLayerMixin):
         self.append_beside = append_beside and rotary is None and st.attention_independent(layer.cfg)
         self.cumulative_length = torch.zeros((), dtype=torch.int64, device=device)
         self.pending: torch.Tensor | None = None
-        # [B, n] slot -> prompt token, where an eager first chunk had masked tokens (left padding) and the config
-        # keeps a sink: each row's real tokens fill slots 0.. so that its sink holds its first tokens (`seat_rows`)
+        # the store's [B, T] slot -> token buffer (`ModelStore.seats`, shared by the layers, one address: CUDA graphs
+        # keep it), read by later masks once an eager first chunk with masked tokens seated its rows (`seat_rows`)
+        self.seat_buffer = seats
         self.seats: torch.Tensor | None = None
         self.append_names, self.append_tensors = layer.append_tensors()
         self.attend_names, self.attend_tensors = layer.attend_tensors()
@@ -127,12 +129,14 @@ class KVQLayer(CacheLayerMixin):
         recent window no pads; `self.seats` records the order for later steps' masks (`kvq_attention`). Only where
         the chunk has masked tokens (else `seats` stays None)."""
         keep = st.attended(attention_mask, positions)
-        if keep is None or bool(keep.all()):
+        if keep is None or bool(keep.all()) or self.seat_buffer is None:
             return key, value, cos, sin
         keep = keep.expand(key.shape[0], -1)
         seats = st.seating(keep, self.store.cfg.sink)
-        torch._dynamo.mark_static_address(seats)
-        self.seats = seats
+        n = seats.shape[1]
+        self.seat_buffer[:, :n] = seats
+        self.seat_buffer[:, n:] = torch.arange(n, self.seat_buffer.shape[1], device=seats.device)
+        self.seats = self.seat_buffer
         key, value = st.neutralized(keep.gather(-1, seats), st.seat(key, seats, 2), st.seat(value, seats, 2))
         if cos is not None:   # keys stored before RoPE: each slot's table row goes with its token
             cos, sin = st.seat(cos, seats, 1), st.seat(sin, seats, 1)
@@ -206,7 +210,11 @@ class KVQCache(Cache):
             from . import lowering
 
             append_beside = device.type == "cuda" and lowering.beside_by_default({})
-        layers = [KVQLayer(layer, max_cache_len, device, rotary, append_beside) for layer in self.model_store.layers]
+        seats = self.model_store.seats
+        if seats is not None:
+            torch._dynamo.mark_static_address(seats)
+        layers = [KVQLayer(layer, max_cache_len, device, rotary, append_beside, seats)
+                  for layer in self.model_store.layers]
         super().__init__(layers=layers)
         _bind(model, self)
         if device.type == "cuda":  # compiled steps (CompileConfig) lower kvq::attend through Inductor

@@ -393,21 +393,20 @@ def rewrite(gm: fx.GraphModule, matches: list[AttentionMatch], model_store, regi
         if model_store.seats is None or not isinstance(mask, fx.Node) or getattr(_val(mask), "dim", lambda: 0)() != 4:
             return mask
         if mask not in seated:   # torch-level nodes (a plain Python target would keep AOTAutograd from caching)
+            B, T = model_store.seats.shape
+            if _val(mask).shape[-1] != T:   # (find_attention takes masks over the whole cache)
+                return mask
             if id(model_store.seats) not in attr_names:
                 attr_names[id(model_store.seats)] = register_buffer(gm, "kvq_store_seats", model_store.seats)
-            B, T = model_store.seats.shape
-            _, Hm, q, Tm = _val(mask).shape
-            if Tm != T:
-                return mask
             with graph.inserting_after(mask):
                 seats = graph.get_attr(attr_names[id(model_store.seats)])
             with graph.inserting_after(seats):
                 idx = graph.call_method("view", (seats, B, 1, 1, T))
             with graph.inserting_after(idx):
-                idx = graph.call_method("expand", (idx, B, Hm, q, T))
-            with graph.inserting_after(idx):
-                full = graph.call_method("expand", (mask, B, Hm, q, T))
+                full = graph.call_method("expand", (mask, B, -1, -1, -1))
             with graph.inserting_after(full):
+                idx = graph.call_method("expand_as", (idx, full))
+            with graph.inserting_after(idx):
                 seated[mask] = graph.call_function(torch.gather, (full, -1, idx))   # `store.seated_mask`
         return seated[mask]
 

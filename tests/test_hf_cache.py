@@ -281,6 +281,42 @@ def test_neutralize_pads_takes_each_rows_next_real_token():
             assert torch.equal(y[1, :, :3], x[1, :, 3:4].expand(-1, 3, -1))
 
 
+def test_reused_caches_seat_each_sequence_again():
+    """One static cache (one kvq store) and one KVQCache over three sequences of different padding (the last none)
+    and lengths (a shorter one after a seated one, whose stale seats would permute its decode columns):
+    each is seated anew (the backend resets the store's seats on a new sequence; KVQCache's reset drops them), so
+    every run equals the simulation (backend) or a fresh KVQCache, and the KVQCache keeps one seats buffer."""
+    from transformers import StaticCache
+
+    from kvq_compile.simulate import HFSimulation
+
+    model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=2)
+    cfg = small_windows("innerq-2")
+    be = kvq_backend(cfg, release_fp16_cache=False)
+    static = StaticCache(config=model.config, max_cache_len=30)
+    runs = [(pad, *prompts(2, n, pad=pad, seed=seed)) for n, pad, seed in ((15, (0, 9), 1), (6, (0, 5), 2),
+                                                                           (12, (0, 0), 3))]
+    fresh = [model.generate(ids, attention_mask=mask, max_new_tokens=6, **GEN,
+                            past_key_values=KVQCache(model, cfg, batch_size=2, max_cache_len=30))
+             for _, ids, mask in runs]
+    kvq = KVQCache(model, cfg, batch_size=2, max_cache_len=30)
+    buffer = kvq.layers[0].seat_buffer
+    for (pad, ids, mask), ref in zip(runs, fresh):
+        sim = HFSimulation(model, cfg).generate(ids, attention_mask=mask, max_new_tokens=6, **GEN)
+        static.reset()
+        torch._dynamo.reset()
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=6, past_key_values=static,
+                             compile_config=compile_config(be), **GEN)
+        for a, b in zip(sim.logits, out.logits):
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+        kvq.reset()
+        again = model.generate(ids, attention_mask=mask, max_new_tokens=6, past_key_values=kvq, **GEN)
+        for a, b in zip(ref.logits, again.logits):
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+        assert (kvq.layers[0].seats is None) is (pad == (0, 0)) and kvq.layers[0].seat_buffer is buffer
+    assert len(be.stores()) == 1
+
+
 def test_seating_puts_the_sink_then_the_pads_then_the_rest():
     """`store.seating`: each row's first `sink` real tokens, its pads, its other real tokens, each in order; the
     seated pads take the next real token (`neutralized`), or the previous one where none follows; a batch-1 mask
