@@ -16,6 +16,8 @@ of these same ops.
         buffer, restricted to the written length p0 + n. GQA maps query head h to KV head h // (Hq // H).
     kvq::append_chunk, kvq::attend_chunk: the same for chunks of n > 1 tokens, tagged cudagraph_unsafe
         (`chunk_ops`): a chunk reads its start position on the host.
+    kvq::seat_chunk(seats!, attn_mask, positions, sink) -> (chunk [B, n], read [B, T]): a left-padded first
+        chunk's seating for configs with a sink (`store.seat_first_chunk`), once per compiled chunk graph.
     kvq::append_attend(query [B,Hq,1,D], store!, key, value, positions [1], attn_mask?, scale, is_causal, layout)
         -> [B,Hq,1,D]: one decode step of a layer, kvq::append then kvq::attend, as one op so that its CUDA kernel
         may launch the append beside the attention (`decode_attention`'s append) where the attention reads
@@ -69,6 +71,21 @@ _CHUNK_TAGS = (torch.Tag.cudagraph_unsafe,)  # torch >= 2.11 (pyproject) has it
 def append_chunk(store: list[torch.Tensor], key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
                  cos: torch.Tensor | None, sin: torch.Tensor | None, layout: str) -> None:
     _append_impl(store, key, value, positions, cos, sin, layout, compiled=False)
+
+
+@torch.library.custom_op("kvq::seat_chunk", mutates_args=("seats",), tags=_CHUNK_TAGS)
+def seat_chunk(seats: torch.Tensor, attn_mask: torch.Tensor, positions: torch.Tensor,
+               sink: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A compiled chunk's seating (`store.seat_first_chunk`): (the chunk's slot -> token [B, n], the seats its mask
+    is read through [B, T]); a first chunk writes the store's seats. The rewrite emits it once per chunk graph of a
+    config with a sink."""
+    return st.seat_first_chunk(seats, attn_mask, positions, sink)
+
+
+@seat_chunk.register_fake
+def _seat_chunk_fake(seats, attn_mask, positions, sink):
+    B, T = seats.shape
+    return seats.new_empty(B, positions.shape[0]), seats.new_empty(B, T)
 
 
 def chunk_ops(n) -> tuple:

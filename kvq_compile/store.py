@@ -554,6 +554,41 @@ def seat(x: torch.Tensor, seats: torch.Tensor, dim: int) -> torch.Tensor:
     return x.gather(dim, seats.view(shape).expand(*x.shape[:dim], n, *x.shape[dim + 1:]))
 
 
+def seat_first_chunk(seats: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
+                     sink: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A compiled chunk's seating (`kvq::seat_chunk`; KVQCache's eager first chunk does the same through
+    `hf.KVQLayer.seat_rows`). Returns (chunk [B, n]: slot -> token within the chunk, read [B, T]: the seats this
+    step's mask is read through, `seated_mask`). A first chunk (positions from 0) is seated (`seating`) and
+    `seats` [B, T] becomes its order, then the identity: later steps read their masks through it, and what a
+    previous sequence left there is gone; the chunk's own mask is read unseated (its attention takes the chunk's
+    K/V as they come). A later chunk: the identity within it, and the prefix's columns through `seats`.
+    Reads its start position on the host (chunks do: `ops.chunk_ops`)."""
+    B, T = seats.shape
+    n = positions.shape[0]
+    identity = torch.arange(T, device=seats.device).expand(B, T)
+    if int(positions[0]) != 0:
+        return identity[:, :n].clone(), seats.clone()
+    keep = attended(attention_mask, positions)
+    chunk = identity[:, :n].clone() if keep is None else seating(keep.expand(B, n), sink)
+    seats.copy_(torch.cat([chunk, identity[:, n:]], -1))
+    return chunk, identity.clone()
+
+
+def seated_chunk(attention_mask: torch.Tensor, positions: torch.Tensor, chunk: torch.Tensor, key: torch.Tensor,
+                 value: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, neutralize: bool = True):
+    """(key, value, cos, sin) of a compiled chunk in its seats' order (`seat_first_chunk`; token axis -2: K/V
+    [B, H, n, D], the RoPE rows [B|1, n, D] or [B|1, 1, n, D]) with its pads `neutralized` (where `neutralize`:
+    a layer that quantizes something): what the append stores."""
+    def put(x):
+        return None if x is None else seat(x, chunk, x.dim() - 2)
+
+    key, value, cos, sin = put(key), put(value), put(cos), put(sin)
+    keep = attended(attention_mask, positions) if neutralize else None
+    if keep is not None:
+        key, value = neutralized(keep.expand(chunk.shape[0], -1).gather(-1, chunk), key, value)
+    return key, value, cos, sin
+
+
 def seated_mask(mask: torch.Tensor | None, seats: torch.Tensor | None) -> torch.Tensor | None:
     """mask [B or 1, 1 or Hq, q, T] with its first n columns in `seats`' ([B, n]) order; None or another shape:
     unchanged."""

@@ -360,6 +360,25 @@ def _pads_to_neutralize(graph: fx.Graph, m: AttentionMatch, append_op, layer) ->
     return order[m.attn_mask] < order[m.v_append] and getattr(_val(m.attn_mask), "dim", lambda: 0)() == 4
 
 
+def _chunk_seating(graph: fx.Graph, matches: list[AttentionMatch], model_store, append_op) -> str | None:
+    """Why a chunk graph's first chunk cannot be seated in the graph (`kvq::seat_chunk`), or None where it can: a
+    config with a sink (the store has seats), one [B, 1|Hq, q, T] mask node for every layer, computed (as the
+    first layer's positions) before the first append. None also for graphs that need no seating (decode steps, no sink)."""
+    if append_op is not torch.ops.kvq.append_chunk.default or model_store.seats is None:
+        return None
+    mask, positions = matches[0].attn_mask, matches[0].positions
+    if not isinstance(mask, fx.Node) or getattr(_val(mask), "dim", lambda: 0)() != 4 \
+            or _val(mask).shape[-1] != model_store.seats.shape[1]:
+        return "its mask is not one [B, 1 or Hq, q, max_len] tensor"
+    if any(m.attn_mask is not mask for m in matches):   # (positions: every layer's hold the same values, as
+        return "its layers read different masks"           # the backend's `_StepRunner` assumes)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first = min(order[m.v_append] for m in matches)
+    if order[mask] > first or order[positions] > first:
+        return "its mask is computed after an append"
+    return ""
+
+
 def rewrite(gm: fx.GraphModule, matches: list[AttentionMatch], model_store, register_buffer,
             append_beside: bool = False) -> list[tuple]:
     """Replace each match's appends with kvq::append and its attention with kvq::attend (their `chunk_ops` twins for
@@ -388,18 +407,21 @@ def rewrite(gm: fx.GraphModule, matches: list[AttentionMatch], model_store, regi
 
     seated: dict[fx.Node, fx.Node] = {}
 
-    def seated_mask(mask):
-        """The mask node read through the store's seats (`store.seating`), once per mask; configs with a sink."""
+    def seated_mask(mask, read=None):
+        """The mask node read through the store's seats (`store.seating`), once per mask; configs with a sink.
+        read: a [B, T] node to read it through instead (a seated chunk's, `kvq::seat_chunk`)."""
         if model_store.seats is None or not isinstance(mask, fx.Node) or getattr(_val(mask), "dim", lambda: 0)() != 4:
             return mask
         if mask not in seated:   # torch-level nodes (a plain Python target would keep AOTAutograd from caching)
             B, T = model_store.seats.shape
             if _val(mask).shape[-1] != T:   # (find_attention takes masks over the whole cache)
                 return mask
-            if id(model_store.seats) not in attr_names:
-                attr_names[id(model_store.seats)] = register_buffer(gm, "kvq_store_seats", model_store.seats)
-            with graph.inserting_after(mask):
-                seats = graph.get_attr(attr_names[id(model_store.seats)])
+            seats = read
+            if seats is None:
+                if id(model_store.seats) not in attr_names:
+                    attr_names[id(model_store.seats)] = register_buffer(gm, "kvq_store_seats", model_store.seats)
+                with graph.inserting_after(mask):
+                    seats = graph.get_attr(attr_names[id(model_store.seats)])
             with graph.inserting_after(seats):
                 idx = graph.call_method("view", (seats, B, 1, 1, T))
             with graph.inserting_after(idx):
@@ -409,6 +431,24 @@ def rewrite(gm: fx.GraphModule, matches: list[AttentionMatch], model_store, regi
             with graph.inserting_after(idx):
                 seated[mask] = graph.call_function(torch.gather, (full, -1, idx))   # `store.seated_mask`
         return seated[mask]
+
+    chunk = read = None   # a chunk graph's seating (configs with a sink): once, before its first append
+    append_op, _ = chunk_ops(_val(matches[0].query).shape[2]) if matches else (None, None)
+    why = _chunk_seating(graph, matches, model_store, append_op) if matches else None
+    if why:
+        log.info("kvq: a compiled first chunk is not seated (%s): its pads are neutralized, its sink may hold "
+                 "them", why)
+    elif why == "":
+        m0 = matches[0]
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        if id(model_store.seats) not in attr_names:
+            attr_names[id(model_store.seats)] = register_buffer(gm, "kvq_store_seats", model_store.seats)
+        with graph.inserting_before(min((m.v_append for m in matches), key=order.__getitem__)):
+            seats = graph.get_attr(attr_names[id(model_store.seats)])
+            pair = graph.call_function(torch.ops.kvq.seat_chunk.default,
+                                       (seats, m0.attn_mask, m0.positions, model_store.cfg.sink))
+            chunk = graph.call_function(operator.getitem, (pair, 0))
+            read = graph.call_function(operator.getitem, (pair, 1))
 
     for i, m in enumerate(matches):
         layer = model_store.layers[i]
@@ -425,7 +465,13 @@ def rewrite(gm: fx.GraphModule, matches: list[AttentionMatch], model_store, regi
             value_in = m.v_new
             emitted.append((append_op, attend_op))
             with graph.inserting_before(m.v_append):
-                if _pads_to_neutralize(graph, m, append_op, layer):   # a chunk's pads out of its statistics
+                if chunk is not None:   # seated (every layer: the mask is read through the seats), pads neutralized
+                    quad = graph.call_function(st.seated_chunk, (m.attn_mask, m.positions, chunk, key_in, value_in,
+                                                                 cos, sin, layer.spec.key.quantized
+                                                                 or layer.spec.value.quantized))
+                    key_in, value_in, cos, sin = (None if x is None else graph.call_function(operator.getitem, (quad, j))
+                                                  for j, x in enumerate((key_in, value_in, cos, sin)))
+                elif _pads_to_neutralize(graph, m, append_op, layer):   # a chunk's pads out of its statistics
                     pair = graph.call_function(st.neutralize_pads, (m.attn_mask, m.positions, key_in, value_in))
                     key_in, value_in = (graph.call_function(operator.getitem, (pair, j)) for j in (0, 1))
                 graph.call_function(append_op,
@@ -436,7 +482,7 @@ def rewrite(gm: fx.GraphModule, matches: list[AttentionMatch], model_store, regi
         store_nodes = getattrs(names, tensors, m.sdpa, i)
         with graph.inserting_before(m.sdpa):
             out = graph.call_function(attend_op,
-                                      (m.query, store_nodes, m.k_new, m.v_new, m.positions, seated_mask(m.attn_mask),
+                                      (m.query, store_nodes, m.k_new, m.v_new, m.positions, seated_mask(m.attn_mask, read),
                                        m.scale, m.is_causal, layer.descriptor(names)))
         out.meta.update(m.sdpa.meta)
         m.sdpa.replace_all_uses_with(out)

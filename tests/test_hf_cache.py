@@ -265,6 +265,55 @@ def test_seated_rows_attend_as_unseated_ones(compiled, monkeypatch):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["innerq-2", "kvquant-4-1%"])
+def test_compiled_first_chunk_is_seated(name):
+    """kvq_backend's compiled chunked prefill seats its first chunk in the graph (`kvq::seat_chunk`) as KVQCache's
+    eager first chunk does (`KVQLayer.seat_rows`): the same logits and the same seats, for a padded batch and then
+    a shorter one padded in its other row on the same static cache; kvquant's Keys stored before RoPE take their
+    table rows with them. Before session 45 a padded row's sink held pads here (innerq-2's logits 0.42 apart from
+    KVQCache's). On a CUDA machine the model runs there."""
+    from transformers import StaticCache
+
+    model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=2).to(DEVICE)
+    cfg = small_windows(name)
+    be = kvq_backend(cfg, release_fp16_cache=False)
+    static = StaticCache(config=model.config, max_cache_len=32)
+    tol = 1e-5 if DEVICE == "cpu" else 1e-4
+    for n, pad, seed in ((21, (0, 5), 1), (12, (3, 0), 2)):
+        ids, mask = (t.to(DEVICE) for t in prompts(2, n, pad=pad, seed=seed))
+        kvq = KVQCache(model, cfg, batch_size=2, max_cache_len=32)
+        eager = model.generate(ids, attention_mask=mask, max_new_tokens=6, prefill_chunk_size=8, past_key_values=kvq,
+                               **GEN)
+        static.reset()
+        torch._dynamo.reset()
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=6, prefill_chunk_size=8, past_key_values=static,
+                             compile_config=compile_config(be), **GEN)
+        for a, b in zip(eager.logits, out.logits):
+            torch.testing.assert_close(b, a, atol=tol, rtol=tol)
+        (store,) = be.stores()
+        assert torch.equal(store.seats, kvq.layers[0].seat_buffer)
+        padded = pad.index(max(pad))
+        assert store.seats[padded, 0] == max(pad)   # the sink's first slot holds the first real token
+
+
+def test_seat_first_chunk_reseats_the_whole_row():
+    """`store.seat_first_chunk` (`kvq::seat_chunk`): a first chunk's seats, then the identity over the rest of the
+    row (what a longer previous sequence left is gone), its own mask read unseated; a later chunk leaves the seats
+    and reads its mask through them."""
+    B, T, n = 2, 10, 6
+    stale = torch.tensor([[9, 8, 7, 6, 5, 4, 3, 2, 1, 0]] * B)
+    mask = torch.ones(1, 1, n, T, dtype=torch.bool)
+    mask[..., :2] = False   # two pads (a batch-1 mask: every row)
+    seats = stale.clone()
+    chunk, read = st.seat_first_chunk(seats, mask, torch.arange(n), sink=1)
+    assert chunk.tolist() == [[2, 0, 1, 3, 4, 5]] * B
+    assert seats.tolist() == [[2, 0, 1, 3, 4, 5, 6, 7, 8, 9]] * B
+    assert read.tolist() == [list(range(T))] * B
+    later, read = st.seat_first_chunk(seats, mask, torch.arange(6, 8), sink=1)
+    assert later.tolist() == [[0, 1]] * B and torch.equal(read, seats)
+    assert seats.tolist() == [[2, 0, 1, 3, 4, 5, 6, 7, 8, 9]] * B
+
+
 def test_neutralize_pads_takes_each_rows_next_real_token():
     """bool and additive masks; an unpadded row and a row with no attended token in the chunk stay as they are."""
     B, H, n, D, T = 3, 2, 6, 5, 9
