@@ -363,7 +363,8 @@ def _pads_to_neutralize(graph: fx.Graph, m: AttentionMatch, append_op, layer) ->
 def _chunk_seating(graph: fx.Graph, matches: list[AttentionMatch], model_store, append_op) -> str | None:
     """Why a chunk graph's first chunk cannot be seated in the graph (`kvq::seat_chunk`), or None where it can: a
     config with a sink (the store has seats), one [B, 1|Hq, q, T] mask node for every layer, computed (as the
-    first layer's positions) before the first append. None also for graphs that need no seating (decode steps, no sink)."""
+    first layer's positions) before the first append. None also for graphs that need no seating (decode steps, no
+    sink)."""
     if append_op is not torch.ops.kvq.append_chunk.default or model_store.seats is None:
         return None
     mask, positions = matches[0].attn_mask, matches[0].positions
@@ -469,8 +470,9 @@ def rewrite(gm: fx.GraphModule, matches: list[AttentionMatch], model_store, regi
                     quad = graph.call_function(st.seated_chunk, (m.attn_mask, m.positions, chunk, key_in, value_in,
                                                                  cos, sin, layer.spec.key.quantized
                                                                  or layer.spec.value.quantized))
-                    key_in, value_in, cos, sin = (None if x is None else graph.call_function(operator.getitem, (quad, j))
-                                                  for j, x in enumerate((key_in, value_in, cos, sin)))
+                    key_in, value_in, cos, sin = (
+                        None if x is None else graph.call_function(operator.getitem, (quad, j))
+                        for j, x in enumerate((key_in, value_in, cos, sin)))
                 elif _pads_to_neutralize(graph, m, append_op, layer):   # a chunk's pads out of its statistics
                     pair = graph.call_function(st.neutralize_pads, (m.attn_mask, m.positions, key_in, value_in))
                     key_in, value_in = (graph.call_function(operator.getitem, (pair, j)) for j in (0, 1))
@@ -482,8 +484,8 @@ def rewrite(gm: fx.GraphModule, matches: list[AttentionMatch], model_store, regi
         store_nodes = getattrs(names, tensors, m.sdpa, i)
         with graph.inserting_before(m.sdpa):
             out = graph.call_function(attend_op,
-                                      (m.query, store_nodes, m.k_new, m.v_new, m.positions, seated_mask(m.attn_mask, read),
-                                       m.scale, m.is_causal, layer.descriptor(names)))
+                                      (m.query, store_nodes, m.k_new, m.v_new, m.positions,
+                                       seated_mask(m.attn_mask, read), m.scale, m.is_causal, layer.descriptor(names)))
         out.meta.update(m.sdpa.meta)
         m.sdpa.replace_all_uses_with(out)
         graph.erase_node(m.sdpa)
