@@ -123,11 +123,12 @@ class KVQLayer(CacheLayerMixin):
         self.pending = None
         self.seats = None
 
-    def seat_rows(self, attention_mask, positions, key, value, cos, sin):
+    def seat_rows(self, attention_mask, positions, key, value, cos, sin, neutralize: bool = True):
         """The first chunk's tokens seated per row (`store.seating`: its first `sink` real tokens, its pads, its
-        other real tokens), pads `neutralized`, so that a left-padded row's sink holds its first real tokens and its
-        recent window no pads; `self.seats` records the order for later steps' masks (`kvq_attention`). Only where
-        the chunk has masked tokens (else `seats` stays None)."""
+        other real tokens), pads `neutralized` (where `neutralize`: a layer that quantizes something), so that a
+        left-padded row's sink holds its first real tokens and its recent window no pads; `self.seats` records the
+        order for later steps' masks (`kvq_attention`). Only where the chunk has masked tokens (else `seats` stays
+        None)."""
         keep = st.attended(attention_mask, positions)
         if keep is None or bool(keep.all()) or self.seat_buffer is None:
             return key, value, cos, sin
@@ -137,7 +138,9 @@ class KVQLayer(CacheLayerMixin):
         self.seat_buffer[:, :n] = seats
         self.seat_buffer[:, n:] = torch.arange(n, self.seat_buffer.shape[1], device=seats.device)
         self.seats = self.seat_buffer
-        key, value = st.neutralized(keep.gather(-1, seats), st.seat(key, seats, 2), st.seat(value, seats, 2))
+        key, value = st.seat(key, seats, 2), st.seat(value, seats, 2)
+        if neutralize:
+            key, value = st.neutralized(keep.gather(-1, seats), key, value)
         if cos is not None:   # keys stored before RoPE: each slot's table row goes with its token
             cos, sin = st.seat(cos, seats, 1), st.seat(sin, seats, 1)
         return key, value, cos, sin
@@ -156,12 +159,14 @@ class KVQLayer(CacheLayerMixin):
                                                scale, is_causal, self.attend_layout)
         append, attend = ops.chunk_ops(query.shape[2])
         stored_value = value
-        if query.shape[2] > 1 and attention_mask is not None and (self.store.spec.key.quantized
-                                                                  or self.store.spec.value.quantized):
+        if query.shape[2] > 1 and attention_mask is not None:
+            quantized = self.store.spec.key.quantized or self.store.spec.value.quantized
+            # every layer is seated (their masks are read through the seats, and the RoPE table is shared); only
+            # those that quantize something neutralize their pads
             if self.store.cfg.sink > 0 and not torch.compiler.is_compiling() and int(positions[0]) == 0:
                 stored_key, stored_value, cos, sin = self.seat_rows(attention_mask, positions, stored_key,
-                                                                    stored_value, cos, sin)
-            else:
+                                                                    stored_value, cos, sin, quantized)
+            elif quantized:
                 stored_key, stored_value = st.neutralize_pads(attention_mask, positions, stored_key, value)
         append(self.append_tensors, stored_key, stored_value, positions, cos, sin, self.append_layout)
         return attend(query, self.attend_tensors, key, value, positions, attention_mask, scale, is_causal,

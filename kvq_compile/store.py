@@ -577,10 +577,10 @@ def seat_first_chunk(seats: torch.Tensor, attention_mask: torch.Tensor, position
 def seated_chunk(attention_mask: torch.Tensor, positions: torch.Tensor, chunk: torch.Tensor, key: torch.Tensor,
                  value: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, neutralize: bool = True):
     """(key, value, cos, sin) of a compiled chunk in its seats' order (`seat_first_chunk`; token axis -2: K/V
-    [B, H, n, D], the RoPE rows [B|1, n, D] or [B|1, 1, n, D]) with its pads `neutralized` (where `neutralize`:
+    [B, H, n, D], the RoPE rows [n, D], [B|1, n, D] or [B|1, 1, n, D]) with its pads `neutralized` (where `neutralize`:
     a layer that quantizes something): what the append stores."""
-    def put(x):
-        return None if x is None else seat(x, chunk, x.dim() - 2)
+    def put(x):   # (a [n, D] RoPE table as [1, n, D])
+        return None if x is None else seat(x if x.dim() > 2 else x[None], chunk, max(x.dim(), 3) - 2)
 
     key, value, cos, sin = put(key), put(value), put(cos), put(sin)
     keep = attended(attention_mask, positions) if neutralize else None

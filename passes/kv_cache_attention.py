@@ -361,14 +361,18 @@ def _pads_to_neutralize(graph: fx.Graph, m: AttentionMatch, append_op, layer) ->
 
 
 def _chunk_seating(graph: fx.Graph, matches: list[AttentionMatch], model_store, append_op) -> str | None:
-    """Why a chunk graph's first chunk cannot be seated in the graph (`kvq::seat_chunk`), or None where it can: a
+    """Why a chunk graph's first chunk cannot be seated in the graph (`kvq::seat_chunk`), or "" where it can: a
     config with a sink (the store has seats), one [B, 1|Hq, q, T] mask node for every layer, computed (as the
     first layer's positions) before the first append. None also for graphs that need no seating (decode steps, no
-    sink)."""
+    sink, no mask). Every chunk graph of a sink config takes it, also later chunks and unpadded prompts (their
+    permutation is the identity): one host read of the start position, as the chunk ops do, and per layer a
+    gather of K, V (and the RoPE rows) over the chunk."""
     if append_op is not torch.ops.kvq.append_chunk.default or model_store.seats is None:
         return None
     mask, positions = matches[0].attn_mask, matches[0].positions
-    if not isinstance(mask, fx.Node) or getattr(_val(mask), "dim", lambda: 0)() != 4 \
+    if not isinstance(mask, fx.Node):   # no mask (is_causal, or none at all): no pads to seat
+        return None
+    if getattr(_val(mask), "dim", lambda: 0)() != 4 \
             or _val(mask).shape[-1] != model_store.seats.shape[1]:
         return "its mask is not one [B, 1 or Hq, q, max_len] tensor"
     if any(m.attn_mask is not mask for m in matches):   # (positions: every layer's hold the same values, as

@@ -265,17 +265,23 @@ def test_seated_rows_attend_as_unseated_ones(compiled, monkeypatch):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["innerq-2", "kvquant-4-1%"])
-def test_compiled_first_chunk_is_seated(name):
+@pytest.mark.parametrize("name, fp16_layer", [("innerq-2", None), ("kvquant-4-1%", None), ("kvquant-4", 0),
+                                               ("kvquant-4", 1)])
+def test_compiled_first_chunk_is_seated(name, fp16_layer):
     """kvq_backend's compiled chunked prefill seats its first chunk in the graph (`kvq::seat_chunk`) as KVQCache's
     eager first chunk does (`KVQLayer.seat_rows`): the same logits and the same seats, for a padded batch and then
-    a shorter one padded in its other row on the same static cache; kvquant's Keys stored before RoPE take their
-    table rows with them. Before session 45 a padded row's sink held pads here (innerq-2's logits 0.42 apart from
-    KVQCache's). On a CUDA machine the model runs there."""
+    a shorter one padded in its other row on the same static cache (the compiled graphs reused); kvquant's Keys
+    stored before RoPE take their table rows with them. Every layer is seated, also one that quantizes nothing
+    (`fp16_layer`: its masks are read through the same seats, and the RoPE table is shared; KVQCache seated only
+    quantized layers before session 45, 0.0016-0.0055 apart). Before session 45 a padded row's sink held pads here
+    (innerq-2's logits 0.42 apart from KVQCache's). On a CUDA machine the model runs there."""
     from transformers import StaticCache
 
     model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=2).to(DEVICE)
     cfg = small_windows(name)
+    if fp16_layer is not None:
+        cfg.sink = 2
+        cfg.layer_bits = {fp16_layer: (16, 16)}
     be = kvq_backend(cfg, release_fp16_cache=False)
     static = StaticCache(config=model.config, max_cache_len=32)
     tol = 1e-5 if DEVICE == "cpu" else 1e-4
@@ -285,7 +291,6 @@ def test_compiled_first_chunk_is_seated(name):
         eager = model.generate(ids, attention_mask=mask, max_new_tokens=6, prefill_chunk_size=8, past_key_values=kvq,
                                **GEN)
         static.reset()
-        torch._dynamo.reset()
         out = model.generate(ids, attention_mask=mask, max_new_tokens=6, prefill_chunk_size=8, past_key_values=static,
                              compile_config=compile_config(be), **GEN)
         for a, b in zip(eager.logits, out.logits):
