@@ -267,16 +267,21 @@ def test_seated_rows_attend_as_unseated_ones(compiled, monkeypatch):
 
 @pytest.mark.parametrize("name, fp16_layer", [("innerq-2", None), ("kvquant-4-1%", None), ("kvquant-4", 0),
                                                ("kvquant-4", 1)])
-def test_compiled_first_chunk_is_seated(name, fp16_layer):
+def test_compiled_first_chunk_is_seated(name, fp16_layer, monkeypatch):
     """kvq_backend's compiled chunked prefill seats its first chunk in the graph (`kvq::seat_chunk`) as KVQCache's
-    eager first chunk does (`KVQLayer.seat_rows`): the same logits and the same seats, for a padded batch and then
-    a shorter one padded in its other row on the same static cache (the compiled graphs reused); kvquant's Keys
-    stored before RoPE take their table rows with them. Every layer is seated, also one that quantizes nothing
-    (`fp16_layer`: its masks are read through the same seats, and the RoPE table is shared; KVQCache seated only
-    quantized layers before session 45, 0.0016-0.0055 apart). Before session 45 a padded row's sink held pads here
-    (innerq-2's logits 0.42 apart from KVQCache's). On a CUDA machine the model runs there."""
+    eager first chunk does (`KVQLayer.seat_rows`): the same logits and the same seats, over three sequences of
+    different padding and length on one static cache (the first, into the cache's lazy initialization, is absorbed
+    from the fp16 cache; the graphs of the next two start at position 0 and are reused). kvquant's Keys stored before
+    RoPE take their table rows with them. Every layer is seated, also one that quantizes nothing (`fp16_layer`: its
+    masks are read through the same seats, and the RoPE table is shared; KVQCache seated only quantizing layers
+    before session 45, 0.0016-0.0055 apart). Before session 45 a padded row's sink held pads here (innerq-2's logits
+    0.42 apart from KVQCache's). On a CUDA machine the model runs there (KVQCache with generate's compile disabled:
+    its compiled chunks are not seated)."""
     from transformers import StaticCache
 
+    starts = []
+    seat = st.seat_first_chunk
+    monkeypatch.setattr(st, "seat_first_chunk", lambda s, m, p, k: (starts.append(int(p[0])), seat(s, m, p, k))[1])
     model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=2).to(DEVICE)
     cfg = small_windows(name)
     if fp16_layer is not None:
@@ -285,13 +290,14 @@ def test_compiled_first_chunk_is_seated(name, fp16_layer):
     be = kvq_backend(cfg, release_fp16_cache=False)
     static = StaticCache(config=model.config, max_cache_len=32)
     tol = 1e-5 if DEVICE == "cpu" else 1e-4
-    for n, pad, seed in ((21, (0, 5), 1), (12, (3, 0), 2)):
+    for n, pad, seed in ((21, (0, 5), 1), (12, (3, 0), 2), (17, (0, 6), 3)):
         ids, mask = (t.to(DEVICE) for t in prompts(2, n, pad=pad, seed=seed))
         kvq = KVQCache(model, cfg, batch_size=2, max_cache_len=32)
-        eager = model.generate(ids, attention_mask=mask, max_new_tokens=6, prefill_chunk_size=8, past_key_values=kvq,
-                               **GEN)
+        eager = model.generate(ids, attention_mask=mask, max_new_tokens=4, prefill_chunk_size=8, past_key_values=kvq,
+                               disable_compile=True, **GEN)
         static.reset()
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=6, prefill_chunk_size=8, past_key_values=static,
+        del starts[:]
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=4, prefill_chunk_size=8, past_key_values=static,
                              compile_config=compile_config(be), **GEN)
         for a, b in zip(eager.logits, out.logits):
             torch.testing.assert_close(b, a, atol=tol, rtol=tol)
@@ -299,6 +305,7 @@ def test_compiled_first_chunk_is_seated(name, fp16_layer):
         assert torch.equal(store.seats, kvq.layers[0].seat_buffer)
         padded = pad.index(max(pad))
         assert store.seats[padded, 0] == max(pad)   # the sink's first slot holds the first real token
+        assert (0 in starts) is (seed > 1), starts    # seated by kvq::seat_chunk, not absorbed
 
 
 def test_seat_first_chunk_reseats_the_whole_row():
