@@ -270,8 +270,7 @@ def test_seated_rows_attend_as_unseated_ones(compiled, monkeypatch):
 def test_compiled_first_chunk_is_seated(name, fp16_layer, monkeypatch):
     """kvq_backend's compiled chunked prefill seats its first chunk in the graph (`kvq::seat_chunk`) as KVQCache's
     eager first chunk does (`KVQLayer.seat_rows`): the same logits and the same seats, over three sequences of
-    different padding and length on one static cache (the first, into the cache's lazy initialization, is absorbed
-    from the fp16 cache; the graphs of the next two start at position 0 and are reused). kvquant's Keys stored before
+    different padding and length on one static cache (its graphs reused). kvquant's Keys stored before
     RoPE take their table rows with them. Every layer is seated, also one that quantizes nothing (`fp16_layer`: its
     masks are read through the same seats, and the RoPE table is shared; KVQCache seated only quantizing layers
     before session 45, 0.0016-0.0055 apart). Before session 45 a padded row's sink held pads here (innerq-2's logits
@@ -289,6 +288,9 @@ def test_compiled_first_chunk_is_seated(name, fp16_layer, monkeypatch):
         cfg.layer_bits = {fp16_layer: (16, 16)}
     be = kvq_backend(cfg, release_fp16_cache=False)
     static = StaticCache(config=model.config, max_cache_len=32)
+    # (HF: a cache whose prefill runs compiled must be initialized ahead; lazily, inside a CUDA-graphed chunk, the
+    # first generate segfaulted on an H200 with and without seating, session 45)
+    static.early_initialization(2, 1, 64, torch.float32, DEVICE)
     tol = 1e-5 if DEVICE == "cpu" else 1e-4
     for n, pad, seed in ((21, (0, 5), 1), (12, (3, 0), 2), (17, (0, 6), 3)):
         ids, mask = (t.to(DEVICE) for t in prompts(2, n, pad=pad, seed=seed))
@@ -305,7 +307,7 @@ def test_compiled_first_chunk_is_seated(name, fp16_layer, monkeypatch):
         assert torch.equal(store.seats, kvq.layers[0].seat_buffer)
         padded = pad.index(max(pad))
         assert store.seats[padded, 0] == max(pad)   # the sink's first slot holds the first real token
-        assert (0 in starts) is (seed > 1), starts    # seated by kvq::seat_chunk, not absorbed
+        assert 0 in starts, starts    # seated by kvq::seat_chunk, not absorbed from an eager prefill
 
 
 def test_seat_first_chunk_reseats_the_whole_row():

@@ -7,7 +7,7 @@ import sys
 import traceback
 
 DEVICE = os.environ.get("DEVICE", "cuda")
-VARIANTS = ["as_is", "kivi2", "no_static_launcher", "no_cudagraphs", "unseated", "unseated_no_cudagraphs", "no_chunks", "premade", "premade_unseated"]
+VARIANTS = ["as_is", "kivi2", "no_static_launcher", "no_cudagraphs", "unseated", "unseated_no_cudagraphs", "no_chunks", "premade", "premade_unseated", "premade_early"]
 
 
 def variant_line(line):
@@ -33,6 +33,8 @@ def run(variant):
     if variant.startswith("premade"):   # call 1's test: a StaticCache of its own (lazily initialized in the first
         static = StaticCache(config=model.config, max_cache_len=32)   # graph), release off, reused
         be = kvq_backend(cfg, release_fp16_cache=False)
+        if variant == "premade_early":   # HF: required where the prefill runs compiled (chunked prefill)
+            static.early_initialization(2, 1, 64, torch.float32, DEVICE)
         for n, pad, seed in ((21, (0, 5), 1), (12, (3, 0), 2), (17, (0, 6), 3)):
             ids, mask = (t.to(DEVICE) for t in prompts(2, n, pad=pad, seed=seed))
             kvq = KVQCache(model, cfg, batch_size=2, max_cache_len=32)
