@@ -146,6 +146,7 @@ class KVQLayer(CacheLayerMixin):
         return key, value, cos, sin
 
     def append_and_attend(self, query, key, value, attention_mask, scale, is_causal, position_ids):
+        """attention_mask: as the model made it (slot order); read through `seats` here."""
         positions, self.pending = self.pending, None
         cos = sin = None
         stored_key = key
@@ -154,8 +155,9 @@ class KVQLayer(CacheLayerMixin):
                 raise ValueError("KVQCache with keys_before_rope needs the model to pass position_ids to attention")
             cos, sin = self.rotary(value, position_ids)
             stored_key = ref.rope_unrotate(key.float(), cos.float(), sin.float()).to(key.dtype)
+        mask = st.seated_mask(attention_mask, self.seats)   # (an eager first chunk: no seats yet)
         if self.append_beside and query.shape[2] == 1:
-            return torch.ops.kvq.append_attend(query, self.attend_tensors, key, value, positions, attention_mask,
+            return torch.ops.kvq.append_attend(query, self.attend_tensors, key, value, positions, mask,
                                                scale, is_causal, self.attend_layout)
         append, attend = ops.chunk_ops(query.shape[2])
         stored_value = value
@@ -163,13 +165,23 @@ class KVQLayer(CacheLayerMixin):
             quantized = self.store.spec.key.quantized or self.store.spec.value.quantized
             # every layer is seated (their masks are read through the seats, and the RoPE table is shared); only
             # those that quantize something neutralize their pads
-            if self.store.cfg.sink > 0 and not torch.compiler.is_compiling() and int(positions[0]) == 0:
+            sink = self.store.cfg.sink > 0 and self.seat_buffer is not None
+            if sink and torch.compiler.is_compiling() and attention_mask.dim() == 4:
+                # a compiled chunk, as kvq_backend's (`kvq::seat_chunk`: seats a first chunk, reads its start
+                # position on the host as chunks do); later steps read their masks through the buffer
+                chunk, read = torch.ops.kvq.seat_chunk(self.seat_buffer, attention_mask, positions,
+                                                       self.store.cfg.sink)
+                stored_key, stored_value, cos, sin = st.seated_chunk(attention_mask, positions, chunk, stored_key,
+                                                                     stored_value, cos, sin, quantized)
+                mask = st.seated_mask(attention_mask, read)
+                self.seats = self.seat_buffer
+            elif sink and not torch.compiler.is_compiling() and int(positions[0]) == 0:
                 stored_key, stored_value, cos, sin = self.seat_rows(attention_mask, positions, stored_key,
                                                                     stored_value, cos, sin, quantized)
             elif quantized:
                 stored_key, stored_value = st.neutralize_pads(attention_mask, positions, stored_key, value)
         append(self.append_tensors, stored_key, stored_value, positions, cos, sin, self.append_layout)
-        return attend(query, self.attend_tensors, key, value, positions, attention_mask, scale, is_causal,
+        return attend(query, self.attend_tensors, key, value, positions, mask, scale, is_causal,
                       self.attend_layout)
 
 
@@ -260,7 +272,6 @@ def kvq_attention(module, query, key, value, attention_mask, scaling=None, dropo
     n = query.shape[2]
     is_causal = attention_mask is None and n > 1 and getattr(module, "is_causal", True)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    attention_mask = st.seated_mask(attention_mask, layer.seats)   # (the first chunk's own call: no seats yet)
     out = layer.append_and_attend(query, key, value, attention_mask, float(scale), bool(is_causal),
                                   kwargs.get("position_ids"))
     return out.transpose(1, 2).contiguous(), None

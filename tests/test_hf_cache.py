@@ -310,6 +310,29 @@ def test_compiled_first_chunk_is_seated(name, fp16_layer, monkeypatch):
         assert 0 in starts, starts    # seated by kvq::seat_chunk, not absorbed from an eager prefill
 
 
+@pytest.mark.parametrize("name", ["innerq-2", "kvquant-4-1%"])
+def test_kvqcache_compiled_first_chunk_is_seated(name):
+    """KVQCache's compiled chunks call `kvq::seat_chunk` too (on CUDA `generate` compiles a KVQCache's chunked
+    prefill by itself): the same logits and seats as its eager first chunk (`seat_rows`), for two sequences of
+    different padding. Before session 45 its compiled first chunk was not seated."""
+    model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=2).to(DEVICE)
+    cfg = small_windows(name)
+    tol = 1e-5 if DEVICE == "cpu" else 1e-4
+    torch._dynamo.reset()
+    for n, pad, seed in ((21, (0, 5), 1), (14, (6, 0), 2)):
+        ids, mask = (t.to(DEVICE) for t in prompts(2, n, pad=pad, seed=seed))
+        runs = []
+        for kw in (dict(disable_compile=True), dict(compile_config=_compiled())):
+            cache = KVQCache(model, cfg, batch_size=2, max_cache_len=32)   # (a new cache takes the model's modules)
+            runs.append((model.generate(ids, attention_mask=mask, max_new_tokens=4, prefill_chunk_size=8,
+                                        past_key_values=cache, **kw, **GEN), cache.layers[0].seat_buffer))
+        (eager, eager_seats), (compiled, seats) = runs
+        for a, b in zip(eager.logits, compiled.logits):
+            torch.testing.assert_close(b, a, atol=tol, rtol=tol)
+        assert torch.equal(seats, eager_seats)
+        assert seats[pad.index(max(pad)), 0] == max(pad)   # the sink's first slot holds the first real token
+
+
 def test_seat_first_chunk_reseats_the_whole_row():
     """`store.seat_first_chunk` (`kvq::seat_chunk`): a first chunk's seats, then the identity over the rest of the
     row (what a longer previous sequence left is gone), its own mask read unseated; a later chunk leaves the seats
