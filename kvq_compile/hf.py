@@ -122,6 +122,8 @@ class KVQLayer(CacheLayerMixin):
         self.cumulative_length.zero_()
         self.pending = None
         self.seats = None
+        if self.seat_buffer is not None:   # the identity again: a compiled later chunk reads masks through it
+            self.seat_buffer.copy_(torch.arange(self.seat_buffer.shape[1], device=self.seat_buffer.device))
 
     def seat_rows(self, attention_mask, positions, key, value, cos, sin, neutralize: bool = True):
         """The first chunk's tokens seated per row (`store.seating`: its first `sink` real tokens, its pads, its

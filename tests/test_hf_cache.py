@@ -333,6 +333,34 @@ def test_kvqcache_compiled_first_chunk_is_seated(name):
         assert seats[pad.index(max(pad)), 0] == max(pad)   # the sink's first slot holds the first real token
 
 
+def test_reset_puts_the_seats_back():
+    """A padded sequence seats the cache's buffer; after `reset()` an unpadded eager prompt leaves it alone, and a
+    next turn's compiled chunks read their masks through it (`kvq::seat_chunk` at a later position): reset must put
+    the identity back (found by session 45's review: 0.57 logit apart without it), so the turn equals a fresh
+    cache's."""
+    model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=2)
+    cfg = small_windows("innerq-2")
+    ids_a, mask_a = prompts(2, 14, pad=(0, 6), seed=3)
+    ids_b, mask_b = prompts(2, 3, pad=(0,), seed=4)
+    extra = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(5))
+    turns = []
+    for dirty in (False, True):
+        torch._dynamo.reset()
+        cache = KVQCache(model, cfg, batch_size=2, max_cache_len=48)
+        if dirty:
+            model.generate(ids_a, attention_mask=mask_a, max_new_tokens=2, past_key_values=cache,
+                           disable_compile=True, **GEN)
+            assert not torch.equal(cache.layers[0].seat_buffer[1, :14], torch.arange(14))
+            cache.reset()
+        first = model.generate(ids_b, attention_mask=mask_b, max_new_tokens=2, past_key_values=cache,
+                               disable_compile=True, **GEN)
+        ids = torch.cat([first.sequences, extra], -1)
+        turns.append(model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, prefill_chunk_size=4,
+                                    past_key_values=cache, compile_config=_compiled(), **GEN))
+    for a, b in zip(turns[0].logits, turns[1].logits):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
 def test_seat_first_chunk_reseats_the_whole_row():
     """`store.seat_first_chunk` (`kvq::seat_chunk`): a first chunk's seats, then the identity over the rest of the
     row (what a longer previous sequence left is gone), its own mask read unseated; a later chunk leaves the seats
