@@ -129,8 +129,8 @@ class KVQLayer(CacheLayerMixin):
         """The first chunk's tokens seated per row (`store.seating`: its first `sink` real tokens, its pads, its
         other real tokens), pads `neutralized` (where `neutralize`: a layer that quantizes something), so that a
         left-padded row's sink holds its first real tokens and its recent window no pads; `self.seats` records the
-        order for later steps' masks (`kvq_attention`). Only where the chunk has masked tokens (else `seats` stays
-        None)."""
+        order for later steps' masks (`append_and_attend`). Only where the chunk has masked tokens (else `seats`
+        stays None)."""
         keep = st.attended(attention_mask, positions)
         if keep is None or bool(keep.all()) or self.seat_buffer is None:
             return key, value, cos, sin
@@ -140,12 +140,8 @@ class KVQLayer(CacheLayerMixin):
         self.seat_buffer[:, :n] = seats
         self.seat_buffer[:, n:] = torch.arange(n, self.seat_buffer.shape[1], device=seats.device)
         self.seats = self.seat_buffer
-        key, value = st.seat(key, seats, 2), st.seat(value, seats, 2)
-        if neutralize:
-            key, value = st.neutralized(keep.gather(-1, seats), key, value)
-        if cos is not None:   # keys stored before RoPE: each slot's table row goes with its token
-            cos, sin = st.seat(cos, seats, 1), st.seat(sin, seats, 1)
-        return key, value, cos, sin
+        # keys stored before RoPE: each slot's table row goes with its token
+        return st.seated_chunk(attention_mask, positions, seats, key, value, cos, sin, neutralize)
 
     def append_and_attend(self, query, key, value, attention_mask, scale, is_causal, position_ids):
         """attention_mask: as the model made it (slot order); read through `seats` here."""

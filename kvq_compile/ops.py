@@ -17,7 +17,8 @@ of these same ops.
     kvq::append_chunk, kvq::attend_chunk: the same for chunks of n > 1 tokens, tagged cudagraph_unsafe
         (`chunk_ops`): a chunk reads its start position on the host.
     kvq::seat_chunk(seats!, attn_mask, positions, sink) -> (chunk [B, n], read [B, T]): a left-padded first
-        chunk's seating for configs with a sink (`store.seat_first_chunk`), once per compiled chunk graph.
+        chunk's seating for configs with a sink (`store.seat_first_chunk`): once per chunk graph of the rewrite,
+        once per layer in KVQCache's compiled chunks.
     kvq::append_attend(query [B,Hq,1,D], store!, key, value, positions [1], attn_mask?, scale, is_causal, layout)
         -> [B,Hq,1,D]: one decode step of a layer, kvq::append then kvq::attend, as one op so that its CUDA kernel
         may launch the append beside the attention (`decode_attention`'s append) where the attention reads
@@ -78,7 +79,7 @@ def seat_chunk(seats: torch.Tensor, attn_mask: torch.Tensor, positions: torch.Te
                sink: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A compiled chunk's seating (`store.seat_first_chunk`): (the chunk's slot -> token [B, n], the seats its mask
     is read through [B, T]); a first chunk writes the store's seats. The rewrite emits it once per chunk graph of a
-    config with a sink."""
+    config with a sink, KVQCache's compiled chunks once per layer."""
     return st.seat_first_chunk(seats, attn_mask, positions, sink)
 
 

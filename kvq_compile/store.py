@@ -556,13 +556,13 @@ def seat(x: torch.Tensor, seats: torch.Tensor, dim: int) -> torch.Tensor:
 
 def seat_first_chunk(seats: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
                      sink: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A compiled chunk's seating (`kvq::seat_chunk`; KVQCache's eager first chunk does the same through
-    `hf.KVQLayer.seat_rows`). Returns (chunk [B, n]: slot -> token within the chunk, read [B, T]: the seats this
-    step's mask is read through, `seated_mask`). A first chunk (positions from 0) is seated (`seating`) and
-    `seats` [B, T] becomes its order, then the identity: later steps read their masks through it, and what a
-    previous sequence left there is gone; the chunk's own mask is read unseated (its attention takes the chunk's
-    K/V as they come). A later chunk: the identity within it, and the prefix's columns through `seats`.
-    Reads its start position on the host (chunks do: `ops.chunk_ops`)."""
+    """A compiled chunk's seating (`kvq::seat_chunk`; an eager first chunk of KVQCache is seated by
+    `hf.KVQLayer.seat_rows`, the backend's absorbed prefill by `_StepRunner.absorb`). Returns (chunk [B, n]: slot ->
+    token within the chunk, read [B, T]: the seats this step's mask is read through, `seated_mask`). A first chunk
+    (positions from 0) is seated (`seating`) and `seats` [B, T] becomes its order, then the identity: later steps
+    read their masks through it, and what a previous sequence left there is gone; the chunk's own mask is read
+    unseated (its attention takes the chunk's K/V as they come). A later chunk: the identity within it, and the
+    prefix's columns through `seats`. Reads its start position on the host (chunks do: `ops.chunk_ops`)."""
     B, T = seats.shape
     n = positions.shape[0]
     identity = torch.arange(T, device=seats.device).expand(B, T)
@@ -576,9 +576,9 @@ def seat_first_chunk(seats: torch.Tensor, attention_mask: torch.Tensor, position
 
 def seated_chunk(attention_mask: torch.Tensor, positions: torch.Tensor, chunk: torch.Tensor, key: torch.Tensor,
                  value: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, neutralize: bool = True):
-    """(key, value, cos, sin) of a compiled chunk in its seats' order (`seat_first_chunk`; token axis -2: K/V
-    [B, H, n, D], the RoPE rows [n, D], [B|1, n, D] or [B|1, 1, n, D]) with its pads `neutralized` (where `neutralize`:
-    a layer that quantizes something): what the append stores."""
+    """(key, value, cos, sin) of a chunk in its seats' order (`chunk` [B, n]: `seat_first_chunk`, `seating`; token
+    axis -2: K/V [B, H, n, D], the RoPE rows [n, D], [B|1, n, D] or [B|1, 1, n, D]) with its pads `neutralized`
+    (where `neutralize`: a layer that quantizes something): what the append stores."""
     def put(x):   # (a [n, D] RoPE table as [1, n, D])
         return None if x is None else seat(x if x.dim() > 2 else x[None], chunk, max(x.dim(), 3) - 2)
 
