@@ -178,7 +178,12 @@ class KVQLayer(CacheLayerMixin):
                                                                     stored_value, cos, sin, quantized)
             elif quantized:
                 stored_key, stored_value = st.neutralize_pads(attention_mask, positions, stored_key, value)
-        append(self.append_tensors, stored_key, stored_value, positions, cos, sin, self.append_layout)
+        if query.shape[2] > 1:   # rows whose earlier tokens were all pads take their statistics from this chunk
+            fresh = st.fresh_rows(attention_mask, positions) if self.store.spec.key.quantized \
+                or self.store.spec.value.quantized else None
+            append(self.append_tensors, stored_key, stored_value, positions, cos, sin, self.append_layout, fresh)
+        else:
+            append(self.append_tensors, stored_key, stored_value, positions, cos, sin, self.append_layout)
         return attend(query, self.attend_tensors, key, value, positions, mask, scale, is_causal,
                       self.attend_layout)
 

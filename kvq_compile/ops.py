@@ -15,7 +15,8 @@ of these same ops.
         the mask and is_causal mean what they mean to scaled_dot_product_attention over the static
         buffer, restricted to the written length p0 + n. GQA maps query head h to KV head h // (Hq // H).
     kvq::append_chunk, kvq::attend_chunk: the same for chunks of n > 1 tokens, tagged cudagraph_unsafe
-        (`chunk_ops`): a chunk reads its start position on the host.
+        (`chunk_ops`): a chunk reads its start position on the host. kvq::append_chunk takes `fresh` [B] too:
+        rows whose earlier tokens were all pads take their first-chunk statistics from this chunk.
     kvq::seat_chunk(seats!, attn_mask, positions, sink) -> (chunk [B, n], read [B, T]): a left-padded first
         chunk's seating for configs with a sink (`store.seat_first_chunk`): once per chunk graph of the rewrite,
         once per layer in KVQCache's compiled chunks.
@@ -70,8 +71,16 @@ _CHUNK_TAGS = (torch.Tag.cudagraph_unsafe,)  # torch >= 2.11 (pyproject) has it
 
 @torch.library.custom_op("kvq::append_chunk", mutates_args=("store",), tags=_CHUNK_TAGS)
 def append_chunk(store: list[torch.Tensor], key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
-                 cos: torch.Tensor | None, sin: torch.Tensor | None, layout: str) -> None:
-    _append_impl(store, key, value, positions, cos, sin, layout, compiled=False)
+                 cos: torch.Tensor | None, sin: torch.Tensor | None, layout: str,
+                 fresh: torch.Tensor | None = None) -> None:
+    """fresh [B] bool (`store.fresh_rows`): rows whose earlier tokens were all pads; their first-chunk statistics
+    are taken from this chunk."""
+    _append_impl(store, key, value, positions, cos, sin, layout, compiled=False, fresh=fresh)
+
+
+@append_chunk.register_fake
+def _append_chunk_fake(store, key, value, positions, cos, sin, layout, fresh=None):
+    return None
 
 
 @torch.library.custom_op("kvq::seat_chunk", mutates_args=("seats",), tags=_CHUNK_TAGS)
@@ -97,7 +106,7 @@ def chunk_ops(n) -> tuple:
     return torch.ops.kvq.append_chunk.default, torch.ops.kvq.attend_chunk.default
 
 
-def _append_impl(store, key, value, positions, cos, sin, layout: str, compiled: bool) -> None:
+def _append_impl(store, key, value, positions, cos, sin, layout: str, compiled: bool, fresh=None) -> None:
     """A chunk goes through the reference append (reads its start position on the host); one token per
     sequence through the sync-free decode append (positions stay on the device: CUDA-graph safe). On CUDA
     (`compiled`) that is the Triton template `quantize_append` (one launch for K and V), or with
@@ -108,7 +117,7 @@ def _append_impl(store, key, value, positions, cos, sin, layout: str, compiled: 
     if key.shape[2] != 1:
         p0, n = st.positions_span(positions)
         _refuse_overflow(geo, p0, n)
-        st.append(bufs, cfg, spec, geo, key, value, p0, cos, sin)
+        st.append(bufs, cfg, spec, geo, key, value, p0, cos, sin, fresh)
     elif compiled and _triton_append(layout):
         from .templates.quantize_append import append_decode
 

@@ -280,9 +280,20 @@ def _static_range(b: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return (b["center"] if "center" in b else torch.zeros_like(b["half"]), b["half"])
 
 
+def _set_rows(buf: torch.Tensor, value: torch.Tensor, rows: torch.Tensor | None) -> None:
+    """buf <- value (every row), or only where rows [B] (bool) is True."""
+    if rows is None:
+        buf.copy_(value)
+    else:
+        buf.copy_(torch.where(rows.view(-1, *([1] * (buf.dim() - 1))), value.to(buf.dtype).expand_as(buf), buf))
+
+
 def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: torch.Tensor, p0: int,
-                is_key: bool) -> None:
-    """Write chunk x [B, H, n, D] at positions [p0, p0 + n) into one side's buffers (in place)."""
+                is_key: bool, fresh: torch.Tensor | None = None) -> None:
+    """Write chunk x [B, H, n, D] at positions [p0, p0 + n) into one side's buffers (in place). The statistics a
+    side keeps from its first chunk (InnerQ's Key norm, static per-channel ranges) come from the chunk at p0 = 0,
+    and again, for the rows where `fresh` [B] (bool) is True, from this chunk: rows whose earlier tokens were all
+    pads (`fresh_rows`: a chunked prefill whose first chunks hold only pads for a row)."""
     n = x.shape[2]
     if not q.quantized:
         b["data"][:, :, p0:p0 + n] = x.to(b["data"].dtype)
@@ -290,16 +301,18 @@ def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: tor
     S, R, G = cfg.sink, cfg.recent, q.tokens_per_group
     wr = ring_size(R, G)
     dt = geo.torch_dtype
-    body = x[:, :, S:] if n > S else x  # statistics skip the exact sink tokens when there are others
-    if p0 == 0 and "norm" in b:
-        b["norm"].copy_(ref.key_norm(body))
+    first = max(S - p0, 0)   # statistics skip the exact sink tokens when there are others
+    body = x[:, :, first:] if n > first else x
+    rows = None if p0 == 0 else fresh
+    if (p0 == 0 or fresh is not None) and "norm" in b:
+        _set_rows(b["norm"], ref.key_norm(body), rows)
     static = q.axis is Axis.CHANNEL and q.group_size is None
-    if p0 == 0 and static:
+    if (p0 == 0 or fresh is not None) and static:
         scaled = body.float() / b["norm"] if "norm" in b else body
         c, h = ref.static_channel_range(scaled, q, dt, cfg.eta_for(q))
         if "center" in b:
-            b["center"].copy_(c)
-        b["half"].copy_(h)
+            _set_rows(b["center"], c, rows)
+        _set_rows(b["half"], h, rows)
     q_old, q_new = code_boundary(p0, S, R, G), code_boundary(p0 + n, S, R, G)
     if q_new > q_old:
         parts = []
@@ -385,15 +398,16 @@ def _dequant_channel_groups(qb, q, levels, t):
 
 
 def append(bufs: dict, cfg: KVQConfig, spec: LayerSpec, geo: Geometry, key: torch.Tensor, value: torch.Tensor,
-           p0: int, cos=None, sin=None) -> None:
-    """Reference quantize-on-append for one layer. Keys arrive already un-rotated when stored before RoPE."""
+           p0: int, cos=None, sin=None, fresh: torch.Tensor | None = None) -> None:
+    """Reference quantize-on-append for one layer. Keys arrive already un-rotated when stored before RoPE.
+    fresh: `append_side`'s."""
     if cos is not None and "rope.cos" in bufs:
         n = key.shape[2]
         cos, sin = (c[:, 0] if c.dim() == 4 else c for c in (cos, sin))  # [B|1, 1, n, D] -> [B|1, n, D]
         bufs["rope.cos"][:, p0:p0 + n] = cos.to(bufs["rope.cos"].dtype).expand(geo.batch, n, geo.head_dim)
         bufs["rope.sin"][:, p0:p0 + n] = sin.to(bufs["rope.sin"].dtype).expand(geo.batch, n, geo.head_dim)
-    append_side(_side(bufs, "k"), spec.key, cfg, geo, key, p0, True)
-    append_side(_side(bufs, "v"), spec.value, cfg, geo, value, p0, False)
+    append_side(_side(bufs, "k"), spec.key, cfg, geo, key, p0, True, fresh)
+    append_side(_side(bufs, "v"), spec.value, cfg, geo, value, p0, False, fresh)
 
 
 def read(bufs: dict, cfg: KVQConfig, spec: LayerSpec, head_dim: int, length: int, upto: int):
@@ -498,6 +512,21 @@ def attended(attention_mask: torch.Tensor, positions: torch.Tensor) -> torch.Ten
     row = attention_mask[:, 0, -1]
     last = row.index_select(-1, positions.clamp(max=row.shape[-1] - 1))
     return last if last.dtype == torch.bool else last > torch.finfo(last.dtype).min
+
+
+def fresh_rows(attention_mask: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor | None:
+    """[B or 1] bool: rows that attend a token of a chunk at `positions` and no token before it (a chunked prefill
+    whose first chunks held only left padding for a row): their first-chunk statistics (`append_side`) are taken
+    again from this chunk (a first chunk sets every row's anyway). From the chunk's last query row of a bool or
+    additive [B, 1 or Hq, q, T] mask, without reading the position on the host (compiled chunks); None for any
+    other mask. Its columns before the chunk are in slot order: a row seated at its first chunk had a real token
+    there."""
+    if attention_mask is None or attention_mask.dim() != 4:
+        return None
+    row = attention_mask[:, 0, -1]
+    allowed = row if row.dtype == torch.bool else row > torch.finfo(row.dtype).min
+    before = (allowed & (torch.arange(row.shape[-1], device=row.device) < positions[0])).any(-1)
+    return attended(attention_mask, positions).any(-1) & ~before
 
 
 def neutralize_pads(attention_mask: torch.Tensor, positions: torch.Tensor, *sides: torch.Tensor):

@@ -222,6 +222,35 @@ def test_pads_stay_out_of_the_statistics(name):
             torch.testing.assert_close(lb, la, atol=1e-5, rtol=1e-5)
 
 
+def test_a_first_chunk_of_pads_leaves_the_statistics_alone():
+    """A chunked prefill whose first chunk holds only pads for a row (more pads than the chunk has tokens: a batch
+    of mixed lengths): the statistics a side keeps from its first chunk (KVQuant's static Key ranges) are taken
+    again from the row's first chunk with real tokens (`store.fresh_rows`), so other pad tokens leave every logit
+    unchanged, KVQCache and kvq_backend's compiled chunks. Before session 45 they came from the pads (SmolLM2,
+    40 pads, 32-token chunks: kvquant-4's perplexity 6320 against 18.2 unpadded, bench/RESULTS.md)."""
+    from transformers import StaticCache
+
+    model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=2)
+    cfg = small_windows("kvquant-4")
+    ids, mask = prompts(2, 21, pad=(0, 11))
+    other = ids.clone()
+    other[1, :11] = (ids[1, :11] + 7) % 90 + 3   # other pad tokens, the same text
+
+    def runs(x):
+        out = [model.generate(x, attention_mask=mask, max_new_tokens=4, prefill_chunk_size=8, **GEN,
+                              past_key_values=KVQCache(model, cfg, batch_size=2, max_cache_len=32))]
+        static = StaticCache(config=model.config, max_cache_len=32)
+        static.early_initialization(2, 1, 64, torch.float32, "cpu")   # (every chunk compiled and rewritten)
+        torch._dynamo.reset()
+        out.append(model.generate(x, attention_mask=mask, max_new_tokens=4, prefill_chunk_size=8, **GEN,
+                                  past_key_values=static, compile_config=compile_config(kvq_backend(cfg))))
+        return out
+
+    for a, b in zip(runs(ids), runs(other)):
+        for la, lb in zip(a.logits, b.logits):
+            torch.testing.assert_close(lb, la, atol=1e-5, rtol=1e-5)
+
+
 def test_padded_rows_sink_holds_their_first_tokens():
     """An eager prefill with left padding seats each row's real tokens first (`KVQLayer.seat_rows`): a padded row's
     sink holds its first real tokens (before session 44: pads); later steps read the mask in the same order."""
