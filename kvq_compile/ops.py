@@ -117,6 +117,8 @@ def _append_impl(store, key, value, positions, cos, sin, layout: str, compiled: 
     if key.shape[2] != 1:
         p0, n = st.positions_span(positions)
         _refuse_overflow(geo, p0, n)
+        if fresh is not None and (p0 == 0 or not bool(fresh.any())):   # (a chunk reads p0 on the host anyway)
+            fresh = None
         st.append(bufs, cfg, spec, geo, key, value, p0, cos, sin, fresh)
     elif compiled and _triton_append(layout):
         from .templates.quantize_append import append_decode

@@ -517,10 +517,12 @@ def attended(attention_mask: torch.Tensor, positions: torch.Tensor) -> torch.Ten
 def fresh_rows(attention_mask: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor | None:
     """[B or 1] bool: rows that attend a token of a chunk at `positions` and no token before it (a chunked prefill
     whose first chunks held only left padding for a row): their first-chunk statistics (`append_side`) are taken
-    again from this chunk (a first chunk sets every row's anyway). From the chunk's last query row of a bool or
-    additive [B, 1 or Hq, q, T] mask, without reading the position on the host (compiled chunks); None for any
-    other mask. Its columns before the chunk are in slot order: a row seated at its first chunk had a real token
-    there."""
+    again from this chunk (a first chunk sets every row's anyway). Not handled: a row's first real chunk holding
+    a single real token (pads one short of a chunk boundary) gives that row a point range, as a one-token first
+    chunk does; a last prefill chunk of one token runs the decode append, which does not take `fresh`. From the
+    chunk's last query row of a bool or additive [B, 1 or Hq, q, T] mask, without reading the position on the host
+    (compiled chunks); None for any other mask. Seating permutes only a first chunk's columns, so whether a row
+    attended a column before a later chunk does not depend on it."""
     if attention_mask is None or attention_mask.dim() != 4:
         return None
     row = attention_mask[:, 0, -1]
