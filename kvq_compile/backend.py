@@ -222,7 +222,6 @@ class _StepRunner:
             if self.store.seats is not None and not bool(keep.all()):   # (`store.seating`, as KVQCache's)
                 seats = st.seating(keep, self.store.cfg.sink)
                 self.store.seats[:, :p0] = seats
-                keep = keep.gather(-1, seats)
         for layer, (ki, vi), rot in zip(self.store.layers, self.cache_args, self.rotary):
             k, v = args[ki][:, :, :p0], args[vi][:, :, :p0]
             cos = sin = None
@@ -235,12 +234,9 @@ class _StepRunner:
                 cos, sin = gmod(*call)
                 c3, s3 = (c[:, 0] if c.dim() == 4 else c for c in (cos, sin))
                 k = ref.rope_unrotate(k.float(), c3.float(), s3.float()).to(k.dtype)
-                if seats is not None:
-                    cos, sin = st.seat(c3, seats, 1), st.seat(s3, seats, 1)
-            if seats is not None:
-                k, v = st.seat(k, seats, 2), st.seat(v, seats, 2)
-            if keep is not None and (layer.spec.key.quantized or layer.spec.value.quantized):
-                k, v = st.neutralized(keep, k, v)
+                cos, sin = c3, s3
+            k, v, cos, sin = st.seated_chunk(keep, seats, k, v, cos, sin,
+                                             layer.spec.key.quantized or layer.spec.value.quantized)
             names, tensors = layer.append_tensors()
             torch.ops.kvq.append(tensors, k, v, positions, cos, sin, layer.descriptor(names))
 

@@ -141,7 +141,7 @@ class KVQLayer(CacheLayerMixin):
         self.seat_buffer[:, n:] = torch.arange(n, self.seat_buffer.shape[1], device=seats.device)
         self.seats = self.seat_buffer
         # keys stored before RoPE: each slot's table row goes with its token
-        return st.seated_chunk(attention_mask, positions, seats, key, value, cos, sin, neutralize)
+        return st.seated_chunk(keep, seats, key, value, cos, sin, neutralize)
 
     def append_and_attend(self, query, key, value, attention_mask, scale, is_causal, position_ids):
         """attention_mask: as the model made it (slot order); read through `seats` here."""
@@ -159,8 +159,8 @@ class KVQLayer(CacheLayerMixin):
                                                scale, is_causal, self.attend_layout)
         append, attend = ops.chunk_ops(query.shape[2])
         stored_value = value
+        quantized = self.store.spec.key.quantized or self.store.spec.value.quantized
         if query.shape[2] > 1 and attention_mask is not None:
-            quantized = self.store.spec.key.quantized or self.store.spec.value.quantized
             # every layer is seated (their masks are read through the seats, and the RoPE table is shared); only
             # those that quantize something neutralize their pads
             sink = self.store.cfg.sink > 0 and self.seat_buffer is not None
@@ -169,8 +169,8 @@ class KVQLayer(CacheLayerMixin):
                 # position on the host as chunks do); later steps read their masks through the buffer
                 chunk, read = torch.ops.kvq.seat_chunk(self.seat_buffer, attention_mask, positions,
                                                        self.store.cfg.sink)
-                stored_key, stored_value, cos, sin = st.seated_chunk(attention_mask, positions, chunk, stored_key,
-                                                                     stored_value, cos, sin, quantized)
+                stored_key, stored_value, cos, sin = st.seated_chunk(st.attended(attention_mask, positions), chunk,
+                                                                     stored_key, stored_value, cos, sin, quantized)
                 mask = st.seated_mask(attention_mask, read)
                 self.seats = self.seat_buffer
             elif sink and not torch.compiler.is_compiling() and int(positions[0]) == 0:
@@ -178,12 +178,9 @@ class KVQLayer(CacheLayerMixin):
                                                                     stored_value, cos, sin, quantized)
             elif quantized:
                 stored_key, stored_value = st.neutralize_pads(attention_mask, positions, stored_key, value)
-        if query.shape[2] > 1:   # rows whose earlier tokens were all pads take their statistics from this chunk
-            fresh = st.fresh_rows(attention_mask, positions) if self.store.spec.key.quantized \
-                or self.store.spec.value.quantized else None
-            append(self.append_tensors, stored_key, stored_value, positions, cos, sin, self.append_layout, fresh)
-        else:
-            append(self.append_tensors, stored_key, stored_value, positions, cos, sin, self.append_layout)
+        # a chunk: rows whose earlier tokens were all pads take their statistics from it
+        fresh = (st.fresh_rows(attention_mask, positions) if quantized else None,) if query.shape[2] > 1 else ()
+        append(self.append_tensors, stored_key, stored_value, positions, cos, sin, self.append_layout, *fresh)
         return attend(query, self.attend_tensors, key, value, positions, mask, scale, is_causal,
                       self.attend_layout)
 

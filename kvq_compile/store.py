@@ -605,18 +605,23 @@ def seat_first_chunk(seats: torch.Tensor, attention_mask: torch.Tensor, position
     return chunk, identity.clone()
 
 
-def seated_chunk(attention_mask: torch.Tensor, positions: torch.Tensor, chunk: torch.Tensor, key: torch.Tensor,
-                 value: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, neutralize: bool = True):
-    """(key, value, cos, sin) of a chunk in its seats' order (`chunk` [B, n]: `seat_first_chunk`, `seating`; token
-    axis -2: K/V [B, H, n, D], the RoPE rows [n, D], [B|1, n, D] or [B|1, 1, n, D]) with its pads `neutralized`
-    (where `neutralize`: a layer that quantizes something): what the append stores."""
+def seated_chunk(keep: torch.Tensor | None, chunk: torch.Tensor | None, key: torch.Tensor, value: torch.Tensor,
+                 cos: torch.Tensor | None, sin: torch.Tensor | None, neutralize: bool = True):
+    """(key, value, cos, sin) of a chunk as the append stores it: in `chunk`'s order ([B, n] slot -> token:
+    `seating`, `seat_first_chunk`; None: as it comes; token axis -2: K/V [B, H, n, D], the RoPE rows [n, D],
+    [B|1, n, D] or [B|1, 1, n, D]) with its pads `neutralized` where `neutralize` (a layer that quantizes
+    something) and `keep` ([B or 1, n] bool in token order, `attended`) is given. KVQCache's first chunks (eager
+    and compiled), the rewrite's chunk graphs and the backend's absorbed prefill."""
     def put(x):   # (a [n, D] RoPE table as [1, n, D])
-        return None if x is None else seat(x if x.dim() > 2 else x[None], chunk, max(x.dim(), 3) - 2)
+        if x is None or chunk is None:
+            return x
+        return seat(x if x.dim() > 2 else x[None], chunk, max(x.dim(), 3) - 2)
 
     key, value, cos, sin = put(key), put(value), put(cos), put(sin)
-    keep = attended(attention_mask, positions) if neutralize else None
-    if keep is not None:
-        key, value = neutralized(keep.expand(chunk.shape[0], -1).gather(-1, chunk), key, value)
+    if neutralize and keep is not None:
+        if chunk is not None:
+            keep = keep.expand(chunk.shape[0], -1).gather(-1, chunk)
+        key, value = neutralized(keep, key, value)
     return key, value, cos, sin
 
 

@@ -471,6 +471,7 @@ def rewrite(gm: fx.GraphModule, matches: list[AttentionMatch], model_store, regi
                                        (seats, m0.attn_mask, m0.positions, model_store.cfg.sink))
             chunk = graph.call_function(operator.getitem, (pair, 0))
             read = graph.call_function(operator.getitem, (pair, 1))
+            keep = graph.call_function(st.attended, (m0.attn_mask, m0.positions))
 
     for i, m in enumerate(matches):
         layer = model_store.layers[i]
@@ -488,8 +489,8 @@ def rewrite(gm: fx.GraphModule, matches: list[AttentionMatch], model_store, regi
             emitted.append((append_op, attend_op))
             with graph.inserting_before(m.v_append):
                 if chunk is not None:   # seated (every layer: the mask is read through the seats), pads neutralized
-                    quad = graph.call_function(st.seated_chunk, (m.attn_mask, m.positions, chunk, key_in, value_in,
-                                                                 cos, sin, layer.spec.key.quantized
+                    quad = graph.call_function(st.seated_chunk, (keep, chunk, key_in, value_in, cos, sin,
+                                                                 layer.spec.key.quantized
                                                                  or layer.spec.value.quantized))
                     key_in, value_in, cos, sin = (
                         None if x is None else graph.call_function(operator.getitem, (quad, j))
