@@ -178,9 +178,9 @@ class KVQLayer(CacheLayerMixin):
                                                                     stored_value, cos, sin, quantized)
             elif quantized:
                 stored_key, stored_value = st.neutralize_pads(attention_mask, positions, stored_key, value)
-        # a chunk: rows whose earlier tokens were all pads take their statistics from it
-        fresh = (st.fresh_rows(attention_mask, positions) if quantized else None,) if query.shape[2] > 1 else ()
-        append(self.append_tensors, stored_key, stored_value, positions, cos, sin, self.append_layout, *fresh)
+        # a chunk: which slots its last query attends (slot order), for the first-chunk statistics (`append_side`)
+        attended = (st.attended_slots(mask) if quantized else None,) if query.shape[2] > 1 else ()
+        append(self.append_tensors, stored_key, stored_value, positions, cos, sin, self.append_layout, *attended)
         return attend(query, self.attend_tensors, key, value, positions, mask, scale, is_causal,
                       self.attend_layout)
 

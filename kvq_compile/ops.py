@@ -15,8 +15,9 @@ of these same ops.
         the mask and is_causal mean what they mean to scaled_dot_product_attention over the static
         buffer, restricted to the written length p0 + n. GQA maps query head h to KV head h // (Hq // H).
     kvq::append_chunk, kvq::attend_chunk: the same for chunks of n > 1 tokens, tagged cudagraph_unsafe
-        (`chunk_ops`): a chunk reads its start position on the host. kvq::append_chunk takes `fresh` [B] too:
-        rows whose earlier tokens were all pads take their first-chunk statistics from this chunk.
+        (`chunk_ops`): a chunk reads its start position on the host. kvq::append_chunk takes `attended` [B|1, T]
+        too (`store.attended_slots`): which slots its last query attends, for its first-chunk statistics
+        (`store.append_side`: widened while the prefix is exact, taken again by rows that saw only pads).
     kvq::seat_chunk(seats!, attn_mask, positions, sink) -> (chunk [B, n], read [B, T]): a left-padded first
         chunk's seating for configs with a sink (`store.seat_first_chunk`): once per chunk graph of the rewrite,
         once per layer in KVQCache's compiled chunks.
@@ -72,14 +73,14 @@ _CHUNK_TAGS = (torch.Tag.cudagraph_unsafe,)  # torch >= 2.11 (pyproject) has it
 @torch.library.custom_op("kvq::append_chunk", mutates_args=("store",), tags=_CHUNK_TAGS)
 def append_chunk(store: list[torch.Tensor], key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
                  cos: torch.Tensor | None, sin: torch.Tensor | None, layout: str,
-                 fresh: torch.Tensor | None = None) -> None:
-    """fresh [B] bool (`store.fresh_rows`): rows whose earlier tokens were all pads; their first-chunk statistics
-    are taken from this chunk."""
-    _append_impl(store, key, value, positions, cos, sin, layout, compiled=False, fresh=fresh)
+                 attended: torch.Tensor | None = None) -> None:
+    """attended [B or 1, T] bool (`store.attended_slots`): the slots the chunk's last query attends, in slot order;
+    the others are pads (`store.append_side`)."""
+    _append_impl(store, key, value, positions, cos, sin, layout, compiled=False, attended=attended)
 
 
 @append_chunk.register_fake
-def _append_chunk_fake(store, key, value, positions, cos, sin, layout, fresh=None):
+def _append_chunk_fake(store, key, value, positions, cos, sin, layout, attended=None):
     return None
 
 
@@ -106,7 +107,7 @@ def chunk_ops(n) -> tuple:
     return torch.ops.kvq.append_chunk.default, torch.ops.kvq.attend_chunk.default
 
 
-def _append_impl(store, key, value, positions, cos, sin, layout: str, compiled: bool, fresh=None) -> None:
+def _append_impl(store, key, value, positions, cos, sin, layout: str, compiled: bool, attended=None) -> None:
     """A chunk goes through the reference append (reads its start position on the host); one token per
     sequence through the sync-free decode append (positions stay on the device: CUDA-graph safe). On CUDA
     (`compiled`) that is the Triton template `quantize_append` (one launch for K and V), or with
@@ -117,9 +118,7 @@ def _append_impl(store, key, value, positions, cos, sin, layout: str, compiled: 
     if key.shape[2] != 1:
         p0, n = st.positions_span(positions)
         _refuse_overflow(geo, p0, n)
-        if fresh is not None and (p0 == 0 or not bool(fresh.any())):   # (a chunk reads p0 on the host anyway)
-            fresh = None
-        st.append(bufs, cfg, spec, geo, key, value, p0, cos, sin, fresh)
+        st.append(bufs, cfg, spec, geo, key, value, p0, cos, sin, attended)
     elif compiled and _triton_append(layout):
         from .templates.quantize_append import append_decode
 

@@ -288,12 +288,33 @@ def _set_rows(buf: torch.Tensor, value: torch.Tensor, rows: torch.Tensor | None)
         buf.copy_(torch.where(rows.view(-1, *([1] * (buf.dim() - 1))), value.to(buf.dtype).expand_as(buf), buf))
 
 
+def first_statistics(b: dict, q: QuantizerSpec) -> bool:
+    """Whether a side keeps statistics from its first chunk: InnerQ's Key norm, static per-channel ranges."""
+    return "norm" in b or (q.axis is Axis.CHANNEL and q.group_size is None)
+
+
+def _exact_prefix(b: dict, p0: int, S: int, wr: int) -> torch.Tensor:
+    """Positions [0, p0) of a side whose tokens all still sit in its sink and ring, exact (cache dtype)."""
+    parts = [b["sink"][:, :, :min(S, p0)]] if S else []
+    if p0 > S:
+        parts.append(b["ring"][:, :, torch.arange(S, p0, device=b["ring"].device) % wr])
+    return torch.cat(parts, dim=2)
+
+
 def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: torch.Tensor, p0: int,
-                is_key: bool, fresh: torch.Tensor | None = None) -> None:
-    """Write chunk x [B, H, n, D] at positions [p0, p0 + n) into one side's buffers (in place). The statistics a
-    side keeps from its first chunk (InnerQ's Key norm, static per-channel ranges) come from the chunk at p0 = 0,
-    and again, for the rows where `fresh` [B] (bool) is True, from this chunk: rows whose earlier tokens were all
-    pads (`fresh_rows`: a chunked prefill whose first chunks hold only pads for a row)."""
+                is_key: bool, attended: torch.Tensor | None = None) -> None:
+    """Write chunk x [B, H, n, D] at positions [p0, p0 + n) into one side's buffers (in place).
+
+    The statistics a side keeps from its first chunk (`first_statistics`) come from the chunk at p0 = 0. A later
+    chunk (n > 1) of a chunked prefill widens them while every earlier token is still exact in the sink and the
+    ring (Q(p0) = S: none has left the recent window, so no code has been read yet): the side is appended again
+    from position 0 with the exact prefix and the chunk, as if the prefill so far had come in one piece (its
+    codes rewritten). After that they stay, except for rows whose earlier tokens were all pads, which take them
+    from this chunk (a chunked prefill whose first chunks held only left padding for a row). Not handled: a row
+    whose first real chunk holds a single real token gets a point range, as a one-token first chunk does; a
+    one-token chunk (a decode step, a last prefill chunk of one token: the decode append) changes nothing.
+    attended [B or 1, >= p0 + n] bool: the slots (in slot order: `seated_mask`) that the chunk's last query
+    attends (`attended_slots`); the others are pads, `neutralized` in the prefix appended again. None: no pads."""
     n = x.shape[2]
     if not q.quantized:
         b["data"][:, :, p0:p0 + n] = x.to(b["data"].dtype)
@@ -301,12 +322,23 @@ def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: tor
     S, R, G = cfg.sink, cfg.recent, q.tokens_per_group
     wr = ring_size(R, G)
     dt = geo.torch_dtype
+    static = q.axis is Axis.CHANNEL and q.group_size is None
+    a = attended if attended is not None and attended.shape[-1] >= p0 + n else None
+    if p0 > 0 and n > 1 and first_statistics(b, q) and fill_boundary(p0, S, R, G) == S:
+        whole = torch.cat([_exact_prefix(b, p0, S, wr).to(x.dtype), x], dim=2)
+        if a is not None:
+            whole = neutralized(a[..., :p0 + n], whole)[0]
+        append_side(b, q, cfg, geo, whole, 0, is_key)
+        return
+    fresh = None
+    if p0 > 0 and a is not None and first_statistics(b, q):
+        fresh = a[..., p0:p0 + n].any(-1) & ~a[..., :p0].any(-1)
+        fresh = fresh.expand(geo.batch) if bool(fresh.any()) else None   # (a chunk reads p0 on the host anyway)
     first = max(S - p0, 0)   # statistics skip the exact sink tokens when there are others
     body = x[:, :, first:] if n > first else x
     rows = None if p0 == 0 else fresh
     if (p0 == 0 or fresh is not None) and "norm" in b:
         _set_rows(b["norm"], ref.key_norm(body), rows)
-    static = q.axis is Axis.CHANNEL and q.group_size is None
     if (p0 == 0 or fresh is not None) and static:
         scaled = body.float() / b["norm"] if "norm" in b else body
         c, h = ref.static_channel_range(scaled, q, dt, cfg.eta_for(q))
@@ -398,16 +430,16 @@ def _dequant_channel_groups(qb, q, levels, t):
 
 
 def append(bufs: dict, cfg: KVQConfig, spec: LayerSpec, geo: Geometry, key: torch.Tensor, value: torch.Tensor,
-           p0: int, cos=None, sin=None, fresh: torch.Tensor | None = None) -> None:
+           p0: int, cos=None, sin=None, attended: torch.Tensor | None = None) -> None:
     """Reference quantize-on-append for one layer. Keys arrive already un-rotated when stored before RoPE.
-    fresh: `append_side`'s."""
+    attended: `append_side`'s."""
     if cos is not None and "rope.cos" in bufs:
         n = key.shape[2]
         cos, sin = (c[:, 0] if c.dim() == 4 else c for c in (cos, sin))  # [B|1, 1, n, D] -> [B|1, n, D]
         bufs["rope.cos"][:, p0:p0 + n] = cos.to(bufs["rope.cos"].dtype).expand(geo.batch, n, geo.head_dim)
         bufs["rope.sin"][:, p0:p0 + n] = sin.to(bufs["rope.sin"].dtype).expand(geo.batch, n, geo.head_dim)
-    append_side(_side(bufs, "k"), spec.key, cfg, geo, key, p0, True, fresh)
-    append_side(_side(bufs, "v"), spec.value, cfg, geo, value, p0, False, fresh)
+    append_side(_side(bufs, "k"), spec.key, cfg, geo, key, p0, True, attended)
+    append_side(_side(bufs, "v"), spec.value, cfg, geo, value, p0, False, attended)
 
 
 def read(bufs: dict, cfg: KVQConfig, spec: LayerSpec, head_dim: int, length: int, upto: int):
@@ -514,21 +546,16 @@ def attended(attention_mask: torch.Tensor, positions: torch.Tensor) -> torch.Ten
     return last if last.dtype == torch.bool else last > torch.finfo(last.dtype).min
 
 
-def fresh_rows(attention_mask: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor | None:
-    """[B or 1] bool: rows that attend a token of a chunk at `positions` and no token before it (a chunked prefill
-    whose first chunks held only left padding for a row): their first-chunk statistics (`append_side`) are taken
-    again from this chunk (a first chunk sets every row's anyway). Not handled: a row's first real chunk holding
-    a single real token (pads one short of a chunk boundary) gives that row a point range, as a one-token first
-    chunk does; a last prefill chunk of one token runs the decode append, which does not take `fresh`. From the
-    chunk's last query row of a bool or additive [B, 1 or Hq, q, T] mask, without reading the position on the host
-    (compiled chunks); None for any other mask. Seating permutes only a first chunk's columns, so whether a row
-    attended a column before a later chunk does not depend on it."""
+def attended_slots(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """[B or 1, T] bool: the slots that a chunk's last query attends (a padded row's real tokens before it and in the
+    chunk; that query is a real token), from a bool (True = attend) or additive [B, 1 or Hq, q, T] mask in slot
+    order (`seated_mask`); None for any other mask. A chunk's append (`append_side`) reads from it which of its
+    prefix's slots are pads and which rows saw no real token before it, without reading anything on the host
+    (compiled chunks)."""
     if attention_mask is None or attention_mask.dim() != 4:
         return None
     row = attention_mask[:, 0, -1]
-    allowed = row if row.dtype == torch.bool else row > torch.finfo(row.dtype).min
-    before = (allowed & (torch.arange(row.shape[-1], device=row.device) < positions[0])).any(-1)
-    return attended(attention_mask, positions).any(-1) & ~before
+    return row if row.dtype == torch.bool else row > torch.finfo(row.dtype).min
 
 
 def neutralize_pads(attention_mask: torch.Tensor, positions: torch.Tensor, *sides: torch.Tensor):

@@ -362,7 +362,7 @@ def _pads_to_neutralize(graph: fx.Graph, m: AttentionMatch, append_op, layer) ->
 
 def _chunk_mask(graph: fx.Graph, matches: list[AttentionMatch], append_op) -> bool:
     """Whether a chunk graph's layers read one 4-D mask node computed (as the first layer's positions) before the
-    first append: what `store.fresh_rows` reads."""
+    first append: what `store.attended_slots` reads."""
     mask, positions = matches[0].attn_mask, matches[0].positions
     if append_op is not torch.ops.kvq.append_chunk.default or not isinstance(mask, fx.Node) \
             or getattr(_val(mask), "dim", lambda: 0)() != 4 or any(m.attn_mask is not mask for m in matches):
@@ -449,11 +449,6 @@ def rewrite(gm: fx.GraphModule, matches: list[AttentionMatch], model_store, regi
                 seated[mask] = graph.call_function(torch.gather, (full, -1, idx))   # `store.seated_mask`
         return seated[mask]
 
-    fresh = None   # a chunk graph's rows whose earlier tokens were all pads (`store.fresh_rows`), once
-    if matches and _chunk_mask(graph, matches, chunk_ops(_val(matches[0].query).shape[2])[0]):
-        order = {n: i for i, n in enumerate(graph.nodes)}
-        with graph.inserting_before(min((m.v_append for m in matches), key=order.__getitem__)):
-            fresh = graph.call_function(st.fresh_rows, (matches[0].attn_mask, matches[0].positions))
     chunk = read = None   # a chunk graph's seating (configs with a sink): once, before its first append
     append_op, _ = chunk_ops(_val(matches[0].query).shape[2]) if matches else (None, None)
     why = _chunk_seating(graph, matches, model_store, append_op) if matches else None
@@ -472,6 +467,12 @@ def rewrite(gm: fx.GraphModule, matches: list[AttentionMatch], model_store, regi
             chunk = graph.call_function(operator.getitem, (pair, 0))
             read = graph.call_function(operator.getitem, (pair, 1))
             keep = graph.call_function(st.attended, (m0.attn_mask, m0.positions))
+    attended = None   # a chunk graph's slots that its last query attends, in slot order (`store.attended_slots`), once
+    if matches and _chunk_mask(graph, matches, chunk_ops(_val(matches[0].query).shape[2])[0]):
+        mask = seated_mask(matches[0].attn_mask, read)   # (its nodes sit before the first append: `_chunk_mask`)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        with graph.inserting_before(min((m.v_append for m in matches), key=order.__getitem__)):
+            attended = graph.call_function(st.attended_slots, (mask,))
 
     for i, m in enumerate(matches):
         layer = model_store.layers[i]
@@ -499,8 +500,8 @@ def rewrite(gm: fx.GraphModule, matches: list[AttentionMatch], model_store, regi
                     pair = graph.call_function(st.neutralize_pads, (m.attn_mask, m.positions, key_in, value_in))
                     key_in, value_in = (graph.call_function(operator.getitem, (pair, j)) for j in (0, 1))
                 args = (store_nodes, key_in, value_in, m.positions, cos, sin, layer.descriptor(names))
-                if append_op is torch.ops.kvq.append_chunk.default and fresh is not None:
-                    args += (fresh,)
+                if append_op is torch.ops.kvq.append_chunk.default and attended is not None:
+                    args += (attended,)
                 graph.call_function(append_op, args)
         graph.erase_node(m.v_append)
         graph.erase_node(m.k_append)

@@ -225,7 +225,7 @@ def test_pads_stay_out_of_the_statistics(name):
 def test_a_first_chunk_of_pads_leaves_the_statistics_alone():
     """A chunked prefill whose first chunk holds only pads for a row (more pads than the chunk has tokens: a batch
     of mixed lengths): the statistics a side keeps from its first chunk (KVQuant's static Key ranges) are taken
-    again from the row's first chunk with real tokens (`store.fresh_rows`), so other pad tokens leave every logit
+    again from the row's first chunk with real tokens (`store.append_side`), so other pad tokens leave every logit
     unchanged, KVQCache and kvq_backend's compiled chunks. Before session 45 they came from the pads (SmolLM2,
     40 pads, 32-token chunks: kvquant-4's perplexity 6320 against 18.2 unpadded, bench/RESULTS.md)."""
     from transformers import StaticCache
@@ -249,6 +249,39 @@ def test_a_first_chunk_of_pads_leaves_the_statistics_alone():
     for a, b in zip(runs(ids), runs(other)):
         for la, lb in zip(a.logits, b.logits):
             torch.testing.assert_close(lb, la, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("pads", [(0,), (0, 5)])
+def test_chunked_prefill_within_the_window_equals_one_piece(pads):
+    """A prefill in chunks whose prompt fits the sink and recent window leaves the store as one piece would
+    (`store.append_side` widens the first chunk's statistics, InnerQ's Key norm here, while the prefix is exact),
+    so every logit, also the decode steps' that read codes, equals the unchunked prefill's: KVQCache and
+    kvq_backend's compiled chunks, with and without left padding (seated as one piece would be). Before session 46
+    the statistics came from the first chunk alone (SmolLM2 innerq-2, 32-token chunks: 49.76 perplexity against
+    34.39 unchunked, bench/RESULTS.md). CalibQuant is not compared so: its later chunks take the calibrated
+    softmax, a first chunk exact attention."""
+    from transformers import StaticCache
+
+    model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=2)
+    cfg = small_windows("innerq-2")
+    cfg.recent = 24   # 21 prompt tokens stay exact through the prefill; 12 decode steps push 7 past the window
+    ids, mask = prompts(2, 21, pad=pads)
+
+    def run(chunk, backend):
+        kw = dict(prefill_chunk_size=chunk) if chunk else {}
+        if backend:
+            torch._dynamo.reset()
+            static = StaticCache(config=model.config, max_cache_len=34)
+            static.early_initialization(2, 1, 64, torch.float32, "cpu")
+            kw.update(past_key_values=static, compile_config=compile_config(kvq_backend(cfg)))
+        else:
+            kw.update(past_key_values=KVQCache(model, cfg, batch_size=2, max_cache_len=34))
+        return model.generate(ids, attention_mask=mask, max_new_tokens=12, **GEN, **kw).logits
+
+    for backend in (False, True):
+        whole, chunked = run(None, backend), run(8, backend)
+        for a, b in zip(whole, chunked):
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
 
 
 def test_padded_rows_sink_holds_their_first_tokens():

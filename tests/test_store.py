@@ -204,3 +204,68 @@ def _compare_compiled_append(name, device, B, H, T, D, steps, dtype, tol):
     for n in a.buffers:  # CPU: the eager reference's float32 sqrt is an ulp off (InnerQ's key norm, halves)
         t = tol if a.buffers[n].is_floating_point() else 0
         torch.testing.assert_close(b.buffers[n], a.buffers[n], atol=t, rtol=t, msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["innerq-2", "calibquant-1", "kivi-2"])
+def test_chunks_while_the_prefix_is_exact_append_as_one_piece(name, dtype):
+    """A chunked prefill whose earlier tokens all still sit exact in the sink and the ring (no token has left the
+    recent window) leaves every buffer as one append of the whole prefill does: the statistics kept from the
+    first chunk (InnerQ's Key norm, CalibQuant's static ranges) are widened over it (`append_side`). Once a token
+    has left the window they stay as the last widening chunk left them."""
+    cfg = KVQConfig.preset(name)
+    cfg.sink, cfg.recent = min(cfg.sink, 5), 37
+    B, H, T, D = 2, 3, 96, 64
+    geo = st.Geometry(B, H, T, D, st.dtype_name(dtype))
+    gen = torch.Generator().manual_seed(11)
+    x = [torch.randn(B, H, T, D, generator=gen).mul_(torch.rand(D, generator=gen) * 3).to(dtype) for _ in (0, 1)]
+    chunked, whole, widened = (st.ModelStore(cfg, 1, geo, "cpu").layers[0] for _ in range(3))
+    cuts = [0, 7, 20, 36, 70, 90]   # Q(36) = S (36 - S - 37 < 1): widened over [0, 70); Q(70) > S: not
+    for a, b in zip(cuts, cuts[1:]):
+        st.append(dict(zip(*chunked.append_tensors())), cfg, chunked.spec, geo, x[0][:, :, a:b], x[1][:, :, a:b], a)
+    st.append(dict(zip(*whole.append_tensors())), cfg, whole.spec, geo, x[0][:, :, :70], x[1][:, :, :70], 0)
+    st.append(dict(zip(*whole.append_tensors())), cfg, whole.spec, geo, x[0][:, :, 70:90], x[1][:, :, 70:90], 70)
+    for n in chunked.buffers:
+        a, b = chunked.buffers[n], whole.buffers[n]
+        if n.endswith("ring"):   # the slots of the window's tokens (the others hold tokens that left it)
+            q = getattr(cfg, "key" if n.startswith("k.") else "value")
+            live = torch.arange(st.fill_boundary(90, cfg.sink, cfg.recent, q.tokens_per_group), 90)
+            a, b = (t[:, :, live % t.shape[2]] for t in (a, b))
+        assert torch.equal(a, b), n
+    # and not as the first chunk alone would have left them (the test can fail)
+    st.append(dict(zip(*widened.append_tensors())), cfg, widened.spec, geo, x[0][:, :, :7], x[1][:, :, :7], 0)
+    firsts = [n for n in chunked.buffers if n.endswith(("norm", "center", "half"))
+              and chunked.buffers[n].shape[2] == 1]
+    assert bool(firsts) == (name != "kivi-2")
+    for n in firsts:
+        assert not torch.equal(chunked.buffers[n], widened.buffers[n]), n
+
+
+def test_widened_statistics_leave_out_pads():
+    """With left padding the widened statistics come from the real tokens only: a row whose first chunk held only
+    pads (left raw there: nothing to copy) ends with the statistics of one append of its neutralized prefill, and
+    other pad values change nothing (`attended` marks the pads; `neutralized` replaces them)."""
+    cfg = KVQConfig.preset("calibquant-1")
+    cfg.recent = 40
+    B, H, T, D = 2, 2, 64, 64
+    geo = st.Geometry(B, H, T, D, "float32")
+    gen = torch.Generator().manual_seed(3)
+    k, v = torch.randn(B, H, 30, D, generator=gen) * 2, torch.randn(B, H, 30, D, generator=gen)
+    keep = torch.ones(B, T, dtype=torch.bool)
+    keep[1, :13] = False   # row 1: 13 pads, more than the first chunk's 8 tokens
+    stats = []
+    for scale in (1.0, 50.0):
+        kp, vp = k.clone(), v.clone()
+        kp[1, :, :13] *= scale
+        vp[1, :, :13] *= scale
+        layer = st.ModelStore(cfg, 1, geo, "cpu").layers[0]
+        bufs = dict(zip(*layer.append_tensors()))
+        for a, b in ((0, 8), (8, 19), (19, 30)):   # each chunk's own pads neutralized, as KVQCache does
+            ka, va = st.neutralized(keep[:, a:b], kp[:, :, a:b], vp[:, :, a:b])
+            st.append(bufs, cfg, layer.spec, geo, ka, va, a, attended=keep)
+        stats.append({n: layer.buffers[n].clone() for n in ("k.center", "k.half", "v.center", "v.half")})
+    one = st.ModelStore(cfg, 1, geo, "cpu").layers[0]
+    st.append(dict(zip(*one.append_tensors())), cfg, one.spec, geo, *st.neutralized(keep[:, :30], k, v), 0)
+    for n, t in stats[0].items():
+        assert torch.equal(stats[1][n], t), n
+        assert torch.equal(one.buffers[n], t), n
