@@ -99,8 +99,8 @@ def attention_independent(cfg: KVQConfig) -> bool:
     - the ring's slots of [Q(p0 + 1), p0). The append writes slot p0 % (R + G - 1), position p0 - R - G + 1's,
       below Q(p0 + 1);
     - the sink below min(S, p0) (the append writes sink[p0]), rows below p0 of the RoPE table and of unquantized
-      sides, and the appended token from the op's own inputs. The norm and static ranges are set at p0 == 0, when
-      the attention reads nothing stored.
+      sides, and the appended token from the op's own inputs. The norm and static ranges are set by chunks only
+      (p0 == 0, or a later chunk while Q(p0) = S: `append_side`), never by a decode step.
     Without a recent window a group of G > 1 tokens that p0 completes is read at once. (Layouts of single-token
     groups without one, int8 and kvquant's, read codes below p0 only and may be independent too; not claimed here:
     unchecked against every kernel.)"""
@@ -308,13 +308,17 @@ def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: tor
     The statistics a side keeps from its first chunk (`first_statistics`) come from the chunk at p0 = 0. A later
     chunk (n > 1) of a chunked prefill widens them while every earlier token is still exact in the sink and the
     ring (Q(p0) = S: none has left the recent window, so no code has been read yet): the side is appended again
-    from position 0 with the exact prefix and the chunk, as if the prefill so far had come in one piece (its
+    from position 0 with the exact prefix (its cache-dtype copies: with a wider input dtype the statistics may
+    differ from one piece's in the last bit) and the chunk, as if the prefill so far had come in one piece (its
     codes rewritten). After that they stay, except for rows whose earlier tokens were all pads, which take them
     from this chunk (a chunked prefill whose first chunks held only left padding for a row). Not handled: a row
     whose first real chunk holds a single real token gets a point range, as a one-token first chunk does; a
     one-token chunk (a decode step, a last prefill chunk of one token: the decode append) changes nothing.
     attended [B or 1, >= p0 + n] bool: the slots (in slot order: `seated_mask`) that the chunk's last query
-    attends (`attended_slots`); the others are pads, `neutralized` in the prefix appended again. None: no pads."""
+    attends (`attended_slots`); the others are pads, `neutralized` in the prefix appended again (also in the sink
+    and ring: a slot that an earlier query of the chunk attends but the last does not, as under a sliding window,
+    would be read as a copy; no caller passes such masks: KVQCache and the pass refuse sliding windows). None, or
+    shorter than p0 + n: no pads."""
     n = x.shape[2]
     if not q.quantized:
         b["data"][:, :, p0:p0 + n] = x.to(b["data"].dtype)

@@ -206,25 +206,33 @@ def _compare_compiled_append(name, device, B, H, T, D, steps, dtype, tol):
         torch.testing.assert_close(b.buffers[n], a.buffers[n], atol=t, rtol=t, msg=lambda m: f"{n}: {m}")
 
 
+@pytest.mark.parametrize("edge", [0, 1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["innerq-2", "calibquant-1", "kivi-2"])
-def test_chunks_while_the_prefix_is_exact_append_as_one_piece(name, dtype):
+def test_chunks_while_the_prefix_is_exact_append_as_one_piece(name, dtype, edge):
     """A chunked prefill whose earlier tokens all still sit exact in the sink and the ring (no token has left the
     recent window) leaves every buffer as one append of the whole prefill does: the statistics kept from the
     first chunk (InnerQ's Key norm, CalibQuant's static ranges) are widened over it (`append_side`). Once a token
-    has left the window they stay as the last widening chunk left them."""
+    has left the window they stay as the last widening chunk left them. A chunk at S + R (edge 0; Q = S for the
+    single-token groups that keep them) is the last that widens; one at S + R + 1 (edge 1) does not."""
     cfg = KVQConfig.preset(name)
     cfg.sink, cfg.recent = min(cfg.sink, 5), 37
     B, H, T, D = 2, 3, 96, 64
     geo = st.Geometry(B, H, T, D, st.dtype_name(dtype))
     gen = torch.Generator().manual_seed(11)
     x = [torch.randn(B, H, T, D, generator=gen).mul_(torch.rand(D, generator=gen) * 3).to(dtype) for _ in (0, 1)]
-    chunked, whole, widened = (st.ModelStore(cfg, 1, geo, "cpu").layers[0] for _ in range(3))
-    cuts = [0, 7, 20, 36, 70, 90]   # Q(36) = S (36 - S - 37 < 1): widened over [0, 70); Q(70) > S: not
-    for a, b in zip(cuts, cuts[1:]):
-        st.append(dict(zip(*chunked.append_tensors())), cfg, chunked.spec, geo, x[0][:, :, a:b], x[1][:, :, a:b], a)
-    st.append(dict(zip(*whole.append_tensors())), cfg, whole.spec, geo, x[0][:, :, :70], x[1][:, :, :70], 0)
-    st.append(dict(zip(*whole.append_tensors())), cfg, whole.spec, geo, x[0][:, :, 70:90], x[1][:, :, 70:90], 70)
+    E = cfg.sink + cfg.recent + edge
+    last = E + 2 if edge == 0 else E   # the end of the last chunk that widens
+    cuts = [0, 7, 20, E, E + 2, 90]
+
+    def build(spans):
+        layer = st.ModelStore(cfg, 1, geo, "cpu").layers[0]
+        for a, b in spans:
+            st.append(dict(zip(*layer.append_tensors())), cfg, layer.spec, geo, x[0][:, :, a:b], x[1][:, :, a:b], a)
+        return layer
+
+    chunked = build(zip(cuts, cuts[1:]))
+    whole = build([(0, last)] + [(a, b) for a, b in zip(cuts, cuts[1:]) if a >= last])
     for n in chunked.buffers:
         a, b = chunked.buffers[n], whole.buffers[n]
         if n.endswith("ring"):   # the slots of the window's tokens (the others hold tokens that left it)
@@ -232,13 +240,14 @@ def test_chunks_while_the_prefix_is_exact_append_as_one_piece(name, dtype):
             live = torch.arange(st.fill_boundary(90, cfg.sink, cfg.recent, q.tokens_per_group), 90)
             a, b = (t[:, :, live % t.shape[2]] for t in (a, b))
         assert torch.equal(a, b), n
-    # and not as the first chunk alone would have left them (the test can fail)
-    st.append(dict(zip(*widened.append_tensors())), cfg, widened.spec, geo, x[0][:, :, :7], x[1][:, :, :7], 0)
     firsts = [n for n in chunked.buffers if n.endswith(("norm", "center", "half"))
               and chunked.buffers[n].shape[2] == 1]
     assert bool(firsts) == (name != "kivi-2")
+    # the first-chunk statistics are those of [0, last) in one piece: not of the first chunk alone, not of more
+    one, first = build([(0, last)]), build([(0, 7)])
     for n in firsts:
-        assert not torch.equal(chunked.buffers[n], widened.buffers[n]), n
+        assert torch.equal(chunked.buffers[n], one.buffers[n]), n
+        assert not torch.equal(chunked.buffers[n], first.buffers[n]), n
 
 
 def test_widened_statistics_leave_out_pads():
