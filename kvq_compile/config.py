@@ -69,7 +69,8 @@ class QuantizerSpec:
     axis: see `Axis`.
     group_size: elements per group along the group's direction. None means the whole direction:
         for TOKEN, all `head_dim` channels of a token; for CHANNEL, one static range per channel fixed
-        from the first appended chunk (the prefill), as KVQuant's offline per-channel Key scaling does
+        from the first appended chunk (the prefill; a chunked prefill's later chunks widen it while no token
+        has left the recent window: `store.append_side`), as KVQuant's offline per-channel Key scaling does
         when no calibration is loaded.
     symmetry: see `Symmetry`.
     levels: see `Levels`.
@@ -155,7 +156,8 @@ class KVQConfig:
         tokens stay exact; a token is quantized when it leaves the recent window and its group is full.
     keys_before_rope: store Keys before rotary embedding and re-apply RoPE after dequantization (KVQuant).
     key_norm: InnerQ per-channel Key normalization: Keys are divided by sqrt(per-channel absmax) of the
-        first appended chunk before quantization; the factor is folded back into the query.
+        first appended chunk (widened as the static ranges are) before quantization; the factor is folded back
+        into the query.
     softmax_tau: CalibQuant (tau1, tau2): the attention logits of each query row, range [gamma, delta],
         are mapped linearly onto [gamma + tau1, delta - tau2] before softmax. Softmax is shift invariant,
         so this is a per-row temperature t = 1 - (tau1 + tau2) / (delta - gamma).

@@ -19,7 +19,8 @@ def quantized_view(history: torch.Tensor, q: QuantizerSpec, cfg: KVQConfig, leng
     """float32 [B, H, length, D]: positions as attention reads them when `length` tokens are stored.
 
     history: [B, H, >=length, D] every token ever appended, in the cache dtype.
-    first_chunk: size of the first append (static per-channel ranges and key norms come from it).
+    first_chunk: size of the first append (static per-channel ranges and key norms come from it; the simulation
+        takes a prefill in one piece, which a chunked prefill within the recent window matches: `store.append_side`).
     codes_from: for XQuant sharing, the source layer's history: its codes, this layer's ranges.
     """
     x = history[:, :, :length]

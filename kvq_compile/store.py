@@ -306,11 +306,11 @@ def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: tor
     """Write chunk x [B, H, n, D] at positions [p0, p0 + n) into one side's buffers (in place).
 
     The statistics a side keeps from its first chunk (`first_statistics`) come from the chunk at p0 = 0. A later
-    chunk (n > 1) of a chunked prefill widens them while every earlier token is still exact in the sink and the
-    ring (Q(p0) = S: none has left the recent window, so no code has been read yet): the side is appended again
-    from position 0 with the exact prefix (its cache-dtype copies: with a wider input dtype the statistics may
-    differ from one piece's in the last bit) and the chunk, as if the prefill so far had come in one piece (its
-    codes rewritten). After that they stay, except for rows whose earlier tokens were all pads, which take them
+    chunk (n > 1: a chunked prefill's, or a next turn's) widens them while every earlier token is still exact in
+    the sink and the ring (Q(p0) = S: none has left the recent window, so no code has been read yet): the side is
+    appended again from position 0 with the exact prefix and the chunk, both in the cache dtype, as if the prefill
+    so far had come in one piece (its codes rewritten; with an input dtype wider than the cache's, the statistics
+    then come from values rounded to the cache dtype, where one piece takes them from the input). After that they stay, except for rows whose earlier tokens were all pads, which take them
     from this chunk (a chunked prefill whose first chunks held only left padding for a row). Not handled: a row
     whose first real chunk holds a single real token gets a point range, as a one-token first chunk does; a
     one-token chunk (a decode step, a last prefill chunk of one token: the decode append) changes nothing.
@@ -329,7 +329,7 @@ def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: tor
     static = q.axis is Axis.CHANNEL and q.group_size is None
     a = attended if attended is not None and attended.shape[-1] >= p0 + n else None
     if p0 > 0 and n > 1 and first_statistics(b, q) and fill_boundary(p0, S, R, G) == S:
-        whole = torch.cat([_exact_prefix(b, p0, S, wr).to(x.dtype), x], dim=2)
+        whole = torch.cat([_exact_prefix(b, p0, S, wr), x.to(dt)], dim=2)
         if a is not None:
             whole = neutralized(a[..., :p0 + n], whole)[0]
         append_side(b, q, cfg, geo, whole, 0, is_key)

@@ -278,3 +278,23 @@ def test_widened_statistics_leave_out_pads():
     for n, t in stats[0].items():
         assert torch.equal(stats[1][n], t), n
         assert torch.equal(one.buffers[n], t), n
+
+
+def test_widening_stays_in_the_cache_dtype():
+    """The widened prefix is appended in the cache dtype: float16 inputs near their maximum into a bfloat16 cache
+    (65504 rounds to 65536 there, past float16's range) leave finite statistics, equal to one piece of the inputs
+    rounded to the cache dtype (found by session 46's review: the prefix was cast to the input dtype)."""
+    cfg = KVQConfig.preset("innerq-2")
+    cfg.sink, cfg.recent = 3, 30
+    B, H, T, D = 1, 2, 40, 64
+    geo = st.Geometry(B, H, T, D, "bfloat16")
+    gen = torch.Generator().manual_seed(5)
+    k, v = (torch.randn(B, H, 24, D, generator=gen).to(torch.float16) for _ in (0, 1))
+    k[..., 5, :] = 65504.0
+    chunked, one = (st.ModelStore(cfg, 1, geo, "cpu").layers[0] for _ in (0, 1))
+    for a, b in ((0, 9), (9, 24)):
+        st.append(dict(zip(*chunked.append_tensors())), cfg, chunked.spec, geo, k[:, :, a:b], v[:, :, a:b], a)
+    st.append(dict(zip(*one.append_tensors())), cfg, one.spec, geo, k.to(torch.bfloat16), v.to(torch.bfloat16), 0)
+    assert torch.isfinite(chunked.buffers["k.norm"]).all()
+    for n in ("k.norm", "k.codes", "k.half", "k.sink"):
+        assert torch.equal(chunked.buffers[n], one.buffers[n]), n
