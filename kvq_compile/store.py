@@ -302,7 +302,7 @@ def _exact_prefix(b: dict, p0: int, S: int, wr: int) -> torch.Tensor:
 
 
 def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: torch.Tensor, p0: int,
-                is_key: bool, attended: torch.Tensor | None = None) -> None:
+                is_key: bool, slots: torch.Tensor | None = None) -> None:
     """Write chunk x [B, H, n, D] at positions [p0, p0 + n) into one side's buffers (in place).
 
     The statistics a side keeps from its first chunk (`first_statistics`) come from the chunk at p0 = 0. A later
@@ -310,15 +310,16 @@ def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: tor
     the sink and the ring (Q(p0) = S: none has left the recent window, so no code has been read yet): the side is
     appended again from position 0 with the exact prefix and the chunk, both in the cache dtype, as if the prefill
     so far had come in one piece (its codes rewritten; with an input dtype wider than the cache's, the statistics
-    then come from values rounded to the cache dtype, where one piece takes them from the input). After that they stay, except for rows whose earlier tokens were all pads, which take them
-    from this chunk (a chunked prefill whose first chunks held only left padding for a row). Not handled: a row
-    whose first real chunk holds a single real token gets a point range, as a one-token first chunk does; a
-    one-token chunk (a decode step, a last prefill chunk of one token: the decode append) changes nothing.
-    attended [B or 1, >= p0 + n] bool: the slots (in slot order: `seated_mask`) that the chunk's last query
-    attends (`attended_slots`); the others are pads, `neutralized` in the prefix appended again (also in the sink
-    and ring: a slot that an earlier query of the chunk attends but the last does not, as under a sliding window,
-    would be read as a copy; no caller passes such masks: KVQCache and the pass refuse sliding windows). None, or
-    shorter than p0 + n: no pads."""
+    then come from values rounded to the cache dtype, where one piece takes them from the input). After that they
+    stay, except for rows whose earlier tokens were all pads, which take them from this chunk (a chunked prefill
+    whose first chunks held only left padding for a row). Not handled: a row whose first real chunk holds a single
+    real token gets a point range, as a one-token first chunk does; a one-token chunk (a decode step, a last
+    prefill chunk of one token: the decode append) changes nothing.
+    slots [B or 1, >= p0 + n] bool (`attended_slots`): the slots, in slot order (`seated_mask`), that the chunk's
+    last query attends; the others are pads, `neutralized` in the prefix appended again (also in the sink and ring:
+    a slot that an earlier query of the chunk attends but the last does not, as under a sliding window, would be
+    read as a copy; no caller passes such masks: KVQCache and the pass refuse sliding windows). None, or shorter
+    than p0 + n: no pads."""
     n = x.shape[2]
     if not q.quantized:
         b["data"][:, :, p0:p0 + n] = x.to(b["data"].dtype)
@@ -327,7 +328,7 @@ def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: tor
     wr = ring_size(R, G)
     dt = geo.torch_dtype
     static = q.axis is Axis.CHANNEL and q.group_size is None
-    a = attended if attended is not None and attended.shape[-1] >= p0 + n else None
+    a = slots if slots is not None and slots.shape[-1] >= p0 + n else None
     if p0 > 0 and n > 1 and first_statistics(b, q) and fill_boundary(p0, S, R, G) == S:
         whole = torch.cat([_exact_prefix(b, p0, S, wr), x.to(dt)], dim=2)
         if a is not None:
@@ -434,16 +435,16 @@ def _dequant_channel_groups(qb, q, levels, t):
 
 
 def append(bufs: dict, cfg: KVQConfig, spec: LayerSpec, geo: Geometry, key: torch.Tensor, value: torch.Tensor,
-           p0: int, cos=None, sin=None, attended: torch.Tensor | None = None) -> None:
+           p0: int, cos=None, sin=None, slots: torch.Tensor | None = None) -> None:
     """Reference quantize-on-append for one layer. Keys arrive already un-rotated when stored before RoPE.
-    attended: `append_side`'s."""
+    slots: `append_side`'s (the chunk's attended slots, `kvq::append_chunk`'s `attended`)."""
     if cos is not None and "rope.cos" in bufs:
         n = key.shape[2]
         cos, sin = (c[:, 0] if c.dim() == 4 else c for c in (cos, sin))  # [B|1, 1, n, D] -> [B|1, n, D]
         bufs["rope.cos"][:, p0:p0 + n] = cos.to(bufs["rope.cos"].dtype).expand(geo.batch, n, geo.head_dim)
         bufs["rope.sin"][:, p0:p0 + n] = sin.to(bufs["rope.sin"].dtype).expand(geo.batch, n, geo.head_dim)
-    append_side(_side(bufs, "k"), spec.key, cfg, geo, key, p0, True, attended)
-    append_side(_side(bufs, "v"), spec.value, cfg, geo, value, p0, False, attended)
+    append_side(_side(bufs, "k"), spec.key, cfg, geo, key, p0, True, slots)
+    append_side(_side(bufs, "v"), spec.value, cfg, geo, value, p0, False, slots)
 
 
 def read(bufs: dict, cfg: KVQConfig, spec: LayerSpec, head_dim: int, length: int, upto: int):

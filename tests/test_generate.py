@@ -117,9 +117,9 @@ def test_compiled_store_equals_simulation_of_its_inputs(name, monkeypatch):
     seen = {}
     real_append = st.append
 
-    def spy(bufs, cfg_, spec, geo, key, value, p0, cos=None, sin=None, attended=None):
+    def spy(bufs, cfg_, spec, geo, key, value, p0, cos=None, sin=None, slots=None):
         seen.setdefault(id(bufs["v.half"]), []).append((key.clone(), value.clone()))
-        return real_append(bufs, cfg_, spec, geo, key, value, p0, cos, sin, attended)
+        return real_append(bufs, cfg_, spec, geo, key, value, p0, cos, sin, slots)
 
     real_decode = st.append_decode
 

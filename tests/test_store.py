@@ -271,7 +271,7 @@ def test_widened_statistics_leave_out_pads():
         bufs = dict(zip(*layer.append_tensors()))
         for a, b in ((0, 8), (8, 19), (19, 30)):   # each chunk's own pads neutralized, as KVQCache does
             ka, va = st.neutralized(keep[:, a:b], kp[:, :, a:b], vp[:, :, a:b])
-            st.append(bufs, cfg, layer.spec, geo, ka, va, a, attended=keep)
+            st.append(bufs, cfg, layer.spec, geo, ka, va, a, slots=keep)
         stats.append({n: layer.buffers[n].clone() for n in ("k.center", "k.half", "v.center", "v.half")})
     one = st.ModelStore(cfg, 1, geo, "cpu").layers[0]
     st.append(dict(zip(*one.append_tensors())), cfg, one.spec, geo, *st.neutralized(keep[:, :30], k, v), 0)
