@@ -288,11 +288,6 @@ def _set_rows(buf: torch.Tensor, value: torch.Tensor, rows: torch.Tensor | None)
         buf.copy_(torch.where(rows.view(-1, *([1] * (buf.dim() - 1))), value.to(buf.dtype).expand_as(buf), buf))
 
 
-def first_statistics(b: dict, q: QuantizerSpec) -> bool:
-    """Whether a side keeps statistics from its first chunk: InnerQ's Key norm, static per-channel ranges."""
-    return "norm" in b or (q.axis is Axis.CHANNEL and q.group_size is None)
-
-
 def _exact_prefix(b: dict, p0: int, S: int, wr: int) -> torch.Tensor:
     """Positions [0, p0) of a side whose tokens all still sit in its sink and ring, exact (cache dtype)."""
     parts = [b["sink"][:, :, :min(S, p0)]] if S else []
@@ -305,12 +300,13 @@ def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: tor
                 is_key: bool, slots: torch.Tensor | None = None) -> None:
     """Write chunk x [B, H, n, D] at positions [p0, p0 + n) into one side's buffers (in place).
 
-    The statistics a side keeps from its first chunk (`first_statistics`) come from the chunk at p0 = 0. A later
-    chunk (n > 1: a chunked prefill's, or a next turn's) widens them while every earlier token is still exact in
-    the sink and the ring (Q(p0) = S: none has left the recent window, so no code has been read yet): the side is
-    appended again from position 0 with the exact prefix and the chunk, both in the cache dtype, as if the prefill
-    so far had come in one piece (its codes rewritten; with an input dtype wider than the cache's, the statistics
-    then come from values rounded to the cache dtype, where one piece takes them from the input). After that they
+    The statistics a side keeps from its first chunk (InnerQ's Key norm, static per-channel ranges) come from the
+    chunk at p0 = 0. A later chunk (n > 1: a chunked prefill's, or a next turn's) widens them while every earlier
+    token is still exact in the sink and the ring (Q(p0) = S: none has left the recent window, so no code has been
+    read yet): the side is appended again from position 0 with the exact prefix and the chunk, both in the cache
+    dtype, as if the prefill so far had come in one piece (its codes rewritten; with an input dtype wider than the
+    cache's, the statistics then come from values rounded to the cache dtype, where one piece takes them from the
+    input). After that they
     stay, except for rows whose earlier tokens were all pads, which take them from this chunk (a chunked prefill
     whose first chunks held only left padding for a row). Not handled: a row whose first real chunk holds a single
     real token gets a point range, as a one-token first chunk does; a one-token chunk (a decode step, a last
@@ -328,15 +324,16 @@ def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: tor
     wr = ring_size(R, G)
     dt = geo.torch_dtype
     static = q.axis is Axis.CHANNEL and q.group_size is None
+    firsts = static or "norm" in b   # statistics kept from the first chunk
     a = slots if slots is not None and slots.shape[-1] >= p0 + n else None
-    if p0 > 0 and n > 1 and first_statistics(b, q) and fill_boundary(p0, S, R, G) == S:
+    if p0 > 0 and n > 1 and firsts and fill_boundary(p0, S, R, G) == S:
         whole = torch.cat([_exact_prefix(b, p0, S, wr), x.to(dt)], dim=2)
         if a is not None:
             whole = neutralized(a[..., :p0 + n], whole)[0]
         append_side(b, q, cfg, geo, whole, 0, is_key)
         return
     fresh = None
-    if p0 > 0 and a is not None and first_statistics(b, q):
+    if p0 > 0 and a is not None and firsts:
         fresh = a[..., p0:p0 + n].any(-1) & ~a[..., :p0].any(-1)
         fresh = fresh.expand(geo.batch) if bool(fresh.any()) else None   # (a chunk reads p0 on the host anyway)
     first = max(S - p0, 0)   # statistics skip the exact sink tokens when there are others
