@@ -54,7 +54,7 @@ def main():
                   f"{sum(ops.values())} instructions per {bt} tokens: {dict(ops.most_common(12))}", flush=True)
     kivi = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KCEN=ty, KHALF=ty, VC="*i32", VCEN=ty, VHALF=ty,
                 POS="*i64", AMASK="*i1", stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32", OUT_ACC="*fp32",
-                scale="fp32", T="i32", NG_K="i32", NSPLIT="i32", KMASK=ty, VMASK=ty, KNORM=ty,   # InnerQ's: unread
+                scale="fp32", T="i32", NG_K="i32", NSPLIT="i32", KNORM=ty,   # InnerQ's: unread
                 KHROWS=ty, KCROWS=ty)
     for bits in (2, 4):
         for post in (True, False):
@@ -92,7 +92,7 @@ def main():
                       WT=dag.WHOLE_TILES, TPS=tps, KSUB=dag.BF16_SUBNORMAL_KEYS, KSW=dag.SUB_WINDOW,
                       **dag.pair_flags(tps, True, dag.WHOLE_TILES, 128, qz))
             cx.update(fold)
-            b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 12, 13, 14, 22, 23))
+            b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 12, 13, 14, 20, 21))
             # main_loop spans the mbarrier wait's retry branch here: its HMMA are the tile's, the refill's not
             run, ops = ring_tile(b.sass, 1 if cx["PAIR"] else cx["TPS"], refill=qz)
             run = run / 2 if cx["PAIR"] else run   # PAIR: the loop runs a slot (two tiles) a trip
@@ -102,7 +102,7 @@ def main():
                   f"{b.sass.count('UTMALDG')}, about {run:.0f} "
                   f"instructions run per tile ({cx['TPS']} a ring slot): {dict(ops.most_common(10))}", flush=True)
     # InnerQ's layout (innerq-2: 2-bit hybrid groups on both sides, the Key norm) in the same kernel
-    inner = dict(kivi, KMASK="*u8", VMASK="*u8", KNORM="*fp32")
+    inner = dict(kivi, KNORM="*fp32")
     cx = dict(H=8, REP=4, S=32, R=96, TPG_K=1, TPG_V=32, MASK_KIND=1, IS_BF16=False, BT=32, KBITS=2, VBITS=2,
               KA_HI=1.0, KA_LO=0.0, VA_HI=1.0, VA_LO=0.0, NWIN=3, TMA=False, NST=2, PDL=True, INNER=True, KHYB=True,
               VHYB=True, NORM=True, WL=dag.WIDEN_IN_LANES, WT=dag.WHOLE_TILES, TPS=1)

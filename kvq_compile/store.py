@@ -6,8 +6,8 @@ One `LayerStore` per attention layer holds, for Keys and for Values ("k." / "v."
     codes    [B, H, T, W]  int32         packed codes, W = ceil(D / (32 // bits)); absent when the codes
                                          are shared from an earlier layer (XQuant)
     center   group shape   cache dtype   absent for symmetric groups (always 0)
-    half     group shape   cache dtype
-    mask     group shape   bool          hybrid groups: True = symmetric levels
+    half     group shape   cache dtype   hybrid groups: its sign is the group's choice (negative = symmetric
+                                         levels; the half-range is its magnitude, always > 0: `signed_half`)
     out_val  [B, H, T, k]  cache dtype   dense-and-sparse outliers, k per token
     out_idx  [B, H, T, k]  uint8/int16   their channels
     sink     [B, H, S, D]  cache dtype   the first `sink` tokens, exact
@@ -130,8 +130,6 @@ def side_shapes(q: QuantizerSpec, geo: Geometry, sink: int, recent: int, shared_
     if q.symmetry is not Symmetry.SYMMETRIC:
         out["center"] = (gshape, dt)
     out["half"] = (gshape, dt)
-    if q.symmetry is Symmetry.HYBRID:
-        out["mask"] = (gshape, torch.bool)
     k = ref.outliers_per_token(q, D)
     if k:
         out["out_val"] = ((B, H, T, k), dt)
@@ -368,9 +366,7 @@ def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: tor
                 g0, g1 = (q_old - S) // G, (q_new - S) // G
             if "center" in b:
                 b["center"][:, :, g0:g1] = qb.center
-            b["half"][:, :, g0:g1] = qb.half
-            if "mask" in b:
-                b["mask"][:, :, g0:g1] = qb.mask
+            b["half"][:, :, g0:g1] = signed_half(qb)
         if "out_val" in b:
             b["out_val"][:, :, q_old:q_new] = qb.outlier_values.to(dt)
             b["out_idx"][:, :, q_old:q_new] = qb.outlier_index
@@ -381,6 +377,19 @@ def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: tor
     if lo < p0 + n:
         slots = torch.arange(lo, p0 + n, device=x.device) % wr
         b["ring"][:, :, slots] = x[:, :, lo - p0:].to(dt)
+
+
+def signed_half(qb: ref.QuantizedBlock) -> torch.Tensor:
+    """The stored `half` of a block: the half-range, negated where a hybrid group chose symmetric levels (the
+    half-range is never 0, `ref.EPS`, so the sign is free; no separate mask buffer to store or load)."""
+    return qb.half if qb.mask is None else torch.where(qb.mask, -qb.half, qb.half)
+
+
+def split_half(half: torch.Tensor, q: QuantizerSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(half-range, hybrid mask or None) of a stored `half` (`signed_half`)."""
+    if q.symmetry is not Symmetry.HYBRID:
+        return half, None
+    return half.abs(), half < 0
 
 
 def read_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, head_dim: int, length: int, upto: int) -> torch.Tensor:
@@ -402,9 +411,9 @@ def read_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, head_dim: int, length: 
             sl = slice(0, 1)
         else:
             sl = slice(0, -(-(qe - S) // G))
-        half = b["half"][:, :, sl]
+        half, mask = split_half(b["half"][:, :, sl], q)
         center = b["center"][:, :, sl] if "center" in b else torch.zeros_like(half)
-        qb = ref.QuantizedBlock(codes, center, half, b["mask"][:, :, sl] if "mask" in b else None,
+        qb = ref.QuantizedBlock(codes, center, half, mask,
                                 b["out_val"][:, :, S:qe] if "out_val" in b else None,
                                 b["out_idx"][:, :, S:qe] if "out_idx" in b else None)
         if q.axis is Axis.CHANNEL and q.group_size is not None:
@@ -512,9 +521,7 @@ def append_side_decode(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry,
         gidx = pos if q.axis is Axis.TOKEN else ((q_old - S) // G).reshape(1)
         if "center" in b:
             _write_rows(b["center"], 2, gidx, qb.center, keep)
-        _write_rows(b["half"], 2, gidx, qb.half, keep)
-        if "mask" in b:
-            _write_rows(b["mask"], 2, gidx, qb.mask, keep)
+        _write_rows(b["half"], 2, gidx, signed_half(qb), keep)
     if "out_val" in b:
         _write_rows(b["out_val"], 2, pos, qb.outlier_values, keep)
         _write_rows(b["out_idx"], 2, pos, qb.outlier_index, keep)

@@ -229,7 +229,7 @@ def _unpack(cbase, t, tmask, D: tl.constexpr, BITS: tl.constexpr, BT: tl.constex
 
 
 @triton.jit
-def _dequant(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_ptr, norm_ptr, bh, t, t0, d, tmask,
+def _dequant(codes_ptr, cen_ptr, half_ptr, oval_ptr, oidx_ptr, lev_ptr, norm_ptr, bh, t, t0, d, tmask,
              T, D: tl.constexpr, S: tl.constexpr, BITS: tl.constexpr, AXIS: tl.constexpr,
              GS: tl.constexpr, NG, SYM: tl.constexpr, LUT: tl.constexpr, NOUT: tl.constexpr,
              NORM: tl.constexpr, ALIGNED: tl.constexpr, BT: tl.constexpr):
@@ -260,8 +260,9 @@ def _dequant(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_pt
         else:
             cen = half
         sym = None
-        if SYM == 2:
-            sym = (tl.load(hmask_ptr + gb + gi, mask=m2, other=0) != 0)[:, :, None]
+        if SYM == 2:   # the group's choice is the sign of its half-range (`store.signed_half`)
+            sym = (half < 0)[:, :, None]
+            half = tl.abs(half)
         x = tl.reshape(_values(code3, sym, half[:, :, None], cen[:, :, None], BITS, SYM, LUT, lev_ptr), [BT, D])
     else:
         if GS == 0:  # static per-channel ranges: one row
@@ -288,7 +289,8 @@ def _dequant(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_pt
             half = tl.load(half_ptr + gb + gi, mask=gm, other=0.0).to(tl.float32)
             sym = None
             if SYM == 2:
-                sym = tl.load(hmask_ptr + gb + gi, mask=gm, other=0) != 0
+                sym = half < 0
+                half = tl.abs(half)
             cen = half
             if SYM != 1:
                 cen = tl.load(cen_ptr + gb + gi, mask=gm, other=0.0).to(tl.float32)
@@ -304,7 +306,7 @@ def _dequant(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_pt
 
 
 @triton.jit
-def _load_side(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_ptr, norm_ptr,
+def _load_side(codes_ptr, cen_ptr, half_ptr, oval_ptr, oidx_ptr, lev_ptr, norm_ptr,
                data_ptr, sink_ptr, ring_ptr, chunk_ptr, stride_cb, stride_ch, stride_cn, nch, b, h, bh, t, t0, d,
                tvalid, p0, bnd, T, D: tl.constexpr, S: tl.constexpr, WR: tl.constexpr, BITS: tl.constexpr,
                AXIS: tl.constexpr, GS: tl.constexpr, NG, SYM: tl.constexpr, LUT: tl.constexpr,
@@ -323,13 +325,13 @@ def _load_side(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_
         if ONLY_CODES:
             return x
     elif ONLY_CODES:
-        x = _dequant(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_ptr, norm_ptr, bh, t, t0, d,
+        x = _dequant(codes_ptr, cen_ptr, half_ptr, oval_ptr, oidx_ptr, lev_ptr, norm_ptr, bh, t, t0, d,
                      tvalid, T, D, S, BITS, AXIS, GS, NG, SYM, LUT, NOUT, NORM, True, BT)
         return x
     else:  # a window tile, t = t0 + arange(BT): most hold no codes at all, and skip their unpacking
         inq = tvalid & (t >= S) & (t < bnd) & (t < p0)
         if (t0 >= S) & (t0 < tl.minimum(bnd, p0)):   # a tile starting below S has its valid t below S
-            x = _dequant(codes_ptr, cen_ptr, half_ptr, hmask_ptr, oval_ptr, oidx_ptr, lev_ptr, norm_ptr, bh, t, t0,
+            x = _dequant(codes_ptr, cen_ptr, half_ptr, oval_ptr, oidx_ptr, lev_ptr, norm_ptr, bh, t, t0,
                          d, inq, T, D, S, BITS, AXIS, GS, NG, SYM, LUT, NOUT, NORM, False, BT)
             x = tl.where(inq[:, None], x, 0.0)
         else:
@@ -480,8 +482,8 @@ def _load_query(Q, stride_qb, stride_qh, bh, H: tl.constexpr, REP: tl.constexpr,
 @triton.jit
 def _decode_program(
         q,
-        KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK, stride_kb, stride_kh,
-        VC, VCEN, VHALF, VMASK, VOVAL, VOIDX, VLEV, VDATA, VSINK, VRING, VCHUNK, stride_vb, stride_vh,
+        KC, KCEN, KHALF, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK, stride_kb, stride_kh,
+        VC, VCEN, VHALF, VOVAL, VOIDX, VLEV, VDATA, VSINK, VRING, VCHUNK, stride_vb, stride_vh,
         COS, SIN, POS, AMASK, stride_mb, stride_mh, TEMP,
         OUT_M, OUT_L, OUT_ACC, scale, T, NG_K, NG_V, NSPLIT, bh, slot,
         H: tl.constexpr, REP: tl.constexpr, REP_PAD: tl.constexpr, D: tl.constexpr,
@@ -557,7 +559,7 @@ def _decode_program(
             s = _post_logits(qn, KC, KCEN, KHALF, KLEV, bh, t, t0, tvalid, d, T, NG_K, D, S,
                              BITS_K, GS_K, SYM_K, LUT_K, KP, BLOCK_T, dt, IEEE, INTERP)
         else:
-            k = _load_side(KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK,
+            k = _load_side(KC, KCEN, KHALF, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK,
                            stride_kb, stride_kh, 0, 1, b, h, bh, t, t0, d, tvalid, p0, bnd_k, T, D, S, WR_K, BITS_K, AXIS_K,
                            GS_K, NG_K, SYM_K, LUT_K, NOUT_K, NORM_K, not WINDOW, BLOCK_T)
             if ROPE:
@@ -586,7 +588,7 @@ def _decode_program(
                 pv = _post_pv(p, VC, VCEN, VHALF, VLEV, bh, t, t0, tvalid, d, T, NG_V, D, S,
                               BITS_V, GS_V, SYM_V, LUT_V, VP, BLOCK_T, dt, IEEE, INTERP)
             else:
-                v = _load_side(VC, VCEN, VHALF, VMASK, VOVAL, VOIDX, VLEV, VLEV, VDATA, VSINK, VRING, VCHUNK,
+                v = _load_side(VC, VCEN, VHALF, VOVAL, VOIDX, VLEV, VLEV, VDATA, VSINK, VRING, VCHUNK,
                                stride_vb, stride_vh, 0, 1, b, h, bh, t, t0, d, tvalid, p0, bnd_v, T, D, S, WR_V, BITS_V,
                                AXIS_V, GS_V, NG_V, SYM_V, LUT_V, NOUT_V, False, not WINDOW, BLOCK_T)
                 pv = _dot(p, v, dt, IEEE, INTERP)
@@ -616,8 +618,8 @@ def _decode_program(
 @triton.jit
 def _decode_kernel(
         Q, stride_qb, stride_qh,
-        KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK, stride_kb, stride_kh,
-        VC, VCEN, VHALF, VMASK, VOVAL, VOIDX, VLEV, VDATA, VSINK, VRING, VCHUNK, stride_vb, stride_vh,
+        KC, KCEN, KHALF, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK, stride_kb, stride_kh,
+        VC, VCEN, VHALF, VOVAL, VOIDX, VLEV, VDATA, VSINK, VRING, VCHUNK, stride_vb, stride_vh,
         COS, SIN, POS, AMASK, stride_mb, stride_mh, TEMP,
         OUT_M, OUT_L, OUT_ACC, scale, T, NG_K, NG_V, NSPLIT,
         H: tl.constexpr, REP: tl.constexpr, REP_PAD: tl.constexpr, D: tl.constexpr,
@@ -644,8 +646,8 @@ def _decode_kernel(
     if ONE_WAIT:  # the window launch's last program alone waits for the quantized region's launch (`WINDOW_ONE_WAIT`)
         waits = (bh == tl.num_programs(0) - 1) & (tl.program_id(1) == tl.num_programs(1) - 1)
     q = _load_query(Q, stride_qb, stride_qh, bh, H, REP, REP_PAD, D)
-    _decode_program(q, KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK, stride_kb,
-        stride_kh, VC, VCEN, VHALF, VMASK, VOVAL, VOIDX, VLEV, VDATA, VSINK, VRING, VCHUNK, stride_vb, stride_vh,
+    _decode_program(q, KC, KCEN, KHALF, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK, stride_kb,
+        stride_kh, VC, VCEN, VHALF, VOVAL, VOIDX, VLEV, VDATA, VSINK, VRING, VCHUNK, stride_vb, stride_vh,
         COS, SIN, POS, AMASK, stride_mb, stride_mh, TEMP, OUT_M, OUT_L, OUT_ACC, scale, T, NG_K, NG_V, NSPLIT, bh,
         tl.program_id(1), H, REP, REP_PAD, D, S, R, BITS_K, AXIS_K, GS_K, SYM_K, LUT_K, NOUT_K, NORM_K, TPG_K,
         WR_K, BITS_V, AXIS_V, GS_V, SYM_V, LUT_V, NOUT_V, TPG_V, WR_V, ROPE, MASK_KIND, MASK_SHARED, IS_CAUSAL,
@@ -689,8 +691,8 @@ def _merge_slots(OUT_M, OUT_L, OUT_ACC, bh, NS, REP: tl.constexpr, REP_PAD: tl.c
 @triton.jit
 def _fused_decode(
         q,
-        KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK, stride_kb, stride_kh,
-        VC, VCEN, VHALF, VMASK, VOVAL, VOIDX, VLEV, VDATA, VSINK, VRING, VCHUNK, stride_vb, stride_vh,
+        KC, KCEN, KHALF, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK, stride_kb, stride_kh,
+        VC, VCEN, VHALF, VOVAL, VOIDX, VLEV, VDATA, VSINK, VRING, VCHUNK, stride_vb, stride_vh,
         COS, SIN, POS, AMASK, stride_mb, stride_mh, TEMP,
         OUT_M, OUT_L, OUT_ACC, scale, T, NG_K, NG_V, NSPLIT, CNT,
         H: tl.constexpr, REP: tl.constexpr, REP_PAD: tl.constexpr, D: tl.constexpr,
@@ -719,16 +721,16 @@ def _fused_decode(
     # window tiles first, their tile index program_id(1) itself: as j - NSPLIT the kernel took 237 registers instead
     # of 168 (kivi-2 bf16, sm_90)
     if j < NWIN:
-        _decode_program(q, KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK,
-                        stride_kb, stride_kh, VC, VCEN, VHALF, VMASK, VOVAL, VOIDX, VLEV, VDATA, VSINK, VRING,
+        _decode_program(q, KC, KCEN, KHALF, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK,
+                        stride_kb, stride_kh, VC, VCEN, VHALF, VOVAL, VOIDX, VLEV, VDATA, VSINK, VRING,
                         VCHUNK, stride_vb, stride_vh, COS, SIN, POS, AMASK, stride_mb, stride_mh, TEMP, OUT_M,
                         OUT_L, OUT_ACC, scale, T, NG_K, NG_V, NSPLIT, bh, j, H, REP, REP_PAD, D, S, R,
                         BITS_K, AXIS_K, GS_K, SYM_K, LUT_K, NOUT_K, NORM_K, TPG_K, WR_K, BITS_V, AXIS_V, GS_V,
                         SYM_V, LUT_V, NOUT_V, TPG_V, WR_V, ROPE, MASK_KIND, MASK_SHARED, IS_CAUSAL, TAU_PHASE,
                         KPOST, VPOST, WBLOCK_T, IEEE, INTERP, True, NWIN, False)
     else:
-        _decode_program(q, KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK,
-                        stride_kb, stride_kh, VC, VCEN, VHALF, VMASK, VOVAL, VOIDX, VLEV, VDATA, VSINK, VRING,
+        _decode_program(q, KC, KCEN, KHALF, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK,
+                        stride_kb, stride_kh, VC, VCEN, VHALF, VOVAL, VOIDX, VLEV, VDATA, VSINK, VRING,
                         VCHUNK, stride_vb, stride_vh, COS, SIN, POS, AMASK, stride_mb, stride_mh, TEMP, OUT_M,
                         OUT_L, OUT_ACC, scale, T, NG_K, NG_V, NSPLIT, bh, j - NWIN, H, REP, REP_PAD, D, S, R, BITS_K,
                         AXIS_K, GS_K, SYM_K, LUT_K, NOUT_K, NORM_K, TPG_K, WR_K, BITS_V, AXIS_V, GS_V, SYM_V,
@@ -747,8 +749,8 @@ def _fused_decode(
 @triton.jit
 def _fused_decode_kernel(
         Q, stride_qb, stride_qh, O,
-        KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK, stride_kb, stride_kh,
-        VC, VCEN, VHALF, VMASK, VOVAL, VOIDX, VLEV, VDATA, VSINK, VRING, VCHUNK, stride_vb, stride_vh,
+        KC, KCEN, KHALF, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK, stride_kb, stride_kh,
+        VC, VCEN, VHALF, VOVAL, VOIDX, VLEV, VDATA, VSINK, VRING, VCHUNK, stride_vb, stride_vh,
         COS, SIN, POS, AMASK, stride_mb, stride_mh, TEMP,
         OUT_M, OUT_L, OUT_ACC, scale, T, NG_K, NG_V, NSPLIT, CNT,
         H: tl.constexpr, REP: tl.constexpr, REP_PAD: tl.constexpr, D: tl.constexpr,
@@ -766,8 +768,8 @@ def _fused_decode_kernel(
     `kvq_compile.lowering` computes, for the launcher's `fused=True` (the CPU tests, the kernel benchmark)."""
     bh = tl.program_id(0)
     q = _load_query(Q, stride_qb, stride_qh, bh, H, REP, REP_PAD, D)
-    last, out = _fused_decode(q, KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK,
-                              stride_kb, stride_kh, VC, VCEN, VHALF, VMASK, VOVAL, VOIDX, VLEV, VDATA, VSINK, VRING,
+    last, out = _fused_decode(q, KC, KCEN, KHALF, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK,
+                              stride_kb, stride_kh, VC, VCEN, VHALF, VOVAL, VOIDX, VLEV, VDATA, VSINK, VRING,
                               VCHUNK, stride_vb, stride_vh, COS, SIN, POS, AMASK, stride_mb, stride_mh, TEMP, OUT_M,
                               OUT_L, OUT_ACC, scale, T, NG_K, NG_V, NSPLIT, CNT, H, REP, REP_PAD, D, S, R, BITS_K,
                               AXIS_K, GS_K, SYM_K, LUT_K, NOUT_K, NORM_K, TPG_K, WR_K, BITS_V, AXIS_V, GS_V, SYM_V,
@@ -838,20 +840,22 @@ def _combine_kernel(OUT_M, OUT_L, OUT_ACC, O, H: tl.constexpr, REP: tl.constexpr
 # Launcher
 # ---------------------------------------------------------------------------------------------
 def _side_args(bufs: dict, side: str, q, geo, cfg):
-    """Pointers and constants of one side (K or V) of a layer's store, by buffer name."""
+    """Pointers and constants of one side (K or V) of a layer's store, by buffer name; the pointers' dict also says
+    whether the side's groups are hybrid ("hybrid": their choice is the sign of `half`, `store.signed_half`)."""
     from kvq_compile.config import Axis, Symmetry
 
     g = lambda n: bufs.get(f"{side}.{n}")  # noqa: E731
     if not q.quantized:
         data = g("data")
-        ptrs = dict(codes=data, cen=data, half=data, hmask=data, oval=data, oidx=data, lev=data, norm=data,
-                    data=data, sink=data, ring=data)
+        ptrs = dict(codes=data, cen=data, half=data, oval=data, oidx=data, lev=data, norm=data,
+                    data=data, sink=data, ring=data, hybrid=False)
         return ptrs, dict(BITS=16, AXIS=0, GS=1, NG=1, SYM=1, LUT=False, NOUT=0, NORM=False, TPG=1, WR=0)
     half = g("half")
     pick = lambda n: g(n) if g(n) is not None else half  # noqa: E731  absent buffers are never read
-    ptrs = {k: pick(n) for k, n in (("codes", "codes"), ("cen", "center"), ("half", "half"), ("hmask", "mask"),
+    ptrs = {k: pick(n) for k, n in (("codes", "codes"), ("cen", "center"), ("half", "half"),
                                     ("oval", "out_val"), ("oidx", "out_idx"), ("lev", "levels"),
                                     ("norm", "norm"), ("data", "half"), ("sink", "sink"), ("ring", "ring"))}
+    ptrs["hybrid"] = q.symmetry is Symmetry.HYBRID
     if g("codes") is None:
         raise ValueError(f"kvq decode attention: the {side} codes are missing from the store tensors")
     if q.axis is Axis.TOKEN:
@@ -873,7 +877,7 @@ def side_constants(kc: dict, vc: dict) -> dict:
 
 def side_pointers(p: dict, key: bool) -> tuple:
     """The kernels' per-side buffer arguments, in their order (Keys also pass the InnerQ norm)."""
-    names = ("codes", "cen", "half", "hmask", "oval", "oidx", "lev") + (("norm",) if key else ()) + (
+    names = ("codes", "cen", "half", "oval", "oidx", "lev") + (("norm",) if key else ()) + (
         "data", "sink", "ring")
     return tuple(p[n] for n in names)
 

@@ -1595,7 +1595,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _kivi_decode_kernel(
             Q, stride_qb, stride_qh, KC, KCEN, KHALF, VC, VCEN, VHALF, POS, AMASK, stride_mb,
-            OUT_M, OUT_L, OUT_ACC, scale, T, NG_K, NSPLIT, KMASK, VMASK, KNORM, KHROWS, KCROWS,
+            OUT_M, OUT_L, OUT_ACC, scale, T, NG_K, NSPLIT, KNORM, KHROWS, KCROWS,
             H: gl.constexpr, REP: gl.constexpr, S: gl.constexpr, R: gl.constexpr,
             TPG_K: gl.constexpr, TPG_V: gl.constexpr, MASK_KIND: gl.constexpr, IS_BF16: gl.constexpr,
             BT: gl.constexpr, KBITS: gl.constexpr, VBITS: gl.constexpr, KA_HI: gl.constexpr, KA_LO: gl.constexpr,
@@ -1610,7 +1610,7 @@ if HAVE_GLUON:
         groups of 32 tokens: the same packed words, the statistics the other way round, the codes alone through the
         ring where TMA). NG_K: the
         statistics rows per KV head of the token-grouped side (KIVI's Keys, InnerQ's Values). InnerQ's extras:
-        KHYB / VHYB hybrid groups (KMASK / VMASK: True = symmetric levels, spacing KA / VA; else twice that),
+        KHYB / VHYB hybrid groups (a negative half-range: symmetric levels, spacing KA / VA; else twice that),
         NORM its per-channel Key normalization KNORM [B * H, 128] folded into q (q * norm, rounded once).
         KPOST (KIVI's layout): the Keys post-scaled, their per-channel scale folded into q per tile:
             q . k = sum_c (q_c s_c 2^-b_c) (code_c 2^b_c) + q . z = U (e @ q'^T) + q . z
@@ -1932,8 +1932,7 @@ if HAVE_GLUON:
                     gbase, grel = _qz_refill(KHROWS, KCROWS, zbase, gbase, t0, S, NG_K, qT, zsm, KP, IS_BF16, a_l,
                                              mma, QZ_N, KSUB, cinv)
                 if TMA and INNER:  # the statistics' loads first: in flight while the codes' slot fills
-                    kh, kcen, khyb, vh, vcen, vhyb = _load_inner_stats(KHALF, KCEN, KMASK, VHALF, VCEN, VMASK,
-                                                                       ks_base, vs_base, t0, stop, S, ksoff, kt, vchan,
+                    kh, kcen, khyb, vh, vcen, vhyb = _load_inner_stats(KHALF, KCEN, VHALF, VCEN, ks_base, vs_base, t0, stop, S, ksoff, kt, vchan,
                                                                        D, KHYB, VHYB, WT)
                     st = it % NST
                     mbarrier.wait(bars.index(st), (it // NST) & 1)
@@ -1958,7 +1957,7 @@ if HAVE_GLUON:
                         vcen = gl.where(vvalid, vcen, 0.0)
                 elif INNER:
                     kwords, vwords, kh, kcen, khyb, vh, vcen, vhyb = _load_inner_tile(
-                        kc_base, KHALF, KCEN, KMASK, vc_base, VHALF, VCEN, VMASK, ks_base, vs_base, t0, stop, S, koff,
+                        kc_base, KHALF, KCEN, vc_base, VHALF, VCEN, ks_base, vs_base, t0, stop, S, koff,
                         ksoff, kt, voff, vchan, vt, BT, D, KW_, VW_, VBITS, KHYB, VHYB, WT)
                 else:
                     kwords, kh, kcen, vwords, vh, vcen = _load_tile(kc_base, KHALF, KCEN, vc_base, VHALF, VCEN,
@@ -2207,7 +2206,7 @@ if HAVE_GLUON:
         return kwords, kh, kcen, vwords, vh, vcen
 
     @gluon.jit
-    def _load_inner_tile(kc_base, KHALF, KCEN, KMASK, vc_base, VHALF, VCEN, VMASK, ks_base, vs_base, t0, stop,
+    def _load_inner_tile(kc_base, KHALF, KCEN, vc_base, VHALF, VCEN, ks_base, vs_base, t0, stop,
                          S: gl.constexpr, koff, ksoff, kt, voff, vchan, vt, BT: gl.constexpr, D: gl.constexpr,
                          KW_: gl.constexpr, VW_: gl.constexpr, VBITS: gl.constexpr, KHYB: gl.constexpr,
                          VHYB: gl.constexpr, WT: gl.constexpr = False):
@@ -2221,12 +2220,12 @@ if HAVE_GLUON:
             vwords = gl.load(vc_base + t0 * VW_ + voff, mask=gl.expand_dims(vvalid, 2), other=0)
         else:
             vwords = gl.expand_dims(gl.load(vc_base + t0 * VW_ + voff, mask=vvalid, other=0), 2)
-        kh, kcen, khyb, vh, vcen, vhyb = _load_inner_stats(KHALF, KCEN, KMASK, VHALF, VCEN, VMASK, ks_base, vs_base,
+        kh, kcen, khyb, vh, vcen, vhyb = _load_inner_stats(KHALF, KCEN, VHALF, VCEN, ks_base, vs_base,
                                                            t0, stop, S, ksoff, kt, vchan, D, KHYB, VHYB, WT)
         return kwords, vwords, kh, kcen, khyb, vh, vcen, vhyb
 
     @gluon.jit
-    def _load_inner_stats(KHALF, KCEN, KMASK, VHALF, VCEN, VMASK, ks_base, vs_base, t0, stop, S: gl.constexpr,
+    def _load_inner_stats(KHALF, KCEN, VHALF, VCEN, ks_base, vs_base, t0, stop, S: gl.constexpr,
                           ksoff, kt, vchan, D: gl.constexpr, KHYB: gl.constexpr, VHYB: gl.constexpr,
                           WT: gl.constexpr = False):
         """InnerQ's raw statistics and level-spacing factors of the tile at t0 (`_load_inner_tile`'s; the codes-only
@@ -2236,15 +2235,17 @@ if HAVE_GLUON:
         ksrow = ks_base + t0 * 4 + ksoff
         kh = gl.load(KHALF + ksrow, mask=kvalid2, other=0.0)
         kcen = gl.load(KCEN + ksrow, mask=kvalid2, other=0.0)
-        if KHYB:
-            khyb = gl.where(gl.load(KMASK + ksrow, mask=kvalid2, other=0) != 0, 1.0, 2.0)
+        if KHYB:   # a hybrid group's choice is the sign of its half-range (`store.signed_half`)
+            khyb = gl.where(kh < 0, 1.0, 2.0)
+            kh = gl.where(kh < 0, -kh, kh)
         else:
             khyb = gl.full(ksrow.shape, 1.0, gl.float32, ksrow.type.layout)
         vsrow = vs_base + (t0 - S) // 32 * D + vchan   # t0 < stop: the tile's group row is written
         vh = gl.load(VHALF + vsrow)
         vcen = gl.load(VCEN + vsrow)
         if VHYB:
-            vhyb = gl.where(gl.load(VMASK + vsrow) != 0, 1.0, 2.0)
+            vhyb = gl.where(vh < 0, 1.0, 2.0)
+            vh = gl.where(vh < 0, -vh, vh)
         else:
             vhyb = gl.full(vchan.shape, 1.0, gl.float32, vchan.type.layout)
         return kh, kcen, khyb, vh, vcen, vhyb
@@ -2865,7 +2866,7 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
     if kind not in ("kivi", "inner") or phase:
         raise ValueError(f"no Gluon launch for layout {kind!r} with calibrated-softmax phase {phase}")
     stores = [kp["codes"], kp["cen"], kp["half"], vp["codes"], vp["cen"], vp["half"]]
-    extra = [query, query, query, kp["half"], kp["cen"]]   # KMASK, VMASK, KNORM: InnerQ's only; KHROWS, KCROWS
+    extra = [query, kp["half"], kp["cen"]]   # KNORM: InnerQ's only; KHROWS, KCROWS
     if kind == "inner":  # ng_k: the Values' group rows; hybrid: the spacing of symmetric levels
         khyb, vhyb, norm = inner_flags(kp, vp)
         tma_on = _use_tma(query, sink, T, use_tma, kind)
@@ -2873,8 +2874,7 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
             stores[0], stores[3] = row_descriptors(kp, vp, 4 * kbits, KIVI_BT, 4 * vbits)
         ka_hi, ka_lo = split_scale(2.0 / (2 ** kbits - (2 if khyb else 1)), bf16)
         va_hi, va_lo = split_scale(2.0 / (2 ** vbits - (2 if vhyb else 1)), bf16)
-        extra = [kp["hmask"].view(torch.uint8) if khyb else query, vp["hmask"].view(torch.uint8) if vhyb else query,
-                 kp["norm"] if norm else query, query, query]
+        extra = [kp["norm"] if norm else query, query, query]
         return _kivi_decode_kernel, (
             query, query.stride(0), query.stride(1), *stores, positions, amask, smb, m_buf, l_buf, acc_buf,
             float(scale), T, ng_k, nsplit, *extra), dict(
@@ -2954,9 +2954,9 @@ def _exact_args(query, exact) -> tuple:
 
 
 def inner_flags(kp: dict, vp: dict) -> tuple[bool, bool, bool]:
-    """(Keys hybrid, Values hybrid, Key normalization) of an InnerQ-layout store: which of the optional buffers it
-    has (`decode_attention._side_args` puts the side's `half` where one is absent)."""
-    return kp["hmask"] is not kp["half"], vp["hmask"] is not vp["half"], kp["norm"] is not kp["half"]
+    """(Keys hybrid, Values hybrid, Key normalization) of an InnerQ-layout store (`decode_attention._side_args`:
+    its "hybrid" flags, and the side's `half` where the norm buffer is absent)."""
+    return kp["hybrid"], vp["hybrid"], kp["norm"] is not kp["half"]
 
 
 def launch(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int, m_buf, l_buf, acc_buf,

@@ -42,7 +42,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _logits(q, KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK,
+def _logits(q, KC, KCEN, KHALF, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK,
             stride_kb, stride_kh, stride_kn, COS, SIN, AMASK, stride_mb, stride_mh, stride_mn,
             b, h, bh, qh64, i, i64, rvalid, t, t0, tvalid, d, p0, bnd_k, scale, T, NG_K, NCH,
             D: tl.constexpr, S: tl.constexpr, BITS_K: tl.constexpr, AXIS_K: tl.constexpr, GS_K: tl.constexpr,
@@ -52,7 +52,7 @@ def _logits(q, KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, 
             INTERP: tl.constexpr):
     """(s [ROWS, BLOCK_T] float32 with the additive bias, allowed [ROWS, BLOCK_T]) of one key tile; ONLY_CODES:
     every t of the tile is in the quantized region (no window or chunk loads)."""
-    k = _load_side(KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK,
+    k = _load_side(KC, KCEN, KHALF, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK,
                    stride_kb, stride_kh, stride_kn, NCH, b, h, bh, t, t0, d, tvalid, p0, bnd_k, T, D, S, WR_K, BITS_K,
                    AXIS_K, GS_K, NG_K, SYM_K, LUT_K, NOUT_K, NORM_K, ONLY_CODES, BLOCK_T)
     if ROPE:  # the chunk's keys arrive already rotated (they are the attention's input, not the store's)
@@ -72,9 +72,9 @@ def _logits(q, KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, 
 @triton.jit
 def _prefill_kernel(
         Q, stride_qb, stride_qh, stride_qn,
-        KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK,
+        KC, KCEN, KHALF, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK,
         stride_kb, stride_kh, stride_kn,
-        VC, VCEN, VHALF, VMASK, VOVAL, VOIDX, VLEV, VDATA, VSINK, VRING, VCHUNK, stride_vb, stride_vh, stride_vn,
+        VC, VCEN, VHALF, VOVAL, VOIDX, VLEV, VDATA, VSINK, VRING, VCHUNK, stride_vb, stride_vh, stride_vn,
         COS, SIN, POS, AMASK, stride_mb, stride_mh, stride_mn,
         O, stride_ob, stride_oh, stride_on, scale, TAU_SUM, T, NG_K, NG_V, NCH,
         H: tl.constexpr, REP: tl.constexpr, REP_P2: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr,
@@ -141,7 +141,7 @@ def _prefill_kernel(
                     tvalid = t < main_hi
                 else:
                     t, tvalid, t0 = _window_t(it, n_sink, sink_hi, win_lo, t_end, BLOCK_T)
-                s, allowed = _logits(q, KC, KCEN, KHALF, KMASK, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING,
+                s, allowed = _logits(q, KC, KCEN, KHALF, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING,
                                      KCHUNK, stride_kb, stride_kh, stride_kn, COS, SIN, AMASK, stride_mb, stride_mh,
                                      stride_mn, b, h, bh, qh64, i, i64, rvalid, t, t0, tvalid, d, p0, bnd_k, scale, T,
                                      NG_K, NCH, D, S, BITS_K, AXIS_K, GS_K, SYM_K, LUT_K, NOUT_K, NORM_K, WR_K, ROPE,
@@ -150,7 +150,7 @@ def _prefill_kernel(
                     m_i = tl.maximum(m_i, tl.max(tl.where(allowed, s, float("-inf")), 1))
                     l_i = tl.minimum(l_i, tl.min(tl.where(allowed, s, float("inf")), 1))
                 else:
-                    v = _load_side(VC, VCEN, VHALF, VMASK, VOVAL, VOIDX, VLEV, VLEV, VDATA, VSINK, VRING, VCHUNK,
+                    v = _load_side(VC, VCEN, VHALF, VOVAL, VOIDX, VLEV, VLEV, VDATA, VSINK, VRING, VCHUNK,
                                    stride_vb, stride_vh, stride_vn, NCH, b, h, bh, t, t0, d, tvalid, p0, bnd_v, T, D, S,
                                    WR_V, BITS_V, AXIS_V, GS_V, NG_V, SYM_V, LUT_V, NOUT_V, False, seg == 0, BLOCK_T)
                     m_i, l_i, acc = _online_softmax(s, allowed, v, temp, m_i, l_i, acc, TAU, dt, IEEE, INTERP)

@@ -18,7 +18,8 @@ token x = chunk[b, h, 0] at device position p0 and the side's fill boundary Q(L)
         range          per group over the other members: asymmetric (c, h) = ((max + min) / 2, (max - min) / 2),
                        symmetric (0, max |x|); h *= 1 - 2 eta; both rounded to the cache dtype
         hybrid         symmetric B-bit vs asymmetric (B-1)-bit by the group's L1 error, symmetric only when
-                       lower by more than float rounding (err_s < err_a * (1 - 1e-5)), else asymmetric
+                       lower by more than float rounding (err_s < err_a * (1 - 1e-5)), else asymmetric; the
+                       choice is stored as the sign of h (negative: symmetric; `store.signed_half`)
         code           uniform: round_half_even((clamp((x - c) / h, -1, 1) + 1) * (n - 1) / 2), n levels
                        (reference.level_count), each product rounded before the next add (the kernel is compiled
                        without multiply-add fusion, LAUNCH_OPTIONS); codebook: #{midpoints between levels < (x - c) / h}
@@ -201,7 +202,7 @@ def _level(code, N: tl.constexpr):
 
 
 @triton.jit
-def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, OIDX, SINK, RING, LEV, NORM,
+def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, OVAL, OIDX, SINK, RING, LEV, NORM,
                  b, h, bh, p0, T, NGC, chunk,
                  D: tl.constexpr, BITS: tl.constexpr, AXIS: tl.constexpr, GS: tl.constexpr, SYM: tl.constexpr,
                  LUT: tl.constexpr, NLEV: tl.constexpr, NOUT: tl.constexpr, NORM_ON: tl.constexpr,
@@ -371,9 +372,9 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
             rep = rep & flush
             if SYM != 1:
                 tl.store(CEN + off, cen.to(dt), mask=rep)
+            if SYM == 2:   # the group's choice in the sign of its half-range (`store.signed_half`)
+                half = tl.where(m, -half, half)
             tl.store(HALF + off, half.to(dt), mask=rep)
-            if SYM == 2:
-                tl.store(HMASK + off, m.to(HMASK.dtype.element_ty), mask=rep)
 
     xrow1 = tl.load(xrow + d1).to(dt)
     if S > 0:
@@ -386,8 +387,8 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, HMASK, OVAL, O
 
 @triton.jit
 def _append_kernel(
-        KX, stride_kb, stride_kh, KDATA, KCODES, KCEN, KHALF, KHMASK, KOVAL, KOIDX, KSINK, KRING, KLEV, KNORM,
-        VX, stride_vb, stride_vh, VDATA, VCODES, VCEN, VHALF, VHMASK, VOVAL, VOIDX, VSINK, VRING, VLEV,
+        KX, stride_kb, stride_kh, KDATA, KCODES, KCEN, KHALF, KOVAL, KOIDX, KSINK, KRING, KLEV, KNORM,
+        VX, stride_vb, stride_vh, VDATA, VCODES, VCEN, VHALF, VOVAL, VOIDX, VSINK, VRING, VLEV,
         POS, COS_IN, SIN_IN, stride_cb, COS_T, SIN_T, T, NGC_K, NGC_V,
         H: tl.constexpr, D: tl.constexpr, S: tl.constexpr, R: tl.constexpr, ROPE: tl.constexpr,
         BITS_K: tl.constexpr, AXIS_K: tl.constexpr, GS_K: tl.constexpr, SYM_K: tl.constexpr, LUT_K: tl.constexpr,
@@ -411,7 +412,7 @@ def _append_kernel(
     h = bh % H
     p0 = tl.load(POS).to(tl.int32)
     if c < NCH_K:
-        _append_side(KX, stride_kb, stride_kh, KDATA, KCODES, KCEN, KHALF, KHMASK, KOVAL, KOIDX, KSINK, KRING,
+        _append_side(KX, stride_kb, stride_kh, KDATA, KCODES, KCEN, KHALF, KOVAL, KOIDX, KSINK, KRING,
                      KLEV, KNORM, b, h, bh, p0, T, NGC_K, c, D, BITS_K, AXIS_K, GS_K, SYM_K, LUT_K, NLEV_K, NOUT_K,
                      NORM_K, S, R, G_K, GP_K, WR_K, CODES_K, ETA_K, RSCALE_K, NCH_K, RESHAPE, EAGER_K, VEC, RC_K)
         if ROPE:
@@ -422,7 +423,7 @@ def _append_kernel(
                 tl.store(COS_T + dst, tl.load(COS_IN + src).to(COS_T.dtype.element_ty))
                 tl.store(SIN_T + dst, tl.load(SIN_IN + src).to(SIN_T.dtype.element_ty))
     else:
-        _append_side(VX, stride_vb, stride_vh, VDATA, VCODES, VCEN, VHALF, VHMASK, VOVAL, VOIDX, VSINK, VRING,
+        _append_side(VX, stride_vb, stride_vh, VDATA, VCODES, VCEN, VHALF, VOVAL, VOIDX, VSINK, VRING,
                      VLEV, VLEV, b, h, bh, p0, T, NGC_V, c - NCH_K, D, BITS_V, AXIS_V, GS_V, SYM_V, LUT_V, NLEV_V,
                      NOUT_V, False, S, R, G_V, GP_V, WR_V, CODES_V, ETA_V, RSCALE_V, NCH_V, RESHAPE, EAGER_V, VEC, RC_V)
     if CHAIN:
@@ -441,14 +442,14 @@ def _side(bufs: dict, side: str, q, cfg, geo, rows: int = 0, sms: int = 0):
     g = lambda n: bufs.get(f"{side}.{n}")  # noqa: E731
     if not q.quantized:
         data = g("data")
-        ptrs = dict(data=data, codes=data, cen=data, half=data, hmask=data, oval=data, oidx=data, sink=data,
+        ptrs = dict(data=data, codes=data, cen=data, half=data, oval=data, oidx=data, sink=data,
                     ring=data, lev=data, norm=data)
         return ptrs, dict(BITS=16, AXIS=0, GS=1, SYM=0, LUT=False, NLEV=1, NOUT=0, NORM=False, G=1, GP=1, WR=0,
                           CODES=False, ETA=0.0, RSCALE=1.0, NGC=1, NCH=1, EAGER=False, RC=0)
     half = g("half")
     pick = lambda n: g(n) if g(n) is not None else half  # noqa: E731
     ptrs = {k: pick(n) for k, n in (("data", "half"), ("codes", "codes"), ("cen", "center"), ("half", "half"),
-                                    ("hmask", "mask"), ("oval", "out_val"), ("oidx", "out_idx"),
+                                    ("oval", "out_val"), ("oidx", "out_idx"),
                                     ("sink", "sink"), ("ring", "ring"), ("lev", "levels"), ("norm", "norm"))}
     if q.axis is Axis.TOKEN:
         axis, gs = 0, q.group_size or geo.head_dim
@@ -575,9 +576,9 @@ def append_decode(bufs: dict, cfg, spec, geo, key, value, positions, cos=None, s
         cos = sin = cos_t = sin_t = key
         stride_cb = 0
     _append_kernel[(B * H, kc["NCH"] + vc["NCH"])](
-        key, key.stride(0), key.stride(1), kp["data"], kp["codes"], kp["cen"], kp["half"], kp["hmask"], kp["oval"],
+        key, key.stride(0), key.stride(1), kp["data"], kp["codes"], kp["cen"], kp["half"], kp["oval"],
         kp["oidx"], kp["sink"], kp["ring"], kp["lev"], kp["norm"],
-        value, value.stride(0), value.stride(1), vp["data"], vp["codes"], vp["cen"], vp["half"], vp["hmask"],
+        value, value.stride(0), value.stride(1), vp["data"], vp["codes"], vp["cen"], vp["half"],
         vp["oval"], vp["oidx"], vp["sink"], vp["ring"], vp["lev"],
         positions, cos, sin, stride_cb, cos_t, sin_t, geo.rows, kc["NGC"], vc["NGC"],
         H=H, D=D, S=cfg.sink, R=cfg.recent, ROPE=rope,

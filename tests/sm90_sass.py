@@ -103,7 +103,7 @@ def kivi_ring_build(kbits: int, vbits: int, tps: int, vf: bool) -> tuple[dict, d
     with HF's bool mask, post-scaled Keys and a 128-token recent window, tps tiles a ring slot (PAIR as
     `pair_flags` gives it): the descriptors' types from small CPU tensors of the store's shapes, the Value codes
     swizzled for the fold where vf. The VF constexpr itself is the caller's to set. Its pointers: indices 0, 12, 13,
-    14, 22, 23."""
+    14, 20, 21."""
     import torch
     from triton.runtime.jit import mangle_type
 
@@ -119,7 +119,7 @@ def kivi_ring_build(kbits: int, vbits: int, tps: int, vf: bool) -> tuple[dict, d
     sig = dict(Q=ty, stride_qb="i32", stride_qh="i32",
                **dict(zip(("KC", "KCEN", "KHALF", "VC", "VCEN", "VHALF"), map(mangle_type, descs))),
                POS="*i64", AMASK="*i1", stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32", OUT_ACC="*fp32",
-               scale="fp32", T="i32", NG_K="i32", NSPLIT="i32", KMASK=ty, VMASK=ty, KNORM=ty, KHROWS=ty, KCROWS=ty)
+               scale="fp32", T="i32", NG_K="i32", NSPLIT="i32", KNORM=ty, KHROWS=ty, KCROWS=ty)
     ka, va = (dag.split_scale(2 / (2 ** b - 1), True) for b in (kbits, vbits))
     cx = dict(H=8, REP=4, S=0, R=128, TPG_K=32, TPG_V=1, MASK_KIND=1, IS_BF16=True, BT=32, KBITS=kbits,
               VBITS=vbits, KA_HI=ka[0], KA_LO=ka[1], VA_HI=va[0], VA_LO=va[1], NWIN=3, TMA=True, NST=dag.NSTAGES,

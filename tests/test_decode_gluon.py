@@ -367,7 +367,7 @@ SCRIPT = textwrap.dedent('''
             stores = dict(zip(stores, map(mangle_type, dag.descriptors(kp, vp, kb, vb, tps))))
         sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", **stores, POS="*i64", AMASK="*i1" if mask == 1 else ty,
                    stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32", OUT_ACC="*fp32", scale="fp32", T="i32",
-                   NG_K="i32", NSPLIT="i32", KMASK=ty, VMASK=ty, KNORM=ty,   # InnerQ's buffers: the query, unread
+                   NG_K="i32", NSPLIT="i32", KNORM=ty,   # InnerQ's buffers: the query, unread
                    KHROWS=ty, KCROWS=ty)
         ka, va = (dag.split_scale(2 / (2 ** n - 1), bf16) for n in (kb, vb))
         cx = dict(H=8, REP=4, S=0, R=128, TPG_K=32, TPG_V=1, MASK_KIND=mask, IS_BF16=bf16, BT=32, KBITS=kb,
@@ -379,7 +379,7 @@ SCRIPT = textwrap.dedent('''
         cx.update(dag.pair_flags(cx["TPS"], post, cx["WT"], cx["R"], cx["QZROWS"]))   # as `_plan` (an offline
         cx.update(dag.fold_flags(tma, bf16, vb, cx["PAIR"]))
         # compile leaves a constexpr it is not given falsy, not at its default)
-        b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 12, 13, 14, 22, 23) + (() if tma else (3, 4, 5, 6, 7, 8)))
+        b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 12, 13, 14, 20, 21) + (() if tma else (3, 4, 5, 6, 7, 8)))
         out.append((bf16, mask, kb, vb, tma, post, b.shared, b.stack == b.local == 0, b.sass.count("HMMA"),
                     b.sass.count("STS"), b.sass.count("LDS"), b.sass.count("UTMALDG"), b.sass.count("MOVM"),
                     b.sass.count("HFMA2"), loop(b), len(re.findall(r"PRMT R\\d+, R\\d+, R\\d+", b.sass)), cx["PAIR"],
@@ -423,8 +423,7 @@ SCRIPT = textwrap.dedent('''
         ty = "*bf16" if bf16 else "*fp16"
         sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KCEN=ty, KHALF=ty, VC="*i32", VCEN=ty, VHALF=ty,
                    POS="*i64", AMASK="*i1" if mask == 1 else ty, stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32",
-                   OUT_ACC="*fp32", scale="fp32", T="i32", NG_K="i32", NSPLIT="i32", KMASK="*u8" if hyb else ty,
-                   VMASK="*u8" if hyb else ty, KNORM="*fp32" if norm else ty, KHROWS=ty, KCROWS=ty)
+                   OUT_ACC="*fp32", scale="fp32", T="i32", NG_K="i32", NSPLIT="i32", KNORM="*fp32" if norm else ty, KHROWS=ty, KCROWS=ty)
         ka, va = (dag.split_scale(2 / (2 ** n - (2 if hyb else 1)), bf16) for n in (kb, vb))
         cx = dict(H=8, REP=4, S=32, R=96, TPG_K=1, TPG_V=32, MASK_KIND=mask, IS_BF16=bf16, BT=32, KBITS=kb, VBITS=vb,
                   KA_HI=ka[0], KA_LO=ka[1], VA_HI=va[0], VA_LO=va[1], NWIN=3, TMA=False, NST=2, PDL=True, INNER=True,
@@ -464,8 +463,7 @@ SCRIPT = textwrap.dedent('''
                                                       4 * kb, dag.KIVI_BT, 4 * vb))
         sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC=kc, KCEN=ty, KHALF=ty, VC=vc, VCEN=ty, VHALF=ty,
                    POS="*i64", AMASK="*i1" if mask == 1 else ty, stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32",
-                   OUT_ACC="*fp32", scale="fp32", T="i32", NG_K="i32", NSPLIT="i32", KMASK="*u8" if hyb else ty,
-                   VMASK="*u8" if hyb else ty, KNORM="*fp32" if norm else ty, KHROWS=ty, KCROWS=ty)
+                   OUT_ACC="*fp32", scale="fp32", T="i32", NG_K="i32", NSPLIT="i32", KNORM="*fp32" if norm else ty, KHROWS=ty, KCROWS=ty)
         ka, va = (dag.split_scale(2 / (2 ** n - (2 if hyb else 1)), bf16) for n in (kb, vb))
         cx = dict(H=8, REP=4, S=32, R=96, TPG_K=1, TPG_V=32, MASK_KIND=mask, IS_BF16=bf16, BT=32, KBITS=kb, VBITS=vb,
                   KA_HI=ka[0], KA_LO=ka[1], VA_HI=va[0], VA_LO=va[1], NWIN=3, TMA=True, NST=dag.NSTAGES, PDL=True,
@@ -591,7 +589,7 @@ FOLD_SCRIPT = textwrap.dedent('''
     pair = cx["PAIR"]
     out = []
     for vf in (False, True):
-        b = compile_sm90(dag._kivi_decode_kernel, sig(vf), dict(cx, VF=vf), (0, 12, 13, 14, 22, 23))
+        b = compile_sm90(dag._kivi_decode_kernel, sig(vf), dict(cx, VF=vf), (0, 12, 13, 14, 20, 21))
         run, ops = ring_tile(b.sass, 1 if pair else tps, refill=dag.QZ_ROWS)
         trip = 2 if pair else 1   # PAIR: a loop trip runs a slot (two tiles)
         out.append((vf, b.regs, b.stack + b.local, round(run / trip), ops["HFMA2"] / trip,
@@ -600,12 +598,12 @@ FOLD_SCRIPT = textwrap.dedent('''
     # one softmax step per tile (at 2 bits: no PAIR) and no WT (no recent window: tiles may cross their slice's end,
     # the fold's half-ranges masked past it)
     b = compile_sm90(dag._kivi_decode_kernel, sig(True), dict(cx, VF=True, R=0, WT=False, PAIR=False),
-                     (0, 12, 13, 14, 22, 23))
+                     (0, 12, 13, 14, 20, 21))
     out.append((b.stack + b.local, b.sass.count("LDSM.16.MT88")))
     # 16-token tiles (`KIVI_BT` 16): the same fold, half the tokens per `ldmatrix`
     dag.KIVI_BT = 16
     b = compile_sm90(dag._kivi_decode_kernel, sig(True, 1), dict(cx, VF=True, BT=16, TPS=1, PAIR=False),
-                     (0, 12, 13, 14, 22, 23))
+                     (0, 12, 13, 14, 20, 21))
     out.append((b.stack + b.local, b.sass.count("LDSM.16.MT88")))
     print(out)
 ''')

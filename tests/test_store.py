@@ -113,6 +113,38 @@ def test_odd_schemes(symmetry, bits):
     _run(cfg, torch.float32, [1, 1, 9] + [1] * 13, D=48)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_hybrid_choice_is_the_sign_of_half(dtype):
+    """innerq-2's hybrid groups keep their choice (symmetric levels or not) in the sign of their stored half-range:
+    no mask buffer; both choices occur, and the stored statistics are the reference's with the sign applied."""
+    from kvq_compile import reference as ref
+
+    torch.manual_seed(3)
+    cfg = KVQConfig.preset("innerq-2")
+    cfg.sink, cfg.recent = 0, 0
+    B, H, T, D = 2, 3, 64, 64
+    geo = st.Geometry(B, H, T, D, st.dtype_name(dtype))
+    spec = cfg.check_model(1, D, T)[0]
+    layer = st.ModelStore(cfg, 1, geo, "cpu").layers[0]
+    assert not any(n.endswith("mask") for n in layer.buffers)
+    # Gaussian groups (symmetric levels win) and two-valued groups off zero, 3 +- 1 (asymmetric ones win): the Keys'
+    # groups are 32 channels of a token (the odd tokens two-valued), the Values' 32 tokens of a channel (odd channels)
+    two = 3 + torch.randint(0, 2, (B, H, T, D)).float() * 2 - 1
+    odd = torch.arange(T).view(1, 1, T, 1) % 2 == 1
+    k = torch.where(odd, two, torch.randn(B, H, T, D)).to(dtype)
+    v = torch.where(odd.transpose(-1, -2)[..., :D], two, torch.randn(B, H, T, D)).to(dtype)
+    names, tensors = layer.append_tensors()
+    st.append(dict(zip(names, tensors)), cfg, spec, geo, k, v, 0)
+    b = layer.buffers
+    qk = ref.quantize_block(k.float() / b["k.norm"], spec.key, ref.levels_for(spec.key), dtype)
+    qv = ref.quantize_block(v[:, :, :32].float(), spec.value, ref.levels_for(spec.value), dtype)
+    for name, qb, stored in (("k", qk, b["k.half"]), ("v", qv, b["v.half"][:, :, :1])):
+        assert qb.mask.any() and (~qb.mask).any(), name
+        torch.testing.assert_close(stored, torch.where(qb.mask, -qb.half, qb.half), rtol=0, atol=0)
+        half, mask = st.split_half(stored, spec.key)
+        assert torch.equal(mask, qb.mask) and torch.equal(half, qb.half) and (half > 0).all(), name
+
+
 def test_store_bytes_match_equivalent_bits():
     for name in PRESETS:
         cfg = KVQConfig.preset(name)
