@@ -549,6 +549,22 @@ def _stats_asm(bf16: bool) -> tuple[str, str]:
     return s, z
 
 
+def _hybrid_stats_asm(bf16: bool) -> tuple[str, str]:
+    """InnerQ's hybrid groups: `_stats_asm` from the signed half-range h (`store.signed_half`: negative where the
+    group chose symmetric levels) on packed pairs. Each half's sign, replicated over it (`prmt` selector 0xBB99: the
+    sign of byte 1, then of byte 3), picks the scale's two terms by `lop3` ((m & x) | (~m & y), table 0xCA): those
+    of the symmetric levels where set ($2 hi, $4 lo), of the asymmetric ones (twice the spacing) where not ($3, $5);
+    then s = fma(|h|, hi, |h| * lo). z = center - |h| (operands: $0 out, $1 h, $2 center). Bit-equal to `_stats_asm`
+    on |h| with the chosen terms."""
+    ty = "bf16x2" if bf16 else "f16x2"
+    s = ("{ .reg .b32 a, m, h, l, t, z; and.b32 a, $1, 0x7FFF7FFF; prmt.b32 m, $1, 0, 0xBB99; "
+         f"lop3.b32 h, m, $2, $3, 0xCA; lop3.b32 l, m, $4, $5, 0xCA; mov.b32 z, {_NEG0}; fma.rn.{ty} t, a, l, z; "
+         f"fma.rn.{ty} $0, a, h, t; }}")
+    z = (f"{{ .reg .b32 a, c; and.b32 a, $1, 0x7FFF7FFF; mov.b32 c, {_f16x2(-1.0, -1.0, bf16)}; "
+         f"fma.rn.{ty} $0, a, c, $2; }}")
+    return s, z
+
+
 @functools.lru_cache(maxsize=None)
 def split_scale(scale: float, bf16: bool) -> tuple[float, float]:
     """(hi, lo): scale = hi + lo to about twice the cache dtype's precision, both representable in it."""
@@ -575,6 +591,7 @@ _ASM.update({(side, bits, bf): _key_asm(bits, bf, tokenwise=True) if side == "kt
 # KIVI's Values without their offset ("vz", bf16 only: `VZ`)
 _ASM.update({("vz", bits, True): _value_asm(bits, True, zero_apart=True) for bits in BITS})
 _STATS = {bf: _stats_asm(bf) for bf in (False, True)}
+_HYBRID_STATS = {bf: _hybrid_stats_asm(bf) for bf in (False, True)}
 _ASM.update({(side + "post", 1, bf): (_post_key_asm if side == "k" else _post_value_asm)(bf)
              for side in "kv" for bf in (False, True)})
 _ASM.update({(side, "lut", bf): (_lut_key_asm if side == "k" else _lut_value_asm)(bf) for side in "kv"
@@ -657,6 +674,10 @@ if HAVE_GLUON:
     @gluon.constexpr_function
     def _stats(bf16, which):
         return _STATS[bf16][which]
+
+    @gluon.constexpr_function
+    def _hybrid_stats(bf16, which):
+        return _HYBRID_STATS[bf16][which]
 
     @gluon.constexpr_function
     def _key_layout(bt, pack):
@@ -866,6 +887,22 @@ if HAVE_GLUON:
             s = gl.inline_asm_elementwise(_stats(False, 0), "=r,r,r,r", [half, hi, lo], dtype=gl.float16,
                                           is_pure=True, pack=2)
             z = gl.inline_asm_elementwise(_stats(False, 1), "=r,r,r", [half, center], dtype=gl.float16,
+                                          is_pure=True, pack=2)
+        return s, z
+
+    @gluon.jit
+    def _hybrid_scale_offset(half, center, hi_s, hi_a, lo_s, lo_a, IS_BF16: gl.constexpr):
+        """`_scale_offset` of hybrid groups from their signed half-ranges (`_hybrid_stats_asm`): the terms (hi_s, lo_s)
+        where a group chose symmetric levels, (hi_a, lo_a) where not."""
+        if IS_BF16:
+            s = gl.inline_asm_elementwise(_hybrid_stats(True, 0), "=r,r,r,r,r,r", [half, hi_s, hi_a, lo_s, lo_a],
+                                          dtype=gl.bfloat16, is_pure=True, pack=2)
+            z = gl.inline_asm_elementwise(_hybrid_stats(True, 1), "=r,r,r", [half, center], dtype=gl.bfloat16,
+                                          is_pure=True, pack=2)
+        else:
+            s = gl.inline_asm_elementwise(_hybrid_stats(False, 0), "=r,r,r,r,r,r", [half, hi_s, hi_a, lo_s, lo_a],
+                                          dtype=gl.float16, is_pure=True, pack=2)
+            z = gl.inline_asm_elementwise(_hybrid_stats(False, 1), "=r,r,r", [half, center], dtype=gl.float16,
                                           is_pure=True, pack=2)
         return s, z
 
@@ -1745,6 +1782,10 @@ if HAVE_GLUON:
                 vfac = gl.expand_dims(gl.expand_dims(gl.where(cjl % 2 == 0, 1.0, 0.25), 0), 1)
             else:
                 vfac = gl.full([1, 1, 8], 1.0, gl.float32, PVS)
+            # the scale's two terms per channel (hybrid: _s those of symmetric levels, _a of asymmetric ones, twice)
+            vfac = gl.full([8, 2, 8], 1.0, gl.float32, PVS) * vfac
+            vhi_s, vlo_s = (vfac * VA_HI).to(dt), (vfac * VA_LO).to(dt)
+            vhi_a, vlo_a = (vfac * (2 * VA_HI)).to(dt), (vfac * (2 * VA_LO)).to(dt)
         else:
             vhi = gl.full([BT, 8], VA_HI, dt, VW)
             vlo = gl.full([BT, 8], VA_LO, dt, VW)
@@ -1932,8 +1973,8 @@ if HAVE_GLUON:
                     gbase, grel = _qz_refill(KHROWS, KCROWS, zbase, gbase, t0, S, NG_K, qT, zsm, KP, IS_BF16, a_l,
                                              mma, QZ_N, KSUB, cinv)
                 if TMA and INNER:  # the statistics' loads first: in flight while the codes' slot fills
-                    kh, kcen, khyb, vh, vcen, vhyb = _load_inner_stats(KHALF, KCEN, VHALF, VCEN, ks_base, vs_base, t0, stop, S, ksoff, kt, vchan,
-                                                                       D, KHYB, VHYB, WT)
+                    kh, kcen, vh, vcen = _load_inner_stats(KHALF, KCEN, VHALF, VCEN, ks_base, vs_base, t0, stop, S,
+                                                           ksoff, kt, vchan, D, WT)
                     st = it % NST
                     mbarrier.wait(bars.index(st), (it // NST) & 1)
                     kwords = _smem_key_codes(kbuf.index(st), KW, BT, KBITS, KP)
@@ -1956,9 +1997,9 @@ if HAVE_GLUON:
                         vh = gl.where(vvalid, vh, 0.0)
                         vcen = gl.where(vvalid, vcen, 0.0)
                 elif INNER:
-                    kwords, vwords, kh, kcen, khyb, vh, vcen, vhyb = _load_inner_tile(
+                    kwords, vwords, kh, kcen, vh, vcen = _load_inner_tile(
                         kc_base, KHALF, KCEN, vc_base, VHALF, VCEN, ks_base, vs_base, t0, stop, S, koff,
-                        ksoff, kt, voff, vchan, vt, BT, D, KW_, VW_, VBITS, KHYB, VHYB, WT)
+                        ksoff, kt, voff, vchan, vt, BT, D, KW_, VW_, VBITS, WT)
                 else:
                     kwords, kh, kcen, vwords, vh, vcen = _load_tile(kc_base, KHALF, KCEN, vc_base, VHALF, VCEN,
                                                                     ks_base, vs_base, t0, stop, S, koff, schan, kt,
@@ -1966,7 +2007,14 @@ if HAVE_GLUON:
                 if KBITS == 1:
                     kwords = kwords >> kshift
                 if INNER:  # [4, BT] -> [1, 4, 1, BT]: one scale and offset per token and lane group
-                    ks, kz = _scale_offset(kh, kcen, (khyb * KA_HI).to(dt), (khyb * KA_LO).to(dt), IS_BF16)
+                    if KHYB:   # the level spacing picked per group by the sign of its half-range
+                        ks, kz = _hybrid_scale_offset(kh, kcen, gl.full(kh.shape, KA_HI, dt, kh.type.layout),
+                                                      gl.full(kh.shape, 2 * KA_HI, dt, kh.type.layout),
+                                                      gl.full(kh.shape, KA_LO, dt, kh.type.layout),
+                                                      gl.full(kh.shape, 2 * KA_LO, dt, kh.type.layout), IS_BF16)
+                    else:
+                        ks, kz = _scale_offset(kh, kcen, gl.full(kh.shape, KA_HI, dt, kh.type.layout),
+                                               gl.full(kh.shape, KA_LO, dt, kh.type.layout), IS_BF16)
                     wb, _ = gl.broadcast(gl.expand_dims(kwords, 2), kdummy)                  # [NA, 4, KP, BT]
                     wb, ks4 = gl.broadcast(wb, gl.expand_dims(gl.expand_dims(ks, 0), 2))
                     wb, kz4 = gl.broadcast(wb, gl.expand_dims(gl.expand_dims(kz, 0), 2))
@@ -1988,8 +2036,10 @@ if HAVE_GLUON:
                 p, alpha8, m8, lacc = _softmax_step(s, allowed, m8, lacc, PEV)
 
                 if INNER:  # [8, 2, 8] -> [1, 8, 2, 8]: one scale and offset per channel
-                    vfh = vhyb * vfac
-                    vs, vz = _scale_offset(vh, vcen, (vfh * VA_HI).to(dt), (vfh * VA_LO).to(dt), IS_BF16)
+                    if VHYB:
+                        vs, vz = _hybrid_scale_offset(vh, vcen, vhi_s, vhi_a, vlo_s, vlo_a, IS_BF16)
+                    else:
+                        vs, vz = _scale_offset(vh, vcen, vhi_s, vlo_s, IS_BF16)
                     if VBITS == 4:
                         vw3 = vwords
                     else:
@@ -2208,11 +2258,10 @@ if HAVE_GLUON:
     @gluon.jit
     def _load_inner_tile(kc_base, KHALF, KCEN, vc_base, VHALF, VCEN, ks_base, vs_base, t0, stop,
                          S: gl.constexpr, koff, ksoff, kt, voff, vchan, vt, BT: gl.constexpr, D: gl.constexpr,
-                         KW_: gl.constexpr, VW_: gl.constexpr, VBITS: gl.constexpr, KHYB: gl.constexpr,
-                         VHYB: gl.constexpr, WT: gl.constexpr = False):
+                         KW_: gl.constexpr, VW_: gl.constexpr, VBITS: gl.constexpr, WT: gl.constexpr = False):
         """InnerQ's tile at t0: packed words as `_load_tile` loads them; the Keys' raw statistics per token and
-        group [4, BT] (positions >= stop load 0) and the Values' per channel of the tile's group row [8, 2, 8];
-        each side's level-spacing factor (hybrid: 1 for a symmetric group, 2 for an asymmetric one; else 1)."""
+        group [4, BT] (positions >= stop load 0) and the Values' per channel of the tile's group row [8, 2, 8] (a
+        hybrid group's half-range signed: `_hybrid_scale_offset`)."""
         kvalid = _before(t0 + kt, stop, WT)
         kwords = gl.load(kc_base + t0 * KW_ + koff, mask=gl.expand_dims(gl.expand_dims(kvalid, 0), 0), other=0)
         vvalid = gl.expand_dims(_before(t0 + vt, stop, WT), 1)
@@ -2220,35 +2269,24 @@ if HAVE_GLUON:
             vwords = gl.load(vc_base + t0 * VW_ + voff, mask=gl.expand_dims(vvalid, 2), other=0)
         else:
             vwords = gl.expand_dims(gl.load(vc_base + t0 * VW_ + voff, mask=vvalid, other=0), 2)
-        kh, kcen, khyb, vh, vcen, vhyb = _load_inner_stats(KHALF, KCEN, VHALF, VCEN, ks_base, vs_base,
-                                                           t0, stop, S, ksoff, kt, vchan, D, KHYB, VHYB, WT)
-        return kwords, vwords, kh, kcen, khyb, vh, vcen, vhyb
+        kh, kcen, vh, vcen = _load_inner_stats(KHALF, KCEN, VHALF, VCEN, ks_base, vs_base, t0, stop, S, ksoff, kt,
+                                               vchan, D, WT)
+        return kwords, vwords, kh, kcen, vh, vcen
 
     @gluon.jit
     def _load_inner_stats(KHALF, KCEN, VHALF, VCEN, ks_base, vs_base, t0, stop, S: gl.constexpr,
-                          ksoff, kt, vchan, D: gl.constexpr, KHYB: gl.constexpr, VHYB: gl.constexpr,
-                          WT: gl.constexpr = False):
-        """InnerQ's raw statistics and level-spacing factors of the tile at t0 (`_load_inner_tile`'s; the codes-only
-        ring loads these alone; WT: `_load_tile`'s)."""
+                          ksoff, kt, vchan, D: gl.constexpr, WT: gl.constexpr = False):
+        """InnerQ's raw statistics of the tile at t0 (`_load_inner_tile`'s; the codes-only ring loads these alone;
+        WT: `_load_tile`'s)."""
         kvalid = _before(t0 + kt, stop, WT)
         kvalid2 = gl.expand_dims(kvalid, 0) & (ksoff >= 0)   # [4, BT]
         ksrow = ks_base + t0 * 4 + ksoff
         kh = gl.load(KHALF + ksrow, mask=kvalid2, other=0.0)
         kcen = gl.load(KCEN + ksrow, mask=kvalid2, other=0.0)
-        if KHYB:   # a hybrid group's choice is the sign of its half-range (`store.signed_half`)
-            khyb = gl.where(kh < 0, 1.0, 2.0)
-            kh = gl.where(kh < 0, -kh, kh)
-        else:
-            khyb = gl.full(ksrow.shape, 1.0, gl.float32, ksrow.type.layout)
         vsrow = vs_base + (t0 - S) // 32 * D + vchan   # t0 < stop: the tile's group row is written
         vh = gl.load(VHALF + vsrow)
         vcen = gl.load(VCEN + vsrow)
-        if VHYB:
-            vhyb = gl.where(vh < 0, 1.0, 2.0)
-            vh = gl.where(vh < 0, -vh, vh)
-        else:
-            vhyb = gl.full(vchan.shape, 1.0, gl.float32, vchan.type.layout)
-        return kh, kcen, khyb, vh, vcen, vhyb
+        return kh, kcen, vh, vcen
 
     @gluon.jit
     def _lut_regs(LEV, e, IS_BF16: gl.constexpr):

@@ -70,9 +70,13 @@ def _exec(ins: str, op: str, a: list[str], regs: dict) -> int:
     elif op == "prmt.b32":
         src = val(a[1]).to_bytes(4, "little") + val(a[2]).to_bytes(4, "little")
         sel = val(a[3])
-        if sel & 0x8888:
-            raise NotImplementedError(f"prmt's sign-replicate mode (selector {sel:#x}) in {ins}")
-        out = int.from_bytes(bytes(src[(sel >> 4 * k) & 7] for k in range(4)), "little")
+
+        def byte(k):   # selector nibble k: a byte of (a, b), or with bit 3 its sign replicated over the byte
+            nib = (sel >> 4 * k) & 0xF
+            x = src[nib & 7]
+            return (0xFF if x & 0x80 else 0) if nib & 8 else x
+
+        out = int.from_bytes(bytes(byte(k) for k in range(4)), "little")
     elif op == "lop3.b32":
         x, y, z, lut = val(a[1]), val(a[2]), val(a[3]), val(a[4])
         out = 0

@@ -972,6 +972,36 @@ def _same(got: int, want: int, bf16: bool, subnormal, where):
         assert g == w or (sub and abs(g - w) <= 12 * 2 ** -25 + abs(w) * 2 ** -10), (where, g, w)
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+def test_hybrid_statistics_from_the_sign_of_half(bf16):
+    """InnerQ's hybrid groups (`_hybrid_stats_asm`, in the PTX interpreter): each half of a pair takes the scale terms
+    its sign picks (negative: symmetric levels) and its magnitude, bit-equal to `_stats_asm` on |h| with those terms
+    (scale and offset); pairs of mixed signs, magnitudes down to fp16's subnormals, both bits-widths' spacings."""
+    from ptx_emulator import run
+
+    hyb_s, hyb_z = dag._HYBRID_STATS[bf16]
+    plain_s, plain_z = dag._STATS[bf16]
+    gen = torch.Generator().manual_seed(7)
+    for bits in (2, 3, 4):
+        hi, lo = dag.split_scale(2 / (2 ** bits - 2), bf16)
+        terms = {True: (hi, lo), False: (2 * hi, 2 * lo)}   # symmetric, asymmetric (twice the spacing)
+        for trial in range(60):
+            mag = [_exact(float(x) * 10.0 ** float(torch.empty(()).uniform_(-7, 3, generator=gen)), bf16)
+                   for x in torch.rand(2, generator=gen) + 0.01]
+            sym = [bool(x) for x in torch.randint(0, 2, (2,), generator=gen)]
+            cen = [_exact(float(x), bf16) for x in torch.randn(2, generator=gen) * 10]
+            h = _pair(*(-m if sm else m for m, sm in zip(mag, sym)), bf16)
+            ops = {1: h, 2: _pair(terms[True][0], terms[True][0], bf16), 3: _pair(terms[False][0], terms[False][0], bf16),
+                   4: _pair(terms[True][1], terms[True][1], bf16), 5: _pair(terms[False][1], terms[False][1], bf16)}
+            got = run(hyb_s, ops)["$0"]
+            want = run(plain_s, {1: _pair(*mag, bf16), 2: _pair(*(terms[x][0] for x in sym), bf16),
+                                 3: _pair(*(terms[x][1] for x in sym), bf16)})["$0"]
+            assert got == want, (bits, trial, sym, mag, hex(got), hex(want))
+            got = run(hyb_z, {1: h, 2: _pair(*cen, bf16)})["$0"]
+            want = run(plain_z, {1: _pair(*mag, bf16), 2: _pair(*cen, bf16)})["$0"]
+            assert got == want, (bits, trial, sym, mag, hex(got), hex(want))
+
+
 @pytest.mark.parametrize("bits", dag.BITS)
 @pytest.mark.parametrize("bf16", [False, True])
 def test_inline_ptx_unpacks_every_code(bf16, bits):
