@@ -273,7 +273,7 @@ def _dequant(codes_ptr, cen_ptr, half_ptr, oval_ptr, oidx_ptr, lev_ptr, norm_ptr
             gb = bh64 * NG * D
             gi = ((t - S) // GS)[:, None] * D + d[None, :]
             gm = m2
-        if ALIGNED and GS > 0 and BT % GS == 0 and SYM != 2:
+        if ALIGNED and GS > 0 and BT % GS == 0:
             # an aligned tile covers NR whole groups: load their NR statistics rows, broadcast over GS tokens each
             # (kivi-2 decode 1.3x faster on an H100 than statistics loaded per element: bench/RESULTS.md, session 7)
             NR: tl.constexpr = BT // GS
@@ -284,7 +284,11 @@ def _dequant(codes_ptr, cen_ptr, half_ptr, oval_ptr, oidx_ptr, lev_ptr, norm_ptr
                 c3 = tl.load(cen_ptr + ro, mask=(rows < NG)[:, None], other=0.0).to(tl.float32)[:, None, :]
             else:
                 c3 = h3
-            x = tl.reshape(_values(tl.reshape(code, [NR, GS, D]), None, h3, c3, BITS, SYM, LUT, lev_ptr), [BT, D])
+            sym3 = None
+            if SYM == 2:   # hybrid groups: the choice is the sign of the half-range (`store.signed_half`)
+                sym3 = h3 < 0
+                h3 = tl.abs(h3)
+            x = tl.reshape(_values(tl.reshape(code, [NR, GS, D]), sym3, h3, c3, BITS, SYM, LUT, lev_ptr), [BT, D])
         else:  # statistics loaded per element
             half = tl.load(half_ptr + gb + gi, mask=gm, other=0.0).to(tl.float32)
             sym = None
@@ -310,13 +314,15 @@ def _load_side(codes_ptr, cen_ptr, half_ptr, oval_ptr, oidx_ptr, lev_ptr, norm_p
                data_ptr, sink_ptr, ring_ptr, chunk_ptr, stride_cb, stride_ch, stride_cn, nch, b, h, bh, t, t0, d,
                tvalid, p0, bnd, T, D: tl.constexpr, S: tl.constexpr, WR: tl.constexpr, BITS: tl.constexpr,
                AXIS: tl.constexpr, GS: tl.constexpr, NG, SYM: tl.constexpr, LUT: tl.constexpr,
-               NOUT: tl.constexpr, NORM: tl.constexpr, ONLY_CODES: tl.constexpr, BT: tl.constexpr):
+               NOUT: tl.constexpr, NORM: tl.constexpr, ONLY_CODES: tl.constexpr, BT: tl.constexpr,
+               WINDOW_CODES: tl.constexpr = True):
     """float32 [BT, D] of one side (K or V) at positions t, from wherever the store keeps each position:
     t < p0 from the store (written length L, quantized below bnd = Q_side(L)), t in [p0, p0 + nch) from the
     chunk (row t - p0, token stride stride_cn; decode: nch = 1). t = t0 + arange(BT). ONLY_CODES: t0 - S a
     multiple of BT (the codes-only tiles of both templates), every valid t in the quantized region; otherwise (the
     window tiles: a tile that starts below S has its valid t below S) codes are unpacked only if
-    S <= t0 < min(bnd, p0). The values of masked positions (not tvalid) are finite garbage that the caller masks
+    S <= t0 < min(bnd, p0), and not at all where WINDOW_CODES is False (the caller knows that no window tile holds
+    this side's codes: their unpacking is not compiled). The values of masked positions (not tvalid) are finite garbage that the caller masks
     (scores to -inf, p to 0)."""
     bh64 = bh.to(tl.int64)
     if BITS == 16:
@@ -330,7 +336,9 @@ def _load_side(codes_ptr, cen_ptr, half_ptr, oval_ptr, oidx_ptr, lev_ptr, norm_p
         return x
     else:  # a window tile, t = t0 + arange(BT): most hold no codes at all, and skip their unpacking
         inq = tvalid & (t >= S) & (t < bnd) & (t < p0)
-        if (t0 >= S) & (t0 < tl.minimum(bnd, p0)):   # a tile starting below S has its valid t below S
+        if not WINDOW_CODES:
+            x = tl.zeros([BT, D], tl.float32)
+        elif (t0 >= S) & (t0 < tl.minimum(bnd, p0)):   # a tile starting below S has its valid t below S
             x = _dequant(codes_ptr, cen_ptr, half_ptr, oval_ptr, oidx_ptr, lev_ptr, norm_ptr, bh, t, t0,
                          d, inq, T, D, S, BITS, AXIS, GS, NG, SYM, LUT, NOUT, NORM, False, BT)
             x = tl.where(inq[:, None], x, 0.0)
@@ -527,6 +535,11 @@ def _decode_program(
         temp = tl.load(TEMP + b * H * REP + qh, mask=rvalid, other=1.0)
     KP: tl.constexpr = 0 if WINDOW else KPOST
     VP: tl.constexpr = 0 if WINDOW else VPOST
+    # no window tile holds Value codes where the Values' token groups are longer than the Keys' and a multiple of
+    # them (InnerQ: 32 tokens against 1): Q_V(L) <= Q_K(L), and the window starts at min(Q_K, Q_V) = Q_V. Their
+    # unpacking is then left out of the window launch (innerq-2's took 2.4x the time at (32, 4096) on an H200 with it
+    # once the hybrid masks left the store: Triton laid the tile's loads out differently; session 47)
+    V_WINDOW_CODES: tl.constexpr = not (WINDOW and TPG_V > TPG_K and TPG_V % TPG_K == 0)
     if KP != 0:
         qn = q.to(tl.float32)
         if NORM_K:
@@ -590,7 +603,7 @@ def _decode_program(
             else:
                 v = _load_side(VC, VCEN, VHALF, VOVAL, VOIDX, VLEV, VLEV, VDATA, VSINK, VRING, VCHUNK,
                                stride_vb, stride_vh, 0, 1, b, h, bh, t, t0, d, tvalid, p0, bnd_v, T, D, S, WR_V, BITS_V,
-                               AXIS_V, GS_V, NG_V, SYM_V, LUT_V, NOUT_V, False, not WINDOW, BLOCK_T)
+                               AXIS_V, GS_V, NG_V, SYM_V, LUT_V, NOUT_V, False, not WINDOW, BLOCK_T, V_WINDOW_CODES)
                 pv = _dot(p, v, dt, IEEE, INTERP)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
