@@ -535,11 +535,13 @@ def _decode_program(
         temp = tl.load(TEMP + b * H * REP + qh, mask=rvalid, other=1.0)
     KP: tl.constexpr = 0 if WINDOW else KPOST
     VP: tl.constexpr = 0 if WINDOW else VPOST
-    # no window tile holds Value codes where the Values' token groups are longer than the Keys' and a multiple of
-    # them (InnerQ: 32 tokens against 1): Q_V(L) <= Q_K(L), and the window starts at min(Q_K, Q_V) = Q_V. Their
-    # unpacking is then left out of the window launch (innerq-2's took 2.4x the time at (32, 4096) on an H200 with it
-    # once the hybrid masks left the store: Triton laid the tile's loads out differently; session 47)
+    # no window tile holds a side's codes where its token groups are longer than the other side's and a multiple of
+    # them (InnerQ's Values: 32 tokens against 1; KIVI's Keys: 32 against 1): its Q(L) is then the lower one, where the
+    # window starts (min(Q_K, Q_V)). Its unpacking is left out of the window launch (innerq-2's took 2.4x the time at
+    # (32, 4096) on an H200 with it once the hybrid masks left the store, Triton having laid the tile's loads out
+    # differently; offline sm_90, the window launch of innerq-2 146 -> 127 registers, of kivi-2 164 -> 128; session 47)
     V_WINDOW_CODES: tl.constexpr = not (WINDOW and TPG_V > TPG_K and TPG_V % TPG_K == 0)
+    K_WINDOW_CODES: tl.constexpr = not (WINDOW and TPG_K > TPG_V and TPG_K % TPG_V == 0)
     if KP != 0:
         qn = q.to(tl.float32)
         if NORM_K:
@@ -574,7 +576,8 @@ def _decode_program(
         else:
             k = _load_side(KC, KCEN, KHALF, KOVAL, KOIDX, KLEV, KNORM, KDATA, KSINK, KRING, KCHUNK,
                            stride_kb, stride_kh, 0, 1, b, h, bh, t, t0, d, tvalid, p0, bnd_k, T, D, S, WR_K, BITS_K, AXIS_K,
-                           GS_K, NG_K, SYM_K, LUT_K, NOUT_K, NORM_K, not WINDOW, BLOCK_T)
+                           GS_K, NG_K, SYM_K, LUT_K, NOUT_K, NORM_K, not WINDOW, BLOCK_T,
+                           K_WINDOW_CODES)
             if ROPE:
                 # the chunk's own key arrives already rotated (it is the attention's input, not the store's)
                 k = tl.where((t == p0)[:, None], k, _rope(k, t, d, COS, SIN, b, tvalid, T, D, BLOCK_T))
