@@ -83,12 +83,13 @@ def random_store(cfg: KVQConfig, layer_index: int, layers: int, B: int, T: int, 
                     count = ref.level_count(q.bits, True) if q.symmetry is Symmetry.HYBRID else ref.levels_for(q).numel()
                     if count < 2 ** q.bits:
                         t.copy_(ref.pack_bits(ref.unpack_bits(t, q.bits, D).clamp_max(count - 1), q.bits))
-            elif t.dtype == torch.bool:
-                t.copy_(torch.rand(t.shape, device=device) < 0.5)
             elif t.dtype in (torch.uint8, torch.int16):
                 t.random_(0, D)
             elif name.endswith("half"):
                 t.uniform_(0.05, 0.5)
+                q = lay.spec.key if name.startswith("k.") else lay.spec.value
+                if q.symmetry is Symmetry.HYBRID:   # half the groups symmetric (a negative half: store.signed_half)
+                    t.mul_(torch.where(torch.rand(t.shape, device=device) < 0.5, -1.0, 1.0).to(t.dtype))
             elif name.endswith("norm"):
                 t.uniform_(0.5, 2.0)
             else:

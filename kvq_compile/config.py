@@ -108,6 +108,10 @@ class QuantizerSpec:
             raise _fix("symmetry=hybrid needs bits >= 2 (its asymmetric branch uses bits-1); use symmetric at 1 bit")
         if self.levels is Levels.NORMAL_FLOAT and self.symmetry is Symmetry.HYBRID:
             raise _fix("levels=normal_float cannot be combined with symmetry=hybrid; use uniform levels")
+        if self.symmetry is Symmetry.HYBRID and self.axis is Axis.CHANNEL and self.group_size is None:
+            # a static range is fixed once per channel, so there is no per-group choice to make (the codes were
+            # written with 2^B asymmetric levels and read back as (B-1)-bit ones)
+            raise _fix("symmetry=hybrid needs groups: set a group_size, or use asymmetric/symmetric static ranges")
 
     @property
     def quantized(self) -> bool:

@@ -126,8 +126,8 @@ def _choice():
 
 def _input_generators(layout: str, n_store: int, has_mask: bool) -> dict:
     """Benchmark inputs that exercise the whole cache: positions = max_len - 1 (Inductor's defaults are zeros
-    for integer tensors, a one-token cache); integer store tensors (codes, outlier channel indices, hybrid
-    masks) stay zeros, valid everywhere; a boolean mask allows every position."""
+    for integer tensors, a one-token cache); integer store tensors (codes, outlier channel indices) stay zeros,
+    valid everywhere; a boolean mask allows every position."""
     from .ops import _decode_layout
 
     geo = _decode_layout(layout)[1]

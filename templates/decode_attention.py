@@ -7,7 +7,7 @@ Math (per sequence b, KV head h, the REP = Hq / H query heads of its GQA group, 
           Q_side(L) <= t < p0 -> ring slot t % Wr (exact)   t == p0            -> the appended chunk (exact)
     dequant(t, d) = (lev[code(t, d)] * half(g) + center(g)) [outliers replace their channels] [* norm(d)]
           lev = uniform -1 + 2k/(2^B - 1) (symmetric: 2k/(2^B - 2), zero a level) | codebook LUT |
-          hybrid: mask(g) ? symmetric(B) : uniform(2^(B-1))
+          hybrid: sym(g) ? symmetric(B) : uniform(2^(B-1)), sym(g) the sign of the stored half (`store.signed_half`)
           g = (t, d // gsize) for TOKEN-axis groups (inner grouping of Keys), ((t - S) // G, d) for
           CHANNEL-axis token groups (KIVI Keys), (0, d) for static per-channel ranges (KVQuant, CalibQuant)
     keys stored before RoPE: k_t <- k_t * cos_t + rotate_half(k_t) * sin_t  (RoPE after dequantization)
@@ -537,9 +537,11 @@ def _decode_program(
     VP: tl.constexpr = 0 if WINDOW else VPOST
     # no window tile holds a side's codes where its token groups are longer than the other side's and a multiple of
     # them (InnerQ's Values: 32 tokens against 1; KIVI's Keys: 32 against 1): its Q(L) is then the lower one, where the
-    # window starts (min(Q_K, Q_V)). Its unpacking is left out of the window launch (innerq-2's took 2.4x the time at
-    # (32, 4096) on an H200 with it once the hybrid masks left the store, Triton having laid the tile's loads out
-    # differently; offline sm_90, the window launch of innerq-2 146 -> 127 registers, of kivi-2 164 -> 128; session 47)
+    # window starts (min(Q_K, Q_V)). Its unpacking is left out of the window launch: with it, once the hybrid masks
+    # had left the store, Triton laid innerq-2's tile loads out differently and its window launch took 18.3 us instead
+    # of 12.5 at (32, 4096) on an H200 (bench/debug/parts.py); without it 13.9 us, and offline sm_90
+    # (bench/debug/window_regs.py) innerq-2's window launch has 80 registers instead of 146 (128 with the masks),
+    # kivi-2's 1160 SASS instructions instead of 1752 (session 47)
     V_WINDOW_CODES: tl.constexpr = not (WINDOW and TPG_V > TPG_K and TPG_V % TPG_K == 0)
     K_WINDOW_CODES: tl.constexpr = not (WINDOW and TPG_K > TPG_V and TPG_K % TPG_V == 0)
     if KP != 0:

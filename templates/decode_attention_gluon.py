@@ -42,9 +42,10 @@ kivi-4, xquant's 2-bit / 1-bit layers, shared codes included): asymmetric unifor
 per KV head, fp16 or bf16, an attention mask of one row per sequence (HF's decode mask) or none. With INNER, InnerQ's
 layout (innerq-2, `layout_kind` "inner"): the same packed words with the statistics the other way round, Keys per
 token in groups of 32 channels (statistics [T, 4], one per lane group b of the Key layout below) and Values per
-channel in groups of 32 tokens (rows [NG, D], one 32-token tile per row), asymmetric or hybrid (a group's mask picks
-symmetric levels, spacing 2 / (2^B - 2), or asymmetric ones at twice that), its per-channel Key norm folded into q;
-its codes through a TMA ring of their own (`INNER_TMA`, below), its statistics and masks by plain loads. Layouts that
+channel in groups of 32 tokens (rows [NG, D], one 32-token tile per row), asymmetric or hybrid (the sign of a
+group's stored half picks symmetric levels, spacing 2 / (2^B - 2), or asymmetric ones at twice that:
+`_hybrid_stats_asm`), its per-channel Key norm folded into q; its codes through a TMA ring of their own
+(`INNER_TMA`, below), its statistics by plain loads. Layouts that
 none of the kernels covers run the Triton template, as do the exact windows (sink, ring, chunk) of every layout: the
 kernels write the same (max, sum, acc) partial results into slots [0, NSPLIT) that `_decode_kernel` would, its
 window launch slots [NSPLIT, NSPLIT + NWIN), and `_combine_kernel` merges them. With PDL (sm_90+) each program
@@ -82,7 +83,7 @@ Math (one program = one KV head of one sequence and one slice of the quantized r
     k[t, c] = s_k[g, c] * code + z_k[g, c]     s = half * 2 / (2^B - 1), z = center - half, g = (t - S) // 32
     v[t, c] = s_v[t, c // 32] * code + z_v[t, c // 32]
     InnerQ (INNER): k[t, c] = s_k[t, c // 32] * code + z_k[t, c // 32], v[t, c] = s_v[g, c] * code + z_v[g, c],
-    hybrid groups s = half * (2 - mask) * 2 / (2^B - 2); q <- q * norm (the Key norm, rounded once).
+    hybrid groups s = |half| * (2 - sym) * 2 / (2^B - 2), sym = half < 0; q <- q * norm (the Key norm, rounded once).
     per 32-token tile: logits^T = k @ q^T (mma m16n8k16, tokens as rows, query heads as columns), online softmax
     in base 2 per column, acc^T = acc^T * alpha + v^T @ p^T (m16n8k16 with the 8 query heads as its columns).
     KPOST (KIVI's Keys, the default): q . k = U (e @ q'^T) + q . z, e the codes straight from `_kpost_asm`,

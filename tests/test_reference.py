@@ -146,6 +146,7 @@ def test_rope_unrotate_inverts_rotate():
      "use a divisor of 64"),
     (lambda: KVQConfig.preset("kivi-3"), "known presets: fp16, int8, kivi-2"),
     (lambda: QuantizerSpec(bits=1, symmetry="hybrid"), "use symmetric at 1 bit"),
+    (lambda: QuantizerSpec(bits=2, axis="channel", group_size=None, symmetry="hybrid"), "hybrid needs groups"),
     (lambda: QuantizerSpec(bits=1, axis="channel", group_size=None, range_scale=1.5), "must lie in"),
     (lambda: QuantizerSpec(bits=2, axis="token", range_scale=0.5), "static per-channel ranges only"),
 ])

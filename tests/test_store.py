@@ -141,7 +141,7 @@ def test_hybrid_choice_is_the_sign_of_half(dtype):
     for name, qb, stored in (("k", qk, b["k.half"]), ("v", qv, b["v.half"][:, :, :1])):
         assert qb.mask.any() and (~qb.mask).any(), name
         torch.testing.assert_close(stored, torch.where(qb.mask, -qb.half, qb.half), rtol=0, atol=0)
-        half, mask = st.split_half(stored, spec.key)
+        half, mask = st.split_half(stored, getattr(spec, {"k": "key", "v": "value"}[name]))
         assert torch.equal(mask, qb.mask) and torch.equal(half, qb.half) and (half > 0).all(), name
 
 

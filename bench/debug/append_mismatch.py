@@ -5,7 +5,8 @@ A: the Triton append template (`quantize_append.append_decode`) at each RING_VEC
 B: innerq-2 and kivi-2, eager `store.append` vs eager `store.append_decode` vs the Inductor-compiled
    `append_decode` with `compat.eager_numerics_options()` ("compiled") and with Inductor's defaults ("default"),
    bfloat16: the buffers that differ at the first step that differs and after the last step (and, where the
-   first difference includes InnerQ's hybrid mask, one differing group's mask, center and half).
+   first difference includes InnerQ's hybrid Value statistics, one group whose choice differs (the sign of its
+   half, `store.signed_half`): its center and half).
 usage: python bench/debug/append_mismatch.py [A|B]..."""
 import sys
 
@@ -102,10 +103,10 @@ def part_b():
                 if d and m not in shown:
                     shown.add(m)
                     print(f"B {name} {m} vs eager append: first difference after position {p}: {d}")
-                    if "v.mask" in d:
-                        ma, mb = stores["append"].buffers["v.mask"], stores[m].buffers["v.mask"]
+                    ma, mb = (s.buffers["v.half"] < 0 for s in (stores["append"], stores[m]))
+                    if "v.half" in d and (ma != mb).any():   # a hybrid group chose differently
                         idx = (ma != mb).nonzero()[0].tolist()
-                        print(f"   v.mask index {idx}: append {ma[tuple(idx)].item()} {m} {mb[tuple(idx)].item()}; "
+                        print(f"   v choice index {idx}: append {ma[tuple(idx)].item()} {m} {mb[tuple(idx)].item()}; "
                               f"center {stores['append'].buffers['v.center'][tuple(idx)].item()} / "
                               f"{stores[m].buffers['v.center'][tuple(idx)].item()}, half "
                               f"{stores['append'].buffers['v.half'][tuple(idx)].item()} / "

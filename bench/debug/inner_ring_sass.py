@@ -26,8 +26,7 @@ for bf16, mask, kb, vb, hyb, norm in ((True, 1, 2, 2, True, True), (False, 1, 2,
                                                       4 * kb, dag.KIVI_BT, 4 * vb))
         sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC=kc, KCEN=ty, KHALF=ty, VC=vc, VCEN=ty, VHALF=ty,
                    POS="*i64", AMASK="*i1" if mask == 1 else ty, stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32",
-                   OUT_ACC="*fp32", scale="fp32", T="i32", NG_K="i32", NSPLIT="i32", KMASK="*u8" if hyb else ty,
-                   VMASK="*u8" if hyb else ty, KNORM="*fp32" if norm else ty, KHROWS=ty, KCROWS=ty)
+                   OUT_ACC="*fp32", scale="fp32", T="i32", NG_K="i32", NSPLIT="i32", KNORM="*fp32" if norm else ty, KHROWS=ty, KCROWS=ty)
         ka, va = (dag.split_scale(2 / (2 ** n - (2 if hyb else 1)), bf16) for n in (kb, vb))
         cx = dict(H=8, REP=4, S=32, R=128, TPG_K=1, TPG_V=32, MASK_KIND=mask, IS_BF16=bf16, BT=32, KBITS=kb,
                   VBITS=vb, KA_HI=ka[0], KA_LO=ka[1], VA_HI=va[0], VA_LO=va[1], NWIN=3, TMA=True, NST=dag.NSTAGES,

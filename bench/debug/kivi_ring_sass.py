@@ -30,7 +30,7 @@ def main(argv):
     sig, cx = kivi_ring_build(kbits, vbits, tps, fold["VF"])
     cx.update(fold)
     cx.update(overrides)
-    b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 12, 13, 14, 22, 23))
+    b = compile_sm90(dag._kivi_decode_kernel, sig, cx, (0, 12, 13, 14, 20, 21))
     trip = 2 if cx["PAIR"] else 1
     run, ops = ring_tile(b.sass, 1 if cx["PAIR"] else tps, refill=cx["QZROWS"])
     with open(f"/tmp/kivi_ring_{kbits}{vbits}.sass", "w") as f:

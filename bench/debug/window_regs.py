@@ -21,7 +21,7 @@ from kvq_compile import KVQConfig  # noqa: E402
 from kvq_compile import store as st  # noqa: E402
 from kvq_compile.templates import decode_attention as da  # noqa: E402
 from kvq_compile.templates import decode_attention_gluon as dag  # noqa: E402
-from sm90_sass import compile_sm90  # noqa: E402
+from sm90_sass import _instructions, compile_sm90  # noqa: E402
 
 TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
          torch.int64: "*i64", torch.uint8: "*u8", torch.bool: "*i1", torch.int8: "*i8", torch.int16: "*i16"}
@@ -75,7 +75,7 @@ def main(preset: str) -> None:
     pointers = [kernel.arg_names.index(n) for n, t in sig.items() if t.startswith("*")]
     b = compile_sm90(kernel, sig, cx, pointers, **options)
     print(f"{preset}: window launch grid {grid}, {options.get('num_warps')} warps: {b.regs} registers, stack "
-          f"{b.stack} B, {b.shared} B shared")
+          f"{b.stack} B, {b.shared} B shared, {len(_instructions(b.sass)[0])} SASS instructions")
 
 
 if __name__ == "__main__":
