@@ -576,6 +576,28 @@ def test_mask_of_the_wrong_shape_is_refused():
         decode_attention(q, dict(zip(names, tensors)), kv, kv, torch.tensor([3], device=DEVICE),
                          torch.ones(2, 32, dtype=torch.bool, device=DEVICE), 0.125, False, cfg, lay.spec, geo)
 
+@pytest.mark.parametrize("tpg_k,tpg_v", [(1, 32), (32, 1), (1, 1), (32, 32), (4, 16), (16, 4), (2, 3), (48, 16)])
+@pytest.mark.parametrize("bits_k,bits_v", [(2, 2), (16, 2), (2, 16)])
+def test_window_tiles_hold_no_codes_of_the_coarser_side(tpg_k, tpg_v, bits_k, bits_v):
+    """The window launch leaves a side's unpacking out (`_decode_program`'s K_WINDOW_CODES / V_WINDOW_CODES) where
+    that side's token groups are longer than the other's and a multiple of them: then no position its window tiles
+    cover, [min(max(S, Q(L)), p0), p0) past the sink, lies in that side's quantized region [S, Q_side(L)), for every
+    written length L, sink and window (Q the smaller fill boundary, as `_quantized_end` computes it)."""
+    for sink in (0, 1, 5, 32, 33):
+        for recent in (0, 1, 7, 32, 96, 128):
+            for L in range(1, 400):
+                p0 = L - 1
+                s_eff = 0 if bits_k == bits_v == 16 else sink
+                bnd = {side: L if bits == 16 else st.fill_boundary(L, sink, recent, tpg)
+                       for side, bits, tpg in (("k", bits_k, tpg_k), ("v", bits_v, tpg_v))}
+                win_lo = min(max(s_eff, min(bnd["k"], bnd["v"], p0)), p0)
+                for side, mine, other, bits in (("k", tpg_k, tpg_v, bits_k), ("v", tpg_v, tpg_k, bits_v)):
+                    skipped = mine > other and mine % other == 0   # the kernel's condition
+                    if skipped and bits != 16:
+                        codes_end = min(bnd[side], p0)
+                        assert codes_end <= max(win_lo, sink), (side, tpg_k, tpg_v, sink, recent, L, bnd, win_lo)
+
+
 
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_window_launch_covers_every_length(name):
