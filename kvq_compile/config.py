@@ -286,9 +286,10 @@ class KVQConfig:
 
     def equivalent_bits(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int,
                         batch: int = 1, dtype_bytes: int = 2) -> float:
-        """True bits per cached K/V element: every byte the store allocates (codes, scales, zero-points
-        (a hybrid group's choice is the sign of its scale: no bytes of its own), outliers, fp16 windows, RoPE tables, codebooks) over 2*layers*batch*heads*len*dim. An odd
-        length's padding row (`Geometry.rows`) is allocated, so it counts: fp16 then gives 16 (len + 1) / len."""
+        """True bits per cached K/V element: every byte the store allocates (codes, scales, zero-points, outliers,
+        fp16 windows, RoPE tables, codebooks; a hybrid group's choice is the sign of its scale, no bytes of its own)
+        over 2*layers*batch*heads*len*dim. An odd length's padding row (`Geometry.rows`) is allocated, so it counts:
+        fp16 then gives 16 (len + 1) / len."""
         from .store import model_store_bytes
 
         nbytes = model_store_bytes(self, num_layers, batch, num_kv_heads, max_len, head_dim, dtype_bytes)

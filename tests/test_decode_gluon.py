@@ -423,7 +423,8 @@ SCRIPT = textwrap.dedent('''
         ty = "*bf16" if bf16 else "*fp16"
         sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KCEN=ty, KHALF=ty, VC="*i32", VCEN=ty, VHALF=ty,
                    POS="*i64", AMASK="*i1" if mask == 1 else ty, stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32",
-                   OUT_ACC="*fp32", scale="fp32", T="i32", NG_K="i32", NSPLIT="i32", KNORM="*fp32" if norm else ty, KHROWS=ty, KCROWS=ty)
+                   OUT_ACC="*fp32", scale="fp32", T="i32", NG_K="i32", NSPLIT="i32", KNORM="*fp32" if norm else ty,
+                   KHROWS=ty, KCROWS=ty)
         ka, va = (dag.split_scale(2 / (2 ** n - (2 if hyb else 1)), bf16) for n in (kb, vb))
         cx = dict(H=8, REP=4, S=32, R=96, TPG_K=1, TPG_V=32, MASK_KIND=mask, IS_BF16=bf16, BT=32, KBITS=kb, VBITS=vb,
                   KA_HI=ka[0], KA_LO=ka[1], VA_HI=va[0], VA_LO=va[1], NWIN=3, TMA=False, NST=2, PDL=True, INNER=True,
@@ -463,7 +464,8 @@ SCRIPT = textwrap.dedent('''
                                                       4 * kb, dag.KIVI_BT, 4 * vb))
         sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC=kc, KCEN=ty, KHALF=ty, VC=vc, VCEN=ty, VHALF=ty,
                    POS="*i64", AMASK="*i1" if mask == 1 else ty, stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32",
-                   OUT_ACC="*fp32", scale="fp32", T="i32", NG_K="i32", NSPLIT="i32", KNORM="*fp32" if norm else ty, KHROWS=ty, KCROWS=ty)
+                   OUT_ACC="*fp32", scale="fp32", T="i32", NG_K="i32", NSPLIT="i32", KNORM="*fp32" if norm else ty,
+                   KHROWS=ty, KCROWS=ty)
         ka, va = (dag.split_scale(2 / (2 ** n - (2 if hyb else 1)), bf16) for n in (kb, vb))
         cx = dict(H=8, REP=4, S=32, R=96, TPG_K=1, TPG_V=32, MASK_KIND=mask, IS_BF16=bf16, BT=32, KBITS=kb, VBITS=vb,
                   KA_HI=ka[0], KA_LO=ka[1], VA_HI=va[0], VA_LO=va[1], NWIN=3, TMA=True, NST=dag.NSTAGES, PDL=True,
@@ -991,8 +993,9 @@ def test_hybrid_statistics_from_the_sign_of_half(bf16):
             sym = [bool(x) for x in torch.randint(0, 2, (2,), generator=gen)]
             cen = [_exact(float(x), bf16) for x in torch.randn(2, generator=gen) * 10]
             h = _pair(*(-m if sm else m for m, sm in zip(mag, sym)), bf16)
-            ops = {1: h, 2: _pair(terms[True][0], terms[True][0], bf16), 3: _pair(terms[False][0], terms[False][0], bf16),
-                   4: _pair(terms[True][1], terms[True][1], bf16), 5: _pair(terms[False][1], terms[False][1], bf16)}
+            both = lambda x: _pair(x, x, bf16)  # noqa: E731
+            ops = {1: h, 2: both(terms[True][0]), 3: both(terms[False][0]), 4: both(terms[True][1]),
+                   5: both(terms[False][1])}
             got = run(hyb_s, ops)["$0"]
             want = run(plain_s, {1: _pair(*mag, bf16), 2: _pair(*(terms[x][0] for x in sym), bf16),
                                  3: _pair(*(terms[x][1] for x in sym), bf16)})["$0"]
