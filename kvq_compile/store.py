@@ -304,11 +304,10 @@ def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: tor
     read yet): the side is appended again from position 0 with the exact prefix and the chunk, both in the cache
     dtype, as if the prefill so far had come in one piece (its codes rewritten; with an input dtype wider than the
     cache's, the statistics then come from values rounded to the cache dtype, where one piece takes them from the
-    input). After that they
-    stay, except for rows whose earlier tokens were all pads, which take them from this chunk (a chunked prefill
-    whose first chunks held only left padding for a row). Not handled: a row whose first real chunk holds a single
-    real token gets a point range, as a one-token first chunk does; a one-token chunk (a decode step, a last
-    prefill chunk of one token: the decode append) changes nothing.
+    input). After that they stay, except for rows whose earlier tokens were all pads, which take them from this
+    chunk (a chunked prefill whose first chunks held only left padding for a row). Not handled: a row whose first
+    real chunk holds a single real token gets a point range, as a one-token first chunk does; a one-token chunk (a
+    decode step, a last prefill chunk of one token: the decode append) changes nothing.
     slots [B or 1, >= p0 + n] bool (`attended_slots`): the slots, in slot order (`seated_mask`), that the chunk's
     last query attends; the others are pads, `neutralized` in the prefix appended again (also in the sink and ring:
     a slot that an earlier query of the chunk attends but the last does not, as under a sliding window, would be
