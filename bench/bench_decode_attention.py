@@ -39,19 +39,24 @@ from kvq_compile.templates import decode_attention as da  # noqa: E402  (its fla
 
 @contextlib.contextmanager
 def da_flags(flags: dict):
-    """decode_attention's module flags (upper-case names, e.g. FILL_PER_SM, COMBINE_WARPS) set inside the block and
-    restored after it; SystemExit naming any that is not one."""
+    """Module flags (upper-case names) of decode_attention (e.g. FILL_PER_SM, COMBINE_WARPS) or, where it has none of
+    that name, of its Gluon module (e.g. MASK_SLICE), set inside the block and restored after it; SystemExit naming
+    any that is neither's."""
+    from kvq_compile.templates import decode_attention_gluon as dag
+
+    mods = {}
     for k in flags:
-        if not hasattr(da, k):
-            sys.exit(f"{k} is not a flag of kvq_compile.templates.decode_attention")
-    saved = {k: getattr(da, k) for k in flags}
+        mods[k] = da if hasattr(da, k) else dag if hasattr(dag, k) else None
+        if mods[k] is None:
+            sys.exit(f"{k} is not a flag of kvq_compile.templates.decode_attention or its Gluon module")
+    saved = {k: getattr(mods[k], k) for k in flags}
     for k, x in flags.items():
-        setattr(da, k, x)
+        setattr(mods[k], k, x)
     try:
         yield
     finally:
         for k, x in saved.items():
-            setattr(da, k, x)
+            setattr(mods[k], k, x)
 
 
 PRESETS = ["fp16", "int8", "kivi-4", "kvquant-4", "kivi-2", "innerq-2", "xquant-1.38", "calibquant-1"]
@@ -247,8 +252,8 @@ def main():
     ap.add_argument("--splits", default=None, help="sweep only these split counts (with --sweep), e.g. 2,4,8,16")
     ap.add_argument("--variants", default=None,
                     help="time these launches of each preset, e.g. 'default;block_t=32;block_t=128,num_warps=8' "
-                         "(upper-case keys set flags of decode_attention for that variant: FILL_PER_SM=99, "
-                         "COMBINE_WARPS=4)")
+                         "(upper-case keys set flags of decode_attention or its Gluon module for that variant: "
+                         "FILL_PER_SM=99, COMBINE_WARPS=4, MASK_SLICE=0)")
     ap.add_argument("--mask", default="none", choices=("none", "bool", "additive", "bool-heads"),
                     help="an attention mask for both kernels, every position allowed: [B, 1, 1, ctx] (HF's decode "
                          "mask is a bool one), or bool-heads: one row per query head [B, 32, 1, ctx]")

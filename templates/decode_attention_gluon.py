@@ -1064,6 +1064,33 @@ if HAVE_GLUON:
         return s, allowed
 
     @gluon.jit
+    def _mask_slice_ok(AMASK, moff, start, stop, N: gl.constexpr):
+        """1 where the bool mask row allows every position of [start, stop), else 0 (int32, one value for the
+        program): N bytes a step (N / 32 a lane), ahead of the tile loop (`MASK_SLICE`)."""
+        lay: gl.constexpr = gl.BlockedLayout([N // 32], [32], [1], [0])
+        i = gl.arange(0, N, layout=lay)
+        bad = gl.zeros([N], gl.int32, lay)
+        for c in range(start, stop, N):
+            mv = gl.load(AMASK + moff + c + i, mask=c + i < stop, other=1)
+            bad = bad | (mv == 0).to(gl.int32)
+        return 1 - gl.max(bad, 0)
+
+    @gluon.jit
+    def _loop_runs(mok, VAR: gl.constexpr, MOKON: gl.constexpr):
+        """Whether the tile loop's copy VAR runs (`_kivi_decode_kernel` MOK): copy 0 (built without the mask) where
+        mok = 1, copy 1 where mok = 0; without MOKON the one copy always."""
+        if MOKON:
+            go = mok != VAR
+        else:
+            go = True
+        return go
+
+    @gluon.constexpr_function
+    def _loop_mask_kind(mask_kind, mokon, var):
+        """The mask kind a copy of the tile loop is built with (`_loop_runs`): MOK's copy 0 none."""
+        return 0 if (mokon and var == 0) else mask_kind
+
+    @gluon.jit
     def _load_qT(Q, b, h, stride_qb, stride_qh, tchan, REP: gl.constexpr, b_l: gl.constexpr):
         """q^T [128, 8] of the REP query heads of KV head h (columns past REP zero), row k = channel tchan[k]: the B
         operand of the transposed logits mma."""
@@ -1642,8 +1669,8 @@ if HAVE_GLUON:
             VHYB: gl.constexpr = False, NORM: gl.constexpr = False, KPOST: gl.constexpr = False,
             QZROWS: gl.constexpr = False, QZ_N: gl.constexpr = 8, VZ: gl.constexpr = False,
             WL: gl.constexpr = True, WT: gl.constexpr = False, TPS: gl.constexpr = 1, PAIR: gl.constexpr = False,
-            KSUB: gl.constexpr = False, VF: gl.constexpr = False, KSW: gl.constexpr = 7, TRB=None,
-            TRACE: gl.constexpr = False):
+            KSUB: gl.constexpr = False, VF: gl.constexpr = False, KSW: gl.constexpr = 7, MOK: gl.constexpr = 0,
+            TRB=None, TRACE: gl.constexpr = False):
         """KIVI's layout, or with INNER InnerQ's (Keys per token in groups of 32 channels, Values per channel in
         groups of 32 tokens: the same packed words, the statistics the other way round, the codes alone through the
         ring where TMA). NG_K: the
@@ -1689,6 +1716,9 @@ if HAVE_GLUON:
         (`_fold_finish`). Exact where p half >= 2^-57 (below, that token's code products drop out: less than 2^-56
         of absolute error each), half < 2^64 (p' half in bf16) and |z| sum p < 2^64 (the offsets' share in fp32), z
         the group's offset (VF_E).
+        MOK (`MASK_SLICE`, a bool mask, MASK_KIND 1): the tile loop is built twice, once without the mask; each
+        program checks its slice's mask bytes once, MOK a step (`_mask_slice_ok`), and runs the maskless copy where
+        they allow every position, the masked copy elsewhere (left padding inside the slice, a masked position).
         TRACE (debug, `decode_attention.TRACE`, bench/debug/timeline.py): each program writes 8 int64 to TRB at
         8 (bh NSPLIT + split): the global timer at its start, before its loop, once its first ring slot has landed
         (TMA; else before its loop again), after its loop and after its stores, then its SM and its tile count."""
@@ -1708,6 +1738,7 @@ if HAVE_GLUON:
         D: gl.constexpr = D_
         gl.static_assert((not WT) or _whole_tiles(R, TPG_K, TPG_V, BT), "WT: no tile may cross its slice's stop")
         gl.static_assert((TPS == 1) or (TMA and not INNER), "TPS: KIVI's ring (InnerQ's fills a tile a slot)")
+        MOKON: gl.constexpr = (MOK > 0) and (MASK_KIND == 1)
         if TRACE:
             tr0 = _trace_now()
 
@@ -1904,174 +1935,183 @@ if HAVE_GLUON:
                     mbarrier.wait(bars.index(0), 0)
             tr2 = _trace_now()
 
-        if PAIR:  # two tiles (one ring slot) per online-softmax step: one max, one rescale per 64 tokens
-            gl.static_assert(TMA and (not INNER) and KPOST and (TPS == 2) and WT, "PAIR: KIVI's ring, 2 tiles a slot")
-            gl.static_assert((not QZROWS) or (QZ_N % 2 == 0), "PAIR: refills on a slot's first tile need an even QZ_N")
-            gl.static_assert(R >= BT, "PAIR: a masked second tile must lie below the current position")
-            for it in range(0, n_iter, 2):
-                t0 = start + it * BT
-                if QZROWS:  # refills fall on a slot's first tile (QZ_N even, a slot's tiles in one step)
-                    gbase, grel = _qz_refill(KHROWS, KCROWS, zbase, gbase, t0, S, NG_K, qT, zsm, KP, IS_BF16, a_l,
-                                             mma, QZ_N, KSUB, cinv)
-                slot = it // 2
-                st = slot % NST
-                mbarrier.wait(bars.index(st), (slot // NST) & 1)
-                has_b = (it + 1) < n_iter   # an odd tile count (a row's last slice): the slot's second tile lies
-                # past the slice, in [qend, qend + BT) of this row (R >= BT: below p0 + 1 <= T, so its mask row and
-                # codes are this row's). Its logits are masked (p = 0); its Value statistics are read as they are:
-                # zeros (the store's buffers start zeroed) or a token quantized earlier (finite), so p V = 0
-                for sub in gl.static_range(2):
-                    kwords, kh, kcen = _smem_keys(ktile.index(2 * st + sub), khtile.index(2 * st + sub),
-                                                  kztile.index(2 * st + sub), KW, KS, BT, KBITS, KP)
-                    if KBITS == 1:
-                        kwords = kwords >> kshift
-                    s = _post_logits(kwords, kh, zrows.index(grel + sub) if QZROWS else kcen, qT, qaT, negm, kdummy,
-                                     sscale, cinv, a_l, b_l, mma, BT, KBITS, KP, IS_BF16, QZROWS, KSUB, KSW)
-                    s, allowed = _mask_scores(s, trow, tcol, t0 + sub * BT, stop, AMASK, b.to(gl.int64) * stride_mb,
-                                              REP, MASK_KIND, WT)
-                    if sub == 0:
-                        s_a = gl.where(allowed, s, float("-inf"))
-                    else:
-                        s_b = gl.where(allowed & has_b, s, float("-inf"))
-                p_a, p_b, alpha8, m8, lacc = _softmax_pair(s_a, s_b, m8, lacc, PEV)
-                a8 = gl.expand_dims(alpha8, 0)
-                acc = acc * a8
-                if VF:
-                    acc1 = acc1 * a8
-                    acc2 = acc2 * a8
-                    acc3 = acc3 * a8
-                if VZ:
-                    accz = accz * a8
-                for sub in gl.static_range(2):
-                    if sub == 0:
-                        p = p_a
-                    else:
-                        p = p_b
-                    pT = _p_transposed(p.to(dt), b_l, BT, IS_BF16)
-                    if VF:   # each group's scale folded into p': acc_c + e_c^T @ (p' half_c)^T
-                        vh, vcen = _smem_value_stats(vhtile.index(2 * st + sub), vztile.index(2 * st + sub), VW, L4,
-                                                     BT, WL)
-                        vz = _offset(vh, vcen, IS_BF16)
-                        acc, acc1, acc2, acc3 = _fold_values(vtile.index(2 * st + sub), vhtile.index(2 * st + sub), pT,
-                                                             acc, acc1, acc2, acc3, t0 + sub * BT, stop, VF16, VBITS,
-                                                             WT, a_l, b_l, BT)
-                    else:
-                        vwords, vh, vcen = _smem_values(vtile.index(2 * st + sub), vhtile.index(2 * st + sub),
-                                                        vztile.index(2 * st + sub), VW, VW3, L4, BT, VBITS, WL)
-                        vv, vz = _kivi_values_t(vwords, vh, vcen, vhi, vlo, vnegm, vshift, jdummy, a_l, BT, VBITS,
-                                                IS_BF16, VZ)
-                        acc = mma_v2(vv, pT, acc)
-                    if VZ:
-                        accz = mma_v2(_zero_rows(vz, a_l, BT), pT, accz)
-                _issue(KC, VC, KHALF, KCEN, VHALF, VCEN, kbuf.index(st), vbuf.index(st), khbuf.index(st),
-                       kzbuf.index(st), vhbuf.index(st), vzbuf.index(st), bars.index(st), row0, grow0,
-                       t0 + NST * 2 * BT, S, (slot + NST) * 2 < n_iter, NBYTES, not QZROWS)
+        # MOK (`MASK_SLICE`, a bool mask): the loops below are built twice, the first without the mask; a program
+        # whose slice the mask row allows whole (checked once, `_mask_slice_ok`) runs that one, the others the second
+        if MOKON:
+            mok = _mask_slice_ok(AMASK, b.to(gl.int64) * stride_mb, start, stop, MOK)
         else:
-            for it in range(0, n_iter):
-                t0 = start + it * BT
-                if QZROWS:  # first, while few registers are live: the next QZ_N Key groups' q . z where this tile
-                    # needs them
-                    gbase, grel = _qz_refill(KHROWS, KCROWS, zbase, gbase, t0, S, NG_K, qT, zsm, KP, IS_BF16, a_l,
-                                             mma, QZ_N, KSUB, cinv)
-                if TMA and INNER:  # the statistics' loads first: in flight while the codes' slot fills
-                    kh, kcen, vh, vcen = _load_inner_stats(KHALF, KCEN, VHALF, VCEN, ks_base, vs_base, t0, stop, S,
-                                                           ksoff, kt, vchan, D, WT)
-                    st = it % NST
-                    mbarrier.wait(bars.index(st), (it // NST) & 1)
-                    kwords = _smem_key_codes(kbuf.index(st), KW, BT, KBITS, KP)
-                    vwords = _smem_value_codes(vbuf.index(st), VW, VW3, L4, BT, VBITS, WL)
-                elif TMA:
-                    slot = it // TPS
-                    sub = it - slot * TPS   # this tile's place in its slot
-                    st = slot % NST
-                    mbarrier.wait(bars.index(st), (slot // NST) & 1)   # (again for sub > 0: already complete)
-                    r = st * TPS + sub
-                    kwords, kh, kcen = _smem_keys(ktile.index(r), khtile.index(r), kztile.index(r), KW, KS, BT, KBITS,
-                                                  KP)
-                    if VF:   # the codes by `_fold_values`
-                        vh, vcen = _smem_value_stats(vhtile.index(r), vztile.index(r), VW, L4, BT, WL)
-                    else:
-                        vwords, vh, vcen = _smem_values(vtile.index(r), vhtile.index(r), vztile.index(r), VW, VW3, L4,
-                                                        BT, VBITS, WL)
-                    if not WT:   # a tile may cross `stop`: the statistics past it are zeros or stale, read as zeros
-                        vvalid = gl.expand_dims((t0 + vt) < stop, 1)
-                        vh = gl.where(vvalid, vh, 0.0)
-                        vcen = gl.where(vvalid, vcen, 0.0)
-                elif INNER:
-                    kwords, vwords, kh, kcen, vh, vcen = _load_inner_tile(
-                        kc_base, KHALF, KCEN, vc_base, VHALF, VCEN, ks_base, vs_base, t0, stop, S, koff,
-                        ksoff, kt, voff, vchan, vt, BT, D, KW_, VW_, VBITS, WT)
-                else:
-                    kwords, kh, kcen, vwords, vh, vcen = _load_tile(kc_base, KHALF, KCEN, vc_base, VHALF, VCEN,
-                                                                    ks_base, vs_base, t0, stop, S, koff, schan, kt,
-                                                                    voff, vsoff, vt, BT, D, KW_, VW_, VBITS, WT)
-                if KBITS == 1:
-                    kwords = kwords >> kshift
-                if INNER:  # [4, BT] -> [1, 4, 1, BT]: one scale and offset per token and lane group
-                    if KHYB:   # the level spacing picked per group by the sign of its half-range
-                        ks, kz = _hybrid_scale_offset(kh, kcen, gl.full(kh.shape, KA_HI, dt, kh.type.layout),
-                                                      gl.full(kh.shape, 2 * KA_HI, dt, kh.type.layout),
-                                                      gl.full(kh.shape, KA_LO, dt, kh.type.layout),
-                                                      gl.full(kh.shape, 2 * KA_LO, dt, kh.type.layout), IS_BF16)
-                    else:
-                        ks, kz = _scale_offset(kh, kcen, gl.full(kh.shape, KA_HI, dt, kh.type.layout),
-                                               gl.full(kh.shape, KA_LO, dt, kh.type.layout), IS_BF16)
-                    wb, _ = gl.broadcast(gl.expand_dims(kwords, 2), kdummy)                  # [NA, 4, KP, BT]
-                    wb, ks4 = gl.broadcast(wb, gl.expand_dims(gl.expand_dims(ks, 0), 2))
-                    wb, kz4 = gl.broadcast(wb, gl.expand_dims(gl.expand_dims(kz, 0), 2))
-                    kv = _unpack(wb, ks4, kz4, "kt", KBITS, KP, IS_BF16)
-                    s = mma_v2(gl.convert_layout(_kred_t(kv, KP, BT), a_l), qT,
-                               gl.zeros([BT, 8], gl.float32, mma)) * qscale
-                elif KPOST:
-                    s = _post_logits(kwords, kh, zrows.index(grel) if QZROWS else kcen, qT, qaT, negm, kdummy,
-                                     sscale, cinv, a_l, b_l, mma, BT, KBITS, KP, IS_BF16, QZROWS, KSUB, KSW)
-                else:
-                    ks, kz = _scale_offset(kh, kcen, khi, klo, IS_BF16)
-                    wb, ks4 = gl.broadcast(gl.expand_dims(kwords, 2), gl.expand_dims(ks, 3))
-                    wb, kz4 = gl.broadcast(wb, gl.expand_dims(kz, 3))
-                    kv = _unpack(wb, ks4, kz4, "k", KBITS, KP, IS_BF16)
-                    s = mma_v2(gl.convert_layout(_kred_t(kv, KP, BT), a_l), qT,
-                               gl.zeros([BT, 8], gl.float32, mma)) * qscale
-                s, allowed = _mask_scores(s, trow, tcol, t0, stop, AMASK, b.to(gl.int64) * stride_mb, REP, MASK_KIND,
-                                          WT)
-                p, alpha8, m8, lacc = _softmax_step(s, allowed, m8, lacc, PEV)
-
-                if INNER:  # [8, 2, 8] -> [1, 8, 2, 8]: one scale and offset per channel
-                    if VHYB:
-                        vs, vz = _hybrid_scale_offset(vh, vcen, vhi_s, vhi_a, vlo_s, vlo_a, IS_BF16)
-                    else:
-                        vs, vz = _scale_offset(vh, vcen, vhi_s, vlo_s, IS_BF16)
-                    if VBITS == 4:
-                        vw3 = vwords
-                    else:
-                        vw3 = vwords >> vshift                                              # [BT, 8, 2]
-                    wv, _ = gl.broadcast(gl.expand_dims(vw3, 3), jdummy)                  # [BT, 8, 2, 8]
-                    wv, vs4 = gl.broadcast(wv, gl.expand_dims(vs, 0))
-                    wv, vz4 = gl.broadcast(wv, gl.expand_dims(vz, 0))
-                    vv = _unpack(wv, vs4, vz4, "vc", VBITS, 16, IS_BF16)
-                    vv = gl.convert_layout(vv.permute([0, 2, 3, 1]).reshape([BT, 128]).permute([1, 0]), a_l)
-                elif VF:  # the offsets for their own mma; the codes per group below
-                    vz = _offset(vh, vcen, IS_BF16)
-                else:
-                    vv, vz = _kivi_values_t(vwords, vh, vcen, vhi, vlo, vnegm, vshift, jdummy, a_l, BT, VBITS,
-                                            IS_BF16, VZ)
-                pT = _p_transposed(p.to(dt), b_l, BT, IS_BF16)
-                if VF:  # each group's scale folded into p': acc_c + e_c^T @ (p' half_c)^T
-                    a8 = gl.expand_dims(alpha8, 0)
-                    acc, acc1, acc2, acc3 = _fold_values(vtile.index(r), vhtile.index(r), pT, acc * a8, acc1 * a8,
-                                                         acc2 * a8, acc3 * a8, t0, stop, VF16, VBITS, WT, a_l, b_l, BT)
-                else:
-                    acc = mma_v2(vv, pT, acc * gl.expand_dims(alpha8, 0))
-                if VZ:  # the offsets' share: z_rows @ p^T
-                    accz = mma_v2(_zero_rows(vz, a_l, BT), pT, accz * gl.expand_dims(alpha8, 0))
-                if TMA and INNER:  # the ring slot just read takes the tile NST ahead
-                    _issue_codes(KC, VC, kbuf, vbuf, bars.index(st), st, row0 + t0 + NST * BT, it + NST < n_iter,
-                                 BT * (KW_ + VW_) * 4)
-                elif TMA:  # a slot whose last tile was just read takes the slot NST ahead (its registers are consumed)
-                    if sub == TPS - 1:
+            mok = 0
+        for var in gl.static_range(2 if MOKON else 1):
+            if _loop_runs(mok, var, MOKON):
+                if PAIR:  # two tiles (one ring slot) per online-softmax step: one max, one rescale per 64 tokens
+                    gl.static_assert(TMA and (not INNER) and KPOST and (TPS == 2) and WT, "PAIR: KIVI's ring, 2 tiles a slot")
+                    gl.static_assert((not QZROWS) or (QZ_N % 2 == 0), "PAIR: refills on a slot's first tile need an even QZ_N")
+                    gl.static_assert(R >= BT, "PAIR: a masked second tile must lie below the current position")
+                    for it in range(0, n_iter, 2):
+                        t0 = start + it * BT
+                        if QZROWS:  # refills fall on a slot's first tile (QZ_N even, a slot's tiles in one step)
+                            gbase, grel = _qz_refill(KHROWS, KCROWS, zbase, gbase, t0, S, NG_K, qT, zsm, KP, IS_BF16, a_l,
+                                                     mma, QZ_N, KSUB, cinv)
+                        slot = it // 2
+                        st = slot % NST
+                        mbarrier.wait(bars.index(st), (slot // NST) & 1)
+                        has_b = (it + 1) < n_iter   # an odd tile count (a row's last slice): the slot's second tile lies
+                        # past the slice, in [qend, qend + BT) of this row (R >= BT: below p0 + 1 <= T, so its mask row and
+                        # codes are this row's). Its logits are masked (p = 0); its Value statistics are read as they are:
+                        # zeros (the store's buffers start zeroed) or a token quantized earlier (finite), so p V = 0
+                        for sub in gl.static_range(2):
+                            kwords, kh, kcen = _smem_keys(ktile.index(2 * st + sub), khtile.index(2 * st + sub),
+                                                          kztile.index(2 * st + sub), KW, KS, BT, KBITS, KP)
+                            if KBITS == 1:
+                                kwords = kwords >> kshift
+                            s = _post_logits(kwords, kh, zrows.index(grel + sub) if QZROWS else kcen, qT, qaT, negm, kdummy,
+                                             sscale, cinv, a_l, b_l, mma, BT, KBITS, KP, IS_BF16, QZROWS, KSUB, KSW)
+                            s, allowed = _mask_scores(s, trow, tcol, t0 + sub * BT, stop, AMASK,
+                                                      b.to(gl.int64) * stride_mb, REP,
+                                                      _loop_mask_kind(MASK_KIND, MOKON, var), WT)
+                            if sub == 0:
+                                s_a = gl.where(allowed, s, float("-inf"))
+                            else:
+                                s_b = gl.where(allowed & has_b, s, float("-inf"))
+                        p_a, p_b, alpha8, m8, lacc = _softmax_pair(s_a, s_b, m8, lacc, PEV)
+                        a8 = gl.expand_dims(alpha8, 0)
+                        acc = acc * a8
+                        if VF:
+                            acc1 = acc1 * a8
+                            acc2 = acc2 * a8
+                            acc3 = acc3 * a8
+                        if VZ:
+                            accz = accz * a8
+                        for sub in gl.static_range(2):
+                            if sub == 0:
+                                p = p_a
+                            else:
+                                p = p_b
+                            pT = _p_transposed(p.to(dt), b_l, BT, IS_BF16)
+                            if VF:   # each group's scale folded into p': acc_c + e_c^T @ (p' half_c)^T
+                                vh, vcen = _smem_value_stats(vhtile.index(2 * st + sub), vztile.index(2 * st + sub), VW, L4,
+                                                             BT, WL)
+                                vz = _offset(vh, vcen, IS_BF16)
+                                acc, acc1, acc2, acc3 = _fold_values(vtile.index(2 * st + sub), vhtile.index(2 * st + sub), pT,
+                                                                     acc, acc1, acc2, acc3, t0 + sub * BT, stop, VF16, VBITS,
+                                                                     WT, a_l, b_l, BT)
+                            else:
+                                vwords, vh, vcen = _smem_values(vtile.index(2 * st + sub), vhtile.index(2 * st + sub),
+                                                                vztile.index(2 * st + sub), VW, VW3, L4, BT, VBITS, WL)
+                                vv, vz = _kivi_values_t(vwords, vh, vcen, vhi, vlo, vnegm, vshift, jdummy, a_l, BT, VBITS,
+                                                        IS_BF16, VZ)
+                                acc = mma_v2(vv, pT, acc)
+                            if VZ:
+                                accz = mma_v2(_zero_rows(vz, a_l, BT), pT, accz)
                         _issue(KC, VC, KHALF, KCEN, VHALF, VCEN, kbuf.index(st), vbuf.index(st), khbuf.index(st),
                                kzbuf.index(st), vhbuf.index(st), vzbuf.index(st), bars.index(st), row0, grow0,
-                               t0 + (NST * TPS - TPS + 1) * BT, S, (slot + NST) * TPS < n_iter, NBYTES, not QZROWS)
+                               t0 + NST * 2 * BT, S, (slot + NST) * 2 < n_iter, NBYTES, not QZROWS)
+                else:
+                    for it in range(0, n_iter):
+                        t0 = start + it * BT
+                        if QZROWS:  # first, while few registers are live: the next QZ_N Key groups' q . z where this tile
+                            # needs them
+                            gbase, grel = _qz_refill(KHROWS, KCROWS, zbase, gbase, t0, S, NG_K, qT, zsm, KP, IS_BF16, a_l,
+                                                     mma, QZ_N, KSUB, cinv)
+                        if TMA and INNER:  # the statistics' loads first: in flight while the codes' slot fills
+                            kh, kcen, vh, vcen = _load_inner_stats(KHALF, KCEN, VHALF, VCEN, ks_base, vs_base, t0, stop, S,
+                                                                   ksoff, kt, vchan, D, WT)
+                            st = it % NST
+                            mbarrier.wait(bars.index(st), (it // NST) & 1)
+                            kwords = _smem_key_codes(kbuf.index(st), KW, BT, KBITS, KP)
+                            vwords = _smem_value_codes(vbuf.index(st), VW, VW3, L4, BT, VBITS, WL)
+                        elif TMA:
+                            slot = it // TPS
+                            sub = it - slot * TPS   # this tile's place in its slot
+                            st = slot % NST
+                            mbarrier.wait(bars.index(st), (slot // NST) & 1)   # (again for sub > 0: already complete)
+                            r = st * TPS + sub
+                            kwords, kh, kcen = _smem_keys(ktile.index(r), khtile.index(r), kztile.index(r), KW, KS, BT, KBITS,
+                                                          KP)
+                            if VF:   # the codes by `_fold_values`
+                                vh, vcen = _smem_value_stats(vhtile.index(r), vztile.index(r), VW, L4, BT, WL)
+                            else:
+                                vwords, vh, vcen = _smem_values(vtile.index(r), vhtile.index(r), vztile.index(r), VW, VW3, L4,
+                                                                BT, VBITS, WL)
+                            if not WT:   # a tile may cross `stop`: the statistics past it are zeros or stale, read as zeros
+                                vvalid = gl.expand_dims((t0 + vt) < stop, 1)
+                                vh = gl.where(vvalid, vh, 0.0)
+                                vcen = gl.where(vvalid, vcen, 0.0)
+                        elif INNER:
+                            kwords, vwords, kh, kcen, vh, vcen = _load_inner_tile(
+                                kc_base, KHALF, KCEN, vc_base, VHALF, VCEN, ks_base, vs_base, t0, stop, S, koff,
+                                ksoff, kt, voff, vchan, vt, BT, D, KW_, VW_, VBITS, WT)
+                        else:
+                            kwords, kh, kcen, vwords, vh, vcen = _load_tile(kc_base, KHALF, KCEN, vc_base, VHALF, VCEN,
+                                                                            ks_base, vs_base, t0, stop, S, koff, schan, kt,
+                                                                            voff, vsoff, vt, BT, D, KW_, VW_, VBITS, WT)
+                        if KBITS == 1:
+                            kwords = kwords >> kshift
+                        if INNER:  # [4, BT] -> [1, 4, 1, BT]: one scale and offset per token and lane group
+                            if KHYB:   # the level spacing picked per group by the sign of its half-range
+                                ks, kz = _hybrid_scale_offset(kh, kcen, gl.full(kh.shape, KA_HI, dt, kh.type.layout),
+                                                              gl.full(kh.shape, 2 * KA_HI, dt, kh.type.layout),
+                                                              gl.full(kh.shape, KA_LO, dt, kh.type.layout),
+                                                              gl.full(kh.shape, 2 * KA_LO, dt, kh.type.layout), IS_BF16)
+                            else:
+                                ks, kz = _scale_offset(kh, kcen, gl.full(kh.shape, KA_HI, dt, kh.type.layout),
+                                                       gl.full(kh.shape, KA_LO, dt, kh.type.layout), IS_BF16)
+                            wb, _ = gl.broadcast(gl.expand_dims(kwords, 2), kdummy)                  # [NA, 4, KP, BT]
+                            wb, ks4 = gl.broadcast(wb, gl.expand_dims(gl.expand_dims(ks, 0), 2))
+                            wb, kz4 = gl.broadcast(wb, gl.expand_dims(gl.expand_dims(kz, 0), 2))
+                            kv = _unpack(wb, ks4, kz4, "kt", KBITS, KP, IS_BF16)
+                            s = mma_v2(gl.convert_layout(_kred_t(kv, KP, BT), a_l), qT,
+                                       gl.zeros([BT, 8], gl.float32, mma)) * qscale
+                        elif KPOST:
+                            s = _post_logits(kwords, kh, zrows.index(grel) if QZROWS else kcen, qT, qaT, negm, kdummy,
+                                             sscale, cinv, a_l, b_l, mma, BT, KBITS, KP, IS_BF16, QZROWS, KSUB, KSW)
+                        else:
+                            ks, kz = _scale_offset(kh, kcen, khi, klo, IS_BF16)
+                            wb, ks4 = gl.broadcast(gl.expand_dims(kwords, 2), gl.expand_dims(ks, 3))
+                            wb, kz4 = gl.broadcast(wb, gl.expand_dims(kz, 3))
+                            kv = _unpack(wb, ks4, kz4, "k", KBITS, KP, IS_BF16)
+                            s = mma_v2(gl.convert_layout(_kred_t(kv, KP, BT), a_l), qT,
+                                       gl.zeros([BT, 8], gl.float32, mma)) * qscale
+                        s, allowed = _mask_scores(s, trow, tcol, t0, stop, AMASK, b.to(gl.int64) * stride_mb, REP,
+                                                  _loop_mask_kind(MASK_KIND, MOKON, var), WT)
+                        p, alpha8, m8, lacc = _softmax_step(s, allowed, m8, lacc, PEV)
+
+                        if INNER:  # [8, 2, 8] -> [1, 8, 2, 8]: one scale and offset per channel
+                            if VHYB:
+                                vs, vz = _hybrid_scale_offset(vh, vcen, vhi_s, vhi_a, vlo_s, vlo_a, IS_BF16)
+                            else:
+                                vs, vz = _scale_offset(vh, vcen, vhi_s, vlo_s, IS_BF16)
+                            if VBITS == 4:
+                                vw3 = vwords
+                            else:
+                                vw3 = vwords >> vshift                                              # [BT, 8, 2]
+                            wv, _ = gl.broadcast(gl.expand_dims(vw3, 3), jdummy)                  # [BT, 8, 2, 8]
+                            wv, vs4 = gl.broadcast(wv, gl.expand_dims(vs, 0))
+                            wv, vz4 = gl.broadcast(wv, gl.expand_dims(vz, 0))
+                            vv = _unpack(wv, vs4, vz4, "vc", VBITS, 16, IS_BF16)
+                            vv = gl.convert_layout(vv.permute([0, 2, 3, 1]).reshape([BT, 128]).permute([1, 0]), a_l)
+                        elif VF:  # the offsets for their own mma; the codes per group below
+                            vz = _offset(vh, vcen, IS_BF16)
+                        else:
+                            vv, vz = _kivi_values_t(vwords, vh, vcen, vhi, vlo, vnegm, vshift, jdummy, a_l, BT, VBITS,
+                                                    IS_BF16, VZ)
+                        pT = _p_transposed(p.to(dt), b_l, BT, IS_BF16)
+                        if VF:  # each group's scale folded into p': acc_c + e_c^T @ (p' half_c)^T
+                            a8 = gl.expand_dims(alpha8, 0)
+                            acc, acc1, acc2, acc3 = _fold_values(vtile.index(r), vhtile.index(r), pT, acc * a8, acc1 * a8,
+                                                                 acc2 * a8, acc3 * a8, t0, stop, VF16, VBITS, WT, a_l, b_l, BT)
+                        else:
+                            acc = mma_v2(vv, pT, acc * gl.expand_dims(alpha8, 0))
+                        if VZ:  # the offsets' share: z_rows @ p^T
+                            accz = mma_v2(_zero_rows(vz, a_l, BT), pT, accz * gl.expand_dims(alpha8, 0))
+                        if TMA and INNER:  # the ring slot just read takes the tile NST ahead
+                            _issue_codes(KC, VC, kbuf, vbuf, bars.index(st), st, row0 + t0 + NST * BT, it + NST < n_iter,
+                                         BT * (KW_ + VW_) * 4)
+                        elif TMA:  # a slot whose last tile was just read takes the slot NST ahead (its registers are consumed)
+                            if sub == TPS - 1:
+                                _issue(KC, VC, KHALF, KCEN, VHALF, VCEN, kbuf.index(st), vbuf.index(st), khbuf.index(st),
+                                       kzbuf.index(st), vhbuf.index(st), vzbuf.index(st), bars.index(st), row0, grow0,
+                                       t0 + (NST * TPS - TPS + 1) * BT, S, (slot + NST) * TPS < n_iter, NBYTES, not QZROWS)
 
         if TRACE:
             tr3 = _trace_now()
@@ -2649,6 +2689,10 @@ KIVI_BT = 32       # tokens per tile of `_kivi_decode_kernel`: a Key group (32) 
                    # batch 8-32 on an H100, bench/lut_variants.py, bench/RESULTS.md session 13)
 LUT_BT = 16        # tokens per tile of `_lut_decode_kernel`: faster than 32 at every shape of session 12 (at the cap,
                    # 6-14%; bench/RESULTS.md), which spills twice as much there (48 bytes against 24)
+MASK_SLICE = 512   # KIVI's and InnerQ's launches with a bool mask: each program checks its slice's mask bytes, this
+                   # many a step, and runs a copy of its tile loop built without the mask where they allow it all
+                   # (`_kivi_decode_kernel` MOK; 0: one loop, the mask read per tile). Session 43 predicated the
+                   # tiles' loads off instead (one copy): slower (`bench/debug/mask_slice_tried.patch`)
 LUT_NO_MASK_AS_BOOL = True   # without a mask and without outliers, run the bool-mask build (MASK_KIND 3: its mask
                    # load predicated off): ptxas schedules the no-mask build of `_lut_decode_kernel` slower (kvquant-4
                    # 177.2 against 138.9 us at (32, 4096), bit-equal output; with outliers (kvquant-4-1%) the two
@@ -2920,7 +2964,8 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
             H=H, REP=rep, S=sink, R=recent, TPG_K=1, TPG_V=32, MASK_KIND=mask_kind, IS_BF16=bf16, BT=KIVI_BT,
             KBITS=kbits, VBITS=vbits, KA_HI=ka_hi, KA_LO=ka_lo, VA_HI=va_hi, VA_LO=va_lo, NWIN=nwin, TMA=tma_on,
             NST=NSTAGES, PDL=pdl, INNER=True, KHYB=khyb, VHYB=vhyb, NORM=norm, WL=WIDEN_IN_LANES,
-            WT=WHOLE_TILES and whole_tiles(recent, 1, 32, KIVI_BT), **_trace_kw(trace), num_warps=1)
+            WT=WHOLE_TILES and whole_tiles(recent, 1, 32, KIVI_BT), MOK=MASK_SLICE if mask_kind == 1 else 0,
+            **_trace_kw(trace), num_warps=1)
     ka_hi, ka_lo = split_scale(2.0 / (2 ** kbits - 1), bf16)
     va_hi, va_lo = split_scale(2.0 / (2 ** vbits - 1), bf16)
     use_tma = _use_tma(query, sink, T, use_tma)
@@ -2938,8 +2983,8 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
         IS_BF16=bf16, BT=KIVI_BT, KBITS=kbits, VBITS=vbits, KA_HI=ka_hi, KA_LO=ka_lo, VA_HI=va_hi, VA_LO=va_lo,
         NWIN=nwin, TMA=use_tma, NST=NSTAGES, PDL=pdl, KPOST=KEY_POST, QZROWS=qz, QZ_N=QZ_N,
         VZ=VALUE_ZERO_APART and bf16, WL=WIDEN_IN_LANES, WT=wt, TPS=tps,
-        KSUB=BF16_SUBNORMAL_KEYS and KEY_POST and bf16, KSW=SUB_WINDOW, **pair, **fold, **_trace_kw(trace),
-        num_warps=1)
+        KSUB=BF16_SUBNORMAL_KEYS and KEY_POST and bf16, KSW=SUB_WINDOW, **pair, **fold, MOK=MASK_SLICE if mask_kind == 1 else 0,
+        **_trace_kw(trace), num_warps=1)
 
 
 def _trace_kw(trace) -> dict:
@@ -3061,7 +3106,7 @@ def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mas
     key = (kind, inner_flags(kp, vp) if kind == "inner" else None, dev.index, query.dtype, amask.dtype, mask_kind, kbits, vbits, H, rep, sink, recent, tpg_v, nwin,
            tma, NSTAGES, phase, rope is not None, tuple(nout), LUT_BT, LUT_MAXNREG, LUT_NO_MASK_AS_BOOL, SYM8_BT, KIVI_BT, pdl,
            KEY_POST, QZ_ROWS, QZ_N, VALUE_ZERO_APART, WIDEN_IN_LANES, WHOLE_TILES, tuple(sorted(RING_TILES.items())), PAIR_SOFTMAX, BF16_SUBNORMAL_KEYS, SUB_WINDOW, VALUE_FOLD, VALUE_FOLD_BITS, tuple(sorted(VF_SWIZZLE.items())), None if exact is None else tuple(exact[s]["ring"].shape[2] for s in ("k", "v")),
-           tuple(sorted(POST_MAXNREG.items())), tuple(sorted(POST_WCOST.items())))
+           tuple(sorted(POST_MAXNREG.items())), tuple(sorted(POST_WCOST.items())), MASK_SLICE)
     if key not in _RESIDENT:
         one = torch.empty(1, dtype=torch.float32, device=dev)   # stand-ins: partial buffers, temperatures, logits
         props = torch.cuda.get_device_properties(dev)

@@ -1524,6 +1524,53 @@ def test_whole_tiles_bit_equal_on_gpu(dtype, layout, case, tma, num_splits, monk
 
 @RING_GPU
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["kivi-2", "kivi-4", "k1v1", "innerq-2"])
+def test_maskless_loop_where_the_slice_is_allowed_on_gpu(dtype, layout, monkeypatch):
+    """`MASK_SLICE` (KIVI's and InnerQ's launches, bool mask): a program whose slice the mask row allows whole runs a
+    copy of its tile loop built without the mask, the others the masked copy. Bit-equal with one loop (MASK_SLICE
+    0) and close to the reference for masks that allow everything (every program maskless), that mask one position
+    past the sink in each row (its program masked, the rest maskless), that left-pad one row (its first 37
+    positions) and HF-like random masks (20% masked); the check a step of 32 (several steps a slice) or 512 bytes;
+    the default slices and one slice a KV head (one long check); the TMA ring and plain loads."""
+    B, H, rep, T, n0 = 2, 2, 4, 1600, 1500
+    cfg, ms, lay, k, v, p = _store(layout, B, H, T, n0, dtype, "cuda", seed=11)
+    names, tensors = lay.attend_tensors()
+    bufs = dict(zip(names, tensors))
+    q = torch.randn(B, H * rep, 1, 128, device="cuda").to(dtype)
+    allow = torch.ones(B, 1, 1, T, dtype=torch.bool, device="cuda")
+    one = allow.clone()
+    for b in range(B):
+        one[b, 0, 0, int(torch.randint(cfg.sink + 1, n0 - cfg.recent, ()))] = False
+    pad = allow.clone()
+    pad[1, 0, 0, :37] = False
+    plan, built = dag._plan, []
+
+    def spy(*args, **kwargs):   # the MOK each Gluon launch was built with
+        fn, a, kws = plan(*args, **kwargs)
+        built.append(kws.get("MOK"))
+        return fn, a, kws
+
+    monkeypatch.setattr(dag, "_plan", spy)
+    for am in (allow, one, pad, random_mask("bool", B, T, n0, dtype, "cuda")):
+        ref = attend_cpu_reference(q, tensors, k, v, p, am, 128 ** -0.5, False, lay.descriptor(names)).float()
+        for ns, tma in ((None, True), (1, True), (None, False)):
+            monkeypatch.setattr(dag, "USE_TMA", tma)
+            outs = []
+            for step in (0, 32, 512):
+                monkeypatch.setattr(dag, "MASK_SLICE", step)
+                built.clear()
+                outs.append(da.decode_attention(q, bufs, k, v, p, am, 128 ** -0.5, False, cfg, lay.spec, ms.geo,
+                                                gluon=True, num_splits=ns).float())
+                assert built and all(b == step for b in built), built
+                assert "_kivi_decode_kernel" in str(getattr(da.LAST_KERNELS["main"], "name", da.LAST_KERNELS["main"]))
+            for out in outs[1:]:
+                assert torch.equal(outs[0], out), (ns, tma, (outs[0] - out).abs().max().item())
+            rel = ((outs[1] - ref).norm() / ref.norm()).item()
+            assert rel < (1.5e-2 if dtype == torch.bfloat16 else 3e-3), (ns, tma, rel)
+
+
+@RING_GPU
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("layout,case", [(lay, c) for lay in ("kivi-2", "kivi-4", "k2v1", "k1v1",
                                                                 "kivi-2" + DEQUANTIZED_KEYS, "k2v1" + DEQUANTIZED_KEYS)
                                            for c in (CASES[0], CASES[3], CASES[7], CASES[9])]
