@@ -1527,11 +1527,15 @@ def test_whole_tiles_bit_equal_on_gpu(dtype, layout, case, tma, num_splits, monk
 @pytest.mark.parametrize("layout", ["kivi-2", "kivi-4", "k1v1", "innerq-2"])
 def test_maskless_loop_where_the_slice_is_allowed_on_gpu(dtype, layout, monkeypatch):
     """`MASK_SLICE` (KIVI's and InnerQ's launches, bool mask): a program whose slice the mask row allows whole runs a
-    copy of its tile loop built without the mask, the others the masked copy. Bit-equal with one loop (MASK_SLICE
-    0) and close to the reference for masks that allow everything (every program maskless), that mask one position
-    past the sink in each row (its program masked, the rest maskless), that left-pad one row (its first 37
-    positions) and HF-like random masks (20% masked); the check a step of 32 (several steps a slice) or 512 bytes;
-    the default slices and one slice a KV head (one long check); the TMA ring and plain loads."""
+    copy of its tile loop built without the mask, the others the masked copy. Equal to one loop (MASK_SLICE 0) up
+    to one unit in the last place of the output (ptxas may fuse a multiply-add in one copy and not the other: on an
+    H200 kivi-2's and kivi-4's bf16 builds differed by 2^-15 at outputs below 2^-7; fp16, InnerQ and k1v1 were
+    bit-equal, session 48) and close to the reference for masks that allow everything (every program maskless),
+    that mask one position past the sink in each row (its program masked, the rest maskless), that left-pad one row
+    (its first 37 positions) and HF-like random masks (20% masked); the check a step of 32 (several steps a slice)
+    or 512 bytes; the default slices and one slice a KV head (one long check); the TMA ring and plain loads. A
+    maskless copy run where the mask holds a False would be off by a whole token's share, far above an ulp."""
+    ulp = 2.0 ** (-7 if dtype == torch.bfloat16 else -10)   # at most one unit in the last place, relative
     B, H, rep, T, n0 = 2, 2, 4, 1600, 1500
     cfg, ms, lay, k, v, p = _store(layout, B, H, T, n0, dtype, "cuda", seed=11)
     names, tensors = lay.attend_tensors()
@@ -1564,7 +1568,8 @@ def test_maskless_loop_where_the_slice_is_allowed_on_gpu(dtype, layout, monkeypa
                 assert built and all(b == step for b in built), built
                 assert "_kivi_decode_kernel" in str(getattr(da.LAST_KERNELS["main"], "name", da.LAST_KERNELS["main"]))
             for out in outs[1:]:
-                assert torch.equal(outs[0], out), (ns, tma, (outs[0] - out).abs().max().item())
+                assert ((outs[0] - out).abs() <= ulp * outs[0].abs()).all(), \
+                    (ns, tma, (outs[0] - out).abs().max().item())
             rel = ((outs[1] - ref).norm() / ref.norm()).item()
             assert rel < (1.5e-2 if dtype == torch.bfloat16 else 3e-3), (ns, tma, rel)
 
