@@ -1534,7 +1534,8 @@ def test_maskless_loop_where_the_slice_is_allowed_on_gpu(dtype, layout, monkeypa
     that mask one position past the sink in each row (its program masked, the rest maskless), that left-pad one row
     (its first 37 positions) and HF-like random masks (20% masked); the check a step of 32 (several steps a slice)
     or 512 bytes; the default slices and one slice a KV head (one long check); the TMA ring and plain loads. A
-    maskless copy run where the mask holds a False would be off by a whole token's share, far above an ulp."""
+    maskless copy run where the mask holds a False adds those tokens' shares: with 37 pads or 20% of the positions
+    masked, far above an ulp."""
     ulp = 2.0 ** (-7 if dtype == torch.bfloat16 else -10)   # at most one unit in the last place, relative
     B, H, rep, T, n0 = 2, 2, 4, 1600, 1500
     cfg, ms, lay, k, v, p = _store(layout, B, H, T, n0, dtype, "cuda", seed=11)
