@@ -12,7 +12,8 @@ calibquant's kernel (both phases).
 
 Every constexpr with a kernel default (WL, WT, TPS) is passed as `_plan` passes it: an offline compile leaves one it is not
 given falsy, not at the kernel's default (session 27: WL omitted compiled the register join that the launch no
-longer uses). calibquant's rows are its plain-load builds (outside CUDA graphs); its ring builds are in
+longer uses). Except MOK: the KIVI kernel's bool-mask builds here hold one tile loop, where `_plan` builds it twice,
+once without the mask (`MASK_SLICE`, session 48; `tests/test_decode_gluon.py::test_maskless_loop_copy_compiles_for_sm90`). calibquant's rows are its plain-load builds (outside CUDA graphs); its ring builds are in
 `bench/debug/post_tma_sass.py`.
 """
 from __future__ import annotations

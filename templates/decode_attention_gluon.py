@@ -121,6 +121,11 @@ Math (one program = one KV head of one sequence and one slice of the quantized r
     WT (KIVI's and InnerQ's layouts with a recent window, `WHOLE_TILES`): every slice is whole BT-token tiles
     (`whole_tiles`), so no position is compared with the slice's end: 683 -> 633 SASS instructions per tile at 2 bits,
     kivi-2 3.9-4.7% faster, xquant-1.38 5.0-7.5% (H200, session 28).
+    MOK (KIVI's and InnerQ's layouts with a bool mask, `MASK_SLICE`): the tile loops built twice, once without the
+    mask; a program runs that copy where its slice's mask bytes, checked once before the loop, are all true (HF's
+    decode mask of an unpadded batch): kivi-2 469 -> 445, kivi-4 564 -> 523 SASS instructions per tile (offline
+    sm_90, bf16 ring), 0.7-4.9% faster at batch x context >= 64k for kivi-2, kivi-4, innerq-2, xquant-1.38 (H200,
+    session 48). Session 43 had predicated the tiles' mask loads off in one loop instead: slower.
     Scale and offset are rounded to the cache dtype before the multiply-add (one rounding of the value after
     it): values can differ from the reference's fp32 dequantization by about one unit in the last place; at 2
     bits fp16 scales below 2^-12 lose bits in the division by 4 (at most 3 * 2^-23 absolute). Post-scaled Keys
@@ -152,7 +157,8 @@ factors; QZROWS / QZ_N the Keys' q . z per QZ_N groups (`QZ_ROWS`); VZ the Value
 its slice's end (`WHOLE_TILES`, `whole_tiles`); TPS tiles per ring slot (`RING_TILES`); PAIR one softmax step
 per slot (`PAIR_SOFTMAX`, `pair_flags`); KSUB bf16 post-scaled Keys as subnormals (`BF16_SUBNORMAL_KEYS`, SUB_E); VF
 4-, 2- and 1-bit bf16 Values with their scales folded into p (`VALUE_FOLD`, `VALUE_FOLD_BITS`, `fold_flags`, VF_E, VF_BITS,
-`VF_SWIZZLE`, `VF_PAIR_SEL`, `VF_NIB`).
+`VF_SWIZZLE`, `VF_PAIR_SEL`, `VF_NIB`); MOK the KIVI kernel's bool-mask slice check, bytes a step, and its tile
+loops built twice, once without the mask (`MASK_SLICE`).
 """
 from __future__ import annotations
 
@@ -1086,6 +1092,12 @@ if HAVE_GLUON:
         return go
 
     @gluon.constexpr_function
+    def _mok_on(mok, mask_kind):
+        """Whether the KIVI kernel builds its maskless loop copy (MOK > 0 with a bool mask); an offline build that
+        leaves MOK out (None) builds the one loop."""
+        return bool(mok) and mask_kind == 1
+
+    @gluon.constexpr_function
     def _loop_mask_kind(mask_kind, mokon, var):
         """The mask kind a copy of the tile loop is built with (`_loop_runs`): MOK's copy 0 none."""
         return 0 if (mokon and var == 0) else mask_kind
@@ -1719,9 +1731,11 @@ if HAVE_GLUON:
         MOK (`MASK_SLICE`, a bool mask, MASK_KIND 1): the tile loop is built twice, once without the mask; each
         program checks its slice's mask bytes once, MOK a step (`_mask_slice_ok`), and runs the maskless copy where
         they allow every position, the masked copy elsewhere (left padding inside the slice, a masked position).
+        The copies compute the same values, not always bit for bit (compiled apart: within an output unit).
         TRACE (debug, `decode_attention.TRACE`, bench/debug/timeline.py): each program writes 8 int64 to TRB at
-        8 (bh NSPLIT + split): the global timer at its start, before its loop, once its first ring slot has landed
-        (TMA; else before its loop again), after its loop and after its stores, then its SM and its tile count."""
+        8 (bh NSPLIT + split): the global timer at its start, before its loop (and MOK's check), once its first ring
+        slot has landed (TMA; else before its loop again), after its loop and after its stores, then its SM and its
+        tile count."""
         gl.static_assert(KPOST or not QZROWS, "QZROWS computes the post-scaled Keys' q . z")
         gl.static_assert(not (VZ and (INNER or not IS_BF16)), "VZ: KIVI's Values in bf16")
         gl.static_assert((not VF) or (VZ and TMA and ((VBITS < 4) or not PAIR)), "VF: KIVI's bf16 Values, ring")
@@ -1738,7 +1752,7 @@ if HAVE_GLUON:
         D: gl.constexpr = D_
         gl.static_assert((not WT) or _whole_tiles(R, TPG_K, TPG_V, BT), "WT: no tile may cross its slice's stop")
         gl.static_assert((TPS == 1) or (TMA and not INNER), "TPS: KIVI's ring (InnerQ's fills a tile a slot)")
-        MOKON: gl.constexpr = (MOK > 0) and (MASK_KIND == 1)
+        MOKON: gl.constexpr = _mok_on(MOK, MASK_KIND)
         if TRACE:
             tr0 = _trace_now()
 
@@ -2948,6 +2962,9 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
             **({"maxnreg": POST_MAXNREG[phase]} if win and POST_MAXNREG.get(phase) else {}))
     if kind not in ("kivi", "inner") or phase:
         raise ValueError(f"no Gluon launch for layout {kind!r} with calibrated-softmax phase {phase}")
+    if mask_kind == 1 and MASK_SLICE and (MASK_SLICE < 32 or MASK_SLICE & (MASK_SLICE - 1)):
+        raise ValueError(f"MASK_SLICE must be 0 or a power of two >= 32 (bytes a step, a whole number a lane), not "
+                         f"{MASK_SLICE}")
     stores = [kp["codes"], kp["cen"], kp["half"], vp["codes"], vp["cen"], vp["half"]]
     extra = [query, kp["half"], kp["cen"]]   # KNORM: InnerQ's only; KHROWS, KCROWS
     if kind == "inner":  # ng_k: the Values' group rows; hybrid: the spacing of symmetric levels

@@ -67,6 +67,19 @@ def main_loop(sass: str, last: bool = False) -> collections.Counter:
     return collections.Counter(_opcode(ln) for ln in best)
 
 
+def tile_loops(sass: str) -> list[int]:
+    """Instructions of each tile loop in code order: the spans of the predicated backward branches over 4 KB of code
+    (`ring_tile`'s loop; the mbarrier wait's retry branch is shorter). Two where the KIVI kernel builds its loop twice
+    (MOK), four with PAIR's and the per-tile loops both built."""
+    lines, addr = _instructions(sass)
+    out = []
+    for i, ln in enumerate(lines):
+        m = re.search(r"@!?U?P\d+\s+BRA\s.*?0x([0-9a-f]+)", ln)
+        if m and addr[i] - int(m.group(1), 16) > 0x1000:
+            out.append(sum(1 for a in addr if int(m.group(1), 16) <= a <= addr[i]))
+    return out
+
+
 def ring_tile(sass: str, tps: int = 1, refill: bool = False) -> tuple[float, collections.Counter]:
     """(instructions run per tile, opcodes of the loop's code) of a TMA ring build's tile loop: the predicated
     backward branch spanning over 4 KB of code (the mbarrier wait's retry branch is shorter), with refill without
@@ -103,7 +116,8 @@ def kivi_ring_build(kbits: int, vbits: int, tps: int, vf: bool) -> tuple[dict, d
     with HF's bool mask, post-scaled Keys and a 128-token recent window, tps tiles a ring slot (PAIR as
     `pair_flags` gives it): the descriptors' types from small CPU tensors of the store's shapes, the Value codes
     swizzled for the fold where vf. The VF constexpr itself is the caller's to set. Its pointers: indices 0, 12, 13,
-    14, 20, 21."""
+    14, 20, 21. One tile loop: MOK is left out, where `_plan` passes `MASK_SLICE` and the kernel builds the loop
+    twice, once without the mask (`tile_loops`; pass MOK to build that)."""
     import torch
     from triton.runtime.jit import mangle_type
 

@@ -633,6 +633,59 @@ def test_folded_values_compile_for_sm90(bits):
     assert run1 < run0 - 30 and progs1 >= 12, (run0, run1, regs0, regs1)
 
 
+MOK_SCRIPT = textwrap.dedent('''
+    import torch
+    from triton.runtime.jit import mangle_type
+    from kvq_compile.templates import decode_attention_gluon as dag
+    from sm90_sass import compile_sm90, kivi_ring_build, tile_loops
+
+    out = []
+    for bits in (2, 4):   # kivi-2 (PAIR), kivi-4: the ring builds as `_plan` builds them (bf16, bool mask)
+        tps = dag.RING_TILES.get(bits, 1)
+        sig, cx = kivi_ring_build(bits, bits, tps, False)
+        cx.update(dag.fold_flags(True, True, bits, cx["PAIR"]))
+        sig = kivi_ring_build(bits, bits, tps, cx["VF"])[0]
+        for mok in (0, dag.MASK_SLICE):
+            b = compile_sm90(dag._kivi_decode_kernel, sig, dict(cx, MOK=mok), (0, 12, 13, 14, 20, 21))
+            out.append((f"kivi-{bits}", mok, b.regs, b.stack + b.local, dag.programs_per_sm(b.regs, b.shared, (9, 0)),
+                        tile_loops(b.sass)))
+    kc, vc = map(mangle_type, dag.row_descriptors(dict(codes=torch.zeros(2, 2, 64, 8, dtype=torch.int32)),
+                                                  dict(codes=torch.zeros(2, 2, 64, 8, dtype=torch.int32)), 8,
+                                                  dag.KIVI_BT, 8))
+    ty = "*bf16"
+    sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC=kc, KCEN=ty, KHALF=ty, VC=vc, VCEN=ty, VHALF=ty,
+               POS="*i64", AMASK="*i1", stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32", OUT_ACC="*fp32",
+               scale="fp32", T="i32", NG_K="i32", NSPLIT="i32", KNORM="*fp32", KHROWS=ty, KCROWS=ty)
+    a = dag.split_scale(2 / 2, True)   # innerq-2: hybrid 2-bit groups, spacing 2 / (2^2 - 2)
+    cx = dict(H=8, REP=4, S=32, R=96, TPG_K=1, TPG_V=32, MASK_KIND=1, IS_BF16=True, BT=32, KBITS=2, VBITS=2,
+              KA_HI=a[0], KA_LO=a[1], VA_HI=a[0], VA_LO=a[1], NWIN=3, TMA=True, NST=dag.NSTAGES, PDL=True,
+              INNER=True, KHYB=True, VHYB=True, NORM=True, WL=dag.WIDEN_IN_LANES, WT=dag.WHOLE_TILES, TPS=1)
+    for mok in (0, dag.MASK_SLICE):
+        b = compile_sm90(dag._kivi_decode_kernel, sig, dict(cx, MOK=mok), (0, 4, 5, 7, 8, 12, 13, 14))
+        out.append(("innerq-2", mok, b.regs, b.stack + b.local, dag.programs_per_sm(b.regs, b.shared, (9, 0)),
+                    tile_loops(b.sass)))
+    print(out)
+''')
+
+
+@pytest.mark.skipif(not dag.HAVE_GLUON or not dag.HAVE_TMA, reason="triton without Gluon's TMA")
+def test_maskless_loop_copy_compiles_for_sm90():
+    """`MASK_SLICE` (MOK): kivi-2's, kivi-4's and innerq-2's ring builds with a bool mask hold two tile loops, the
+    first (the copy without the mask) shorter than the second, which is as long as the one loop of the build
+    without MOK (within 6%: kivi-4 642 against 666 instructions, its registers 153 against 168, session 48); no
+    spills, and no fewer programs per SM than without MOK (offline sm_90, bf16)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__)] + [p for p in [env.get("PYTHONPATH")] if p])
+    r = subprocess.run([sys.executable, "-c", MOK_SCRIPT], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = eval(r.stdout.strip().splitlines()[-1])  # noqa: S307
+    for one, two in zip(rows[0::2], rows[1::2]):
+        assert one[1] == 0 and two[1] > 0 and one[3] == two[3] == 0, (one, two)
+        assert len(one[5]) == 1 and len(two[5]) == 2, (one, two)
+        assert two[5][0] < two[5][1] and abs(two[5][1] - one[5][0]) <= 0.06 * one[5][0], (one, two)
+        assert two[4] >= one[4], (one, two)
+
+
 PDL_SCRIPT = textwrap.dedent('''
     import re
     from kvq_compile.templates import decode_attention_gluon as dag
@@ -1528,16 +1581,17 @@ def test_whole_tiles_bit_equal_on_gpu(dtype, layout, case, tma, num_splits, monk
 def test_maskless_loop_where_the_slice_is_allowed_on_gpu(dtype, layout, monkeypatch):
     """`MASK_SLICE` (KIVI's and InnerQ's launches, bool mask): a program whose slice the mask row allows whole runs a
     copy of its tile loop built without the mask, the others the masked copy. Against one loop (MASK_SLICE 0) and
-    the reference, for masks that allow everything (every program maskless), that mask a run of 8 positions past
-    the sink in each row (its programs masked, the rest maskless), that left-pad one row (its first 37 positions)
-    and HF-like random masks (20% masked); the check a step of 32 (several steps a slice) or 512 bytes; the default
-    slices and one slice a KV head (one long check); the TMA ring and plain loads.
-    Equal to one loop within 2^-9 (bf16) / 2^-12 (fp16) of the output's largest magnitude, not bit for bit: ptxas may
-    fuse a multiply-add in one copy and not the other, and a p rounded to bf16 one unit apart moves an output by
-    that unit times its Value (on an H200 kivi-2's and kivi-4's bf16 builds differed by 2^-15 at outputs of up to
-    0.25; fp16, InnerQ and k1v1 were bit-equal; session 48). The masked run's own share of the output (the
-    reference with and without it) is checked to be well above that bound, so a maskless copy run over it fails."""
-    frac = 2.0 ** (-9 if dtype == torch.bfloat16 else -12)
+    the reference, for masks that allow everything (every program maskless), that mask a run of 32 positions inside
+    the quantized region of each row (its programs masked, the rest maskless), that left-pad one row (its first 37
+    positions) and HF-like random masks (20% masked); the check a step of 32 (several steps a slice) or 512 bytes;
+    the default slices and one slice a KV head (one long check); the TMA ring and plain loads.
+    Equal to one loop within one unit of the output dtype at the output's largest magnitude (2^-7 / 2^-10 of it), not
+    bit for bit: the copies are compiled apart (ptxas may fuse a multiply-add in one and not the other), and an
+    output rounds to one of two neighbours (on an H200 kivi-2's and kivi-4's bf16 builds differed by 2^-15 at outputs
+    of up to about 1; fp16, InnerQ and k1v1 were bit-equal; session 48). The masked run's own share of the output
+    (the reference with and without it) is checked to exceed 4x that bound, so a maskless copy run over it fails.
+    Not checked here: that the maskless copy runs at all (a check that never passes costs only speed)."""
+    frac = 2.0 ** (-7 if dtype == torch.bfloat16 else -10)
     B, H, rep, T, n0 = 2, 2, 4, 1600, 1500
     cfg, ms, lay, k, v, p = _store(layout, B, H, T, n0, dtype, "cuda", seed=11)
     names, tensors = lay.attend_tensors()
@@ -1545,9 +1599,9 @@ def test_maskless_loop_where_the_slice_is_allowed_on_gpu(dtype, layout, monkeypa
     q = torch.randn(B, H * rep, 1, 128, device="cuda").to(dtype)
     allow = torch.ones(B, 1, 1, T, dtype=torch.bool, device="cuda")
     run = allow.clone()
-    for b in range(B):
-        t = int(torch.randint(cfg.sink + 1, n0 - cfg.recent - 8, ()))
-        run[b, 0, 0, t:t + 8] = False
+    for b in range(B):   # inside the quantized region, which ends at n0 - recent rounded down to a group of 32
+        t = int(torch.randint(cfg.sink + 1, n0 - cfg.recent - 64, ()))
+        run[b, 0, 0, t:t + 32] = False
     pad = allow.clone()
     pad[1, 0, 0, :37] = False
     plan, built = dag._plan, []

@@ -1,8 +1,9 @@
 """InnerQ's ring build of `_kivi_decode_kernel` compiled for sm_90 without a GPU: registers, spills and the main
-loop's instructions, with the kernel constexprs given as NAME=VALUE off (False, 0) and as given (after a tried patch is applied:
-IA=True with session 43's bench/debug/inner_ahead_tried.patch, MOK=1024 with bench/debug/mask_slice_tried.patch);
-CAP=N (environment) sets a register cap. KIVI's ring build: kivi_ring_sass.py KBITS VBITS NAME=VALUE.
-    env -u TRITON_INTERPRET PYTHONPATH=tests python bench/debug/inner_ring_sass.py MOK=1024"""
+loop's instructions, with the kernel constexprs given as NAME=VALUE off (False, 0) and as given (IA=True after
+session 43's bench/debug/inner_ahead_tried.patch is applied; MOK=512: the bool-mask builds with the maskless loop
+copy that `_plan` builds since session 48, `MASK_SLICE`, where `main_loop` spans more than one copy: read the
+SASS); CAP=N (environment) sets a register cap. KIVI's ring build: kivi_ring_sass.py KBITS VBITS NAME=VALUE.
+    env -u TRITON_INTERPRET PYTHONPATH=tests python bench/debug/inner_ring_sass.py MOK=512"""
 import ast
 import os
 import sys
