@@ -211,7 +211,8 @@ class _StepRunner:
 
     @torch.no_grad()
     def absorb(self, args, p0):
-        """Quantize positions [0, p0) that eager code wrote into the fp16 cache, through the same op."""
+        """Quantize positions [0, p0) that eager code wrote into the fp16 cache, as one chunk (kvq::append_chunk,
+        with the slots of its real tokens where the step's mask shows pads)."""
         positions = torch.arange(p0, device=args[self.cache_args[0][0]].device)
         keep = seats = None
         if self.mask is not None:   # the step's query attends every real token before it: the others are pads
@@ -222,6 +223,8 @@ class _StepRunner:
             if self.store.seats is not None and not bool(keep.all()):   # (`store.seating`, as KVQCache's)
                 seats = st.seating(keep, self.store.cfg.sink)
                 self.store.seats[:, :p0] = seats
+        # the real tokens' slots in the order they are stored: the static ranges' percentiles leave the pads out
+        slots = None if keep is None else keep if seats is None else keep.gather(-1, seats)
         for layer, (ki, vi), rot in zip(self.store.layers, self.cache_args, self.rotary):
             k, v = args[ki][:, :, :p0], args[vi][:, :, :p0]
             cos = sin = None
@@ -238,7 +241,8 @@ class _StepRunner:
             k, v, cos, sin = st.seated_chunk(keep, seats, k, v, cos, sin,
                                              layer.spec.key.quantized or layer.spec.value.quantized)
             names, tensors = layer.append_tensors()
-            torch.ops.kvq.append(tensors, k, v, positions, cos, sin, layer.descriptor(names))
+            torch.ops.kvq.append_chunk(tensors, k, v, positions, cos, sin, layer.descriptor(names),
+                                       slots if layer.spec.key.quantized or layer.spec.value.quantized else None)
 
     def after(self, args):
         if not self.release:

@@ -160,6 +160,7 @@ class KVQLayer(CacheLayerMixin):
         append, attend = ops.chunk_ops(query.shape[2])
         stored_value = value
         quantized = self.store.spec.key.quantized or self.store.spec.value.quantized
+        slot_mask = mask   # the mask in the order the append stores the chunk (a seated first chunk: seated)
         if query.shape[2] > 1 and attention_mask is not None:
             # every layer is seated (their masks are read through the seats, and the RoPE table is shared); only
             # those that quantize something neutralize their pads
@@ -172,14 +173,16 @@ class KVQLayer(CacheLayerMixin):
                 stored_key, stored_value, cos, sin = st.seated_chunk(st.attended(attention_mask, positions), chunk,
                                                                      stored_key, stored_value, cos, sin, quantized)
                 mask = st.seated_mask(attention_mask, read)
+                slot_mask = st.seated_mask(mask, chunk)   # a first chunk's own columns seated (read: identity)
                 self.seats = self.seat_buffer
             elif sink and not torch.compiler.is_compiling() and int(positions[0]) == 0:
                 stored_key, stored_value, cos, sin = self.seat_rows(attention_mask, positions, stored_key,
                                                                     stored_value, cos, sin, quantized)
+                slot_mask = st.seated_mask(attention_mask, self.seats)   # (seated where seat_rows set the seats)
             elif quantized:
                 stored_key, stored_value = st.neutralize_pads(attention_mask, positions, stored_key, value)
         # a chunk: which slots its last query attends (slot order), for the first-chunk statistics (`append_side`)
-        attended = (st.attended_slots(mask) if quantized else None,) if query.shape[2] > 1 else ()
+        attended = (st.attended_slots(slot_mask) if quantized else None,) if query.shape[2] > 1 else ()
         append(self.append_tensors, stored_key, stored_value, positions, cos, sin, self.append_layout, *attended)
         return attend(query, self.attend_tensors, key, value, positions, mask, scale, is_causal,
                       self.attend_layout)

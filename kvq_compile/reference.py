@@ -173,17 +173,34 @@ def key_norm(x: torch.Tensor) -> torch.Tensor:
     return x.float().abs().amax(-2, keepdim=True).sqrt().clamp_min(EPS)
 
 
-def static_channel_range(x: torch.Tensor, spec: QuantizerSpec, storage_dtype: torch.dtype, eta: float = 0.0):
+def static_channel_range(x: torch.Tensor, spec: QuantizerSpec, storage_dtype: torch.dtype, eta: float = 0.0,
+                         valid: torch.Tensor | None = None):
     """Per-channel (center, half) [..., 1, D] of a chunk [..., T, D] for CHANNEL-axis static ranges, the
-    half-width scaled by spec.range_scale (and XQuant's 1 - 2 eta). With outliers, the top and bottom outlier_fraction/2 of each channel are left out (KVQuant's
-    per-vector percentile thresholds)."""
+    half-width scaled by spec.range_scale (and XQuant's 1 - 2 eta). With outliers, the top and bottom
+    outlier_fraction/2 of each channel are left out (KVQuant's per-vector percentile thresholds). valid (bool,
+    broadcastable to [..., T, 1]): the tokens the range is taken over (a padded chunk's real ones: its pads hold
+    copies of real tokens, `store.neutralized`, which leave a minimum or maximum as it is but move a percentile); a
+    row with none takes all of its tokens, as without valid."""
     xf = x.float()
     f = spec.outlier_fraction
+    if valid is not None:
+        valid = valid.expand(*xf.shape[:-1], 1)
+        valid = valid | ~valid.any(-2, keepdim=True)   # a row of pads only: all of them
+        if bool(valid.all()):
+            valid = None
     if f > 0 and xf.shape[-2] > 1:
-        mx = torch.quantile(xf, 1 - f / 2, dim=-2, keepdim=True)
-        mn = torch.quantile(xf, f / 2, dim=-2, keepdim=True)
-    else:
+        if valid is None:
+            mx = torch.quantile(xf, 1 - f / 2, dim=-2, keepdim=True)
+            mn = torch.quantile(xf, f / 2, dim=-2, keepdim=True)
+        else:   # the pads as NaN, which nanquantile leaves out
+            xn = torch.where(valid, xf, math.nan)
+            mx = torch.nanquantile(xn, 1 - f / 2, dim=-2, keepdim=True)
+            mn = torch.nanquantile(xn, f / 2, dim=-2, keepdim=True)
+    elif valid is None:
         mx, mn = xf.amax(-2, keepdim=True), xf.amin(-2, keepdim=True)
+    else:
+        mx = torch.where(valid, xf, -math.inf).amax(-2, keepdim=True)
+        mn = torch.where(valid, xf, math.inf).amin(-2, keepdim=True)
     if spec.symmetry is Symmetry.SYMMETRIC:
         c, h = torch.zeros_like(mx), torch.maximum(mx.abs(), mn.abs())
     else:

@@ -15,13 +15,15 @@ from .store import attended, fill_boundary, neutralized, seat, seated_mask, seat
 
 def quantized_view(history: torch.Tensor, q: QuantizerSpec, cfg: KVQConfig, length: int, first_chunk: int,
                    codes_from: torch.Tensor | None = None, levels: torch.Tensor | None = None,
-                   is_key: bool = False) -> torch.Tensor:
+                   is_key: bool = False, valid: torch.Tensor | None = None) -> torch.Tensor:
     """float32 [B, H, length, D]: positions as attention reads them when `length` tokens are stored.
 
     history: [B, H, >=length, D] every token ever appended, in the cache dtype.
     first_chunk: size of the first append (static per-channel ranges and key norms come from it; the simulation
         takes a prefill in one piece, which a chunked prefill within the recent window matches: `store.append_side`).
     codes_from: for XQuant sharing, the source layer's history: its codes, this layer's ranges.
+    valid: [B or 1, first_chunk] bool, the first chunk's real tokens in slot order (pads neutralized in `history`):
+        the static ranges' percentiles leave the others out, as the append does (`store.append_side`).
     """
     x = history[:, :, :length]
     if codes_from is not None and q.axis is Axis.CHANNEL and q.group_size is None:
@@ -35,13 +37,15 @@ def quantized_view(history: torch.Tensor, q: QuantizerSpec, cfg: KVQConfig, leng
     out = x.float().clone()
     if bnd <= S:
         return out
-    body = history[:, :, S:first_chunk] if first_chunk > S else history[:, :, :first_chunk]
+    first = S if first_chunk > S else 0
+    body = history[:, :, first:first_chunk]
     norm = None
     if is_key and cfg.key_norm:
         norm = ref.key_norm(body)
     static = None
     if q.axis is Axis.CHANNEL and q.group_size is None:
-        static = ref.static_channel_range(body.float() / norm if norm is not None else body, q, dt, cfg.eta_for(q))
+        static = ref.static_channel_range(body.float() / norm if norm is not None else body, q, dt, cfg.eta_for(q),
+                                          None if valid is None else valid[..., first:first_chunk][:, None, :, None])
 
     def deq(block, src_block):
         blk = block.to(dt)
@@ -155,8 +159,8 @@ class HFSimulation:
         dev = kh.device
         lk = ref.levels_for(spec.key, cfg.codebooks.get(f"{i}.key"), dev) if spec.key.quantized else None
         lv = ref.levels_for(spec.value, cfg.codebooks.get(f"{i}.value"), dev) if spec.value.quantized else None
-        kq = quantized_view(kh, spec.key, cfg, length, self.first_chunk, src_k, lk, is_key=True)[:, :, :p0]
-        vq = quantized_view(vh, spec.value, cfg, length, self.first_chunk, src_v, lv)[:, :, :p0]
+        kq = quantized_view(kh, spec.key, cfg, length, self.first_chunk, src_k, lk, is_key=True, valid=keep)[:, :, :p0]
+        vq = quantized_view(vh, spec.value, cfg, length, self.first_chunk, src_v, lv, valid=keep)[:, :, :p0]
         if rope is not None:
             kq = ref.rope_rotate(kq, rope[0][:, :p0].float(), rope[1][:, :p0].float())
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5

@@ -311,8 +311,9 @@ def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: tor
     slots [B or 1, >= p0 + n] bool (`attended_slots`): the slots, in slot order (`seated_mask`), that the chunk's
     last query attends; the others are pads, `neutralized` in the prefix appended again (also in the sink and ring:
     a slot that an earlier query of the chunk attends but the last does not, as under a sliding window, would be
-    read as a copy; no caller passes such masks: KVQCache and the pass refuse sliding windows). None, or shorter
-    than p0 + n: no pads."""
+    read as a copy; no caller passes such masks: KVQCache and the pass refuse sliding windows), and left out of the
+    static ranges taken from the chunk (their percentiles: `reference.static_channel_range`'s valid). A seated first
+    chunk's slots are in its seated order, as its tokens are here. None, or shorter than p0 + n: no pads."""
     n = x.shape[2]
     if not q.quantized:
         b["data"][:, :, p0:p0 + n] = x.to(b["data"].dtype)
@@ -327,20 +328,23 @@ def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: tor
         whole = torch.cat([_exact_prefix(b, p0, S, wr), x.to(dt)], dim=2)
         if a is not None:
             whole = neutralized(a[..., :p0 + n], whole)[0]
-        append_side(b, q, cfg, geo, whole, 0, is_key)
+        append_side(b, q, cfg, geo, whole, 0, is_key, a)
         return
     fresh = None
     if p0 > 0 and a is not None and firsts:
         fresh = a[..., p0:p0 + n].any(-1) & ~a[..., :p0].any(-1)
         fresh = fresh.expand(geo.batch) if bool(fresh.any()) else None   # (a chunk reads p0 on the host anyway)
     first = max(S - p0, 0)   # statistics skip the exact sink tokens when there are others
-    body = x[:, :, first:] if n > first else x
+    first = first if n > first else 0
+    body = x[:, :, first:]
     rows = None if p0 == 0 else fresh
     if (p0 == 0 or fresh is not None) and "norm" in b:
         _set_rows(b["norm"], ref.key_norm(body), rows)
     if (p0 == 0 or fresh is not None) and static:
         scaled = body.float() / b["norm"] if "norm" in b else body
-        c, h = ref.static_channel_range(scaled, q, dt, cfg.eta_for(q))
+        # over the real tokens: a pad holds a copy of one (`neutralized`), which would weigh in a percentile
+        valid = None if a is None else a[..., p0 + first:p0 + n][:, None, :, None]
+        c, h = ref.static_channel_range(scaled, q, dt, cfg.eta_for(q), valid)
         if "center" in b:
             _set_rows(b["center"], c, rows)
         _set_rows(b["half"], h, rows)
@@ -580,7 +584,8 @@ def neutralized(keep: torch.Tensor, *sides: torch.Tensor):
     normalization and KVQuant's static channel ranges (taken over the prefill). The nearest real token after a
     block of left padding is the row's first (or, seated, the first after its sink: `seating`). The copies leave
     minima, maxima and maxima of magnitude (InnerQ's Key norm) as the real tokens have them; a percentile (KVQuant's
-    outlier ranges) moves slightly towards the copied token (P copies among n + P tokens). `keep` comes from the
+    outlier ranges) would move towards the copied token (P copies among n + P tokens), so the append takes it over
+    the real tokens alone (`append_side`'s slots, `reference.static_channel_range`'s valid). `keep` comes from the
     chunk's last query (`attended`): a token that an earlier query attends but the last does not (a sliding
     window) is replaced too; later queries do not attend it either."""
     n = keep.shape[-1]

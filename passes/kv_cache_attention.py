@@ -472,6 +472,8 @@ def rewrite(gm: fx.GraphModule, matches: list[AttentionMatch], model_store, regi
         mask = seated_mask(matches[0].attn_mask, read)   # (its nodes sit before the first append: `_chunk_mask`)
         order = {n: i for i, n in enumerate(graph.nodes)}
         with graph.inserting_before(min((m.v_append for m in matches), key=order.__getitem__)):
+            if chunk is not None:   # the append stores a seated first chunk seated: its own columns in that order
+                mask = graph.call_function(st.seated_mask, (mask, chunk))
             attended = graph.call_function(st.attended_slots, (mask,))
 
     for i, m in enumerate(matches):

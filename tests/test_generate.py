@@ -110,15 +110,20 @@ def test_preset_matches_eager_simulation(name):
 
 @pytest.mark.parametrize("name", ["kivi-2", "innerq-2", "xquant-1.38", "kvquant-3-1%", "calibquant-1"])
 def test_compiled_store_equals_simulation_of_its_inputs(name, monkeypatch):
-    """Every K/V the compiled steps appended, replayed through the direct simulation: exactly the store."""
+    """Every K/V the compiled steps appended, replayed through the direct simulation: exactly the store (with the
+    first chunk's real-token slots that its append took, for the static ranges' percentiles)."""
     model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=4)
     cfg = small_windows(name)
     cfg.keys_before_rope = False
     seen = {}
     real_append = st.append
 
+    first_slots = {}
+
     def spy(bufs, cfg_, spec, geo, key, value, p0, cos=None, sin=None, slots=None):
         seen.setdefault(id(bufs["v.half"]), []).append((key.clone(), value.clone()))
+        if p0 == 0 and slots is not None:
+            first_slots[id(bufs["v.half"])] = slots[..., :key.shape[2]].clone()
         return real_append(bufs, cfg_, spec, geo, key, value, p0, cos, sin, slots)
 
     real_decode = st.append_decode
@@ -144,8 +149,12 @@ def test_compiled_store_equals_simulation_of_its_inputs(name, monkeypatch):
         spec = store.specs[i]
         src_k = hist[i - 1][0] if spec.share_key_codes_from is not None else None
         src_v = hist[i - 1][1] if spec.share_value_codes_from is not None else None
-        torch.testing.assert_close(k, quantized_view(K, spec.key, cfg, L, 9, src_k, is_key=True), atol=0, rtol=0)
-        torch.testing.assert_close(v, quantized_view(V, spec.value, cfg, L, 9, src_v), atol=0, rtol=0)
+        valid = first_slots.get(id(layer.buffers["v.half"]))
+        torch.testing.assert_close(k, quantized_view(K, spec.key, cfg, L, 9, src_k, is_key=True, valid=valid), atol=0,
+                                   rtol=0)
+        torch.testing.assert_close(v, quantized_view(V, spec.value, cfg, L, 9, src_v, valid=valid), atol=0, rtol=0)
+    if name == "kvquant-3-1%":   # the padded row's slots reached the first append
+        assert first_slots and all(not bool(s.all()) for s in first_slots.values())
 
 
 def test_append_beside_keeps_the_pair_without_a_recent_window():

@@ -222,6 +222,54 @@ def test_pads_stay_out_of_the_statistics(name):
             torch.testing.assert_close(lb, la, atol=1e-5, rtol=1e-5)
 
 
+def _ranges(layer_buffers: tuple) -> tuple:
+    """(center, half) of a layer's Key statistics from its attend (names, tensors)."""
+    bufs = dict(zip(*layer_buffers))
+    return bufs["k.center"].clone(), bufs["k.half"].clone()
+
+
+def test_percentile_ranges_leave_the_pads_out():
+    """KVQuant's static Key ranges with outliers are percentiles over the prefill; a left-padded row's pads hold
+    copies of its real tokens (`store.neutralized`), which would move them (session 47's note: 40 pads moved
+    SmolLM2 kvquant-4-1%'s perplexity). They are taken over the real tokens alone (`static_channel_range`'s
+    valid, from the slots the chunk's last query attends, in the seated order the store holds them): layer 0's
+    ranges (its Keys depend on the token alone) of a row padded by 5 equal those of the same text unpadded, through
+    KVQCache's eager prefill and kvq_backend's absorbed eager prefill. In 8-token chunks, KVQCache's compiled
+    first chunk (`kvq::seat_chunk`) and kvq_backend's chunk graphs give the padded row the ranges of KVQCache's
+    eager chunks within 1e-6 (a slot order off by the seating would leave other tokens out)."""
+    from transformers import StaticCache
+
+    model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=2)
+    cfg = small_windows("kvquant-4-1%")
+    ids, mask = prompts(2, 21, pad=(0, 5), seed=4)
+    plain = ids[1:, 5:].expand(2, -1).clone()   # row 1's text, unpadded, in both rows
+    plain_mask = torch.ones_like(plain)
+
+    def kvqcache(x, m, **kw):
+        cache = KVQCache(model, cfg, batch_size=2, max_cache_len=32)
+        model.generate(x, attention_mask=m, max_new_tokens=2, past_key_values=cache, **kw, **GEN)
+        return _ranges((cache.layers[0].attend_names, cache.layers[0].attend_tensors))
+
+    def backend(x, m, **kw):
+        torch._dynamo.reset()
+        be = kvq_backend(cfg, release_fp16_cache=False)
+        static = StaticCache(config=model.config, max_cache_len=32)
+        static.early_initialization(2, 1, 64, torch.float32, "cpu")
+        model.generate(x, attention_mask=m, max_new_tokens=2, past_key_values=static,
+                       compile_config=compile_config(be), **kw, **GEN)
+        return _ranges(be.stores()[-1].layers[0].attend_tensors())
+
+    for run in (lambda x, m: kvqcache(x, m, disable_compile=True), backend):   # an unchunked (eager) prefill
+        (c_pad, h_pad), (c_plain, h_plain) = run(ids, mask), run(plain, plain_mask)
+        assert torch.equal(h_pad[1], h_plain[0]) and torch.equal(c_pad[1], c_plain[0])
+    eager = kvqcache(ids, mask, prefill_chunk_size=8, disable_compile=True)
+    torch._dynamo.reset()
+    for got in (kvqcache(ids, mask, prefill_chunk_size=8, compile_config=_compiled()),
+                backend(ids, mask, prefill_chunk_size=8)):   # (compiled K projections: a few fp32 ulps apart)
+        for a, b in zip(got, eager):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("name,recent", [("kvquant-4", 0), ("calibquant-1", 12)])
 def test_a_first_chunk_of_pads_leaves_the_statistics_alone(name, recent):
     """A chunked prefill whose first chunk holds only pads for a row (more pads than the chunk has tokens: a batch

@@ -129,6 +129,28 @@ def test_range_scale_shrinks_static_ranges_about_their_center():
     assert err_shrunk < 0.8 * err_full
 
 
+@pytest.mark.parametrize("fraction,symmetry", [(0.01, Symmetry.ASYMMETRIC), (0.1, Symmetry.SYMMETRIC),
+                                                (0.0, Symmetry.ASYMMETRIC)])
+def test_static_ranges_over_the_valid_tokens(fraction, symmetry):
+    """`static_channel_range(valid=...)`: each row's range equals the range of its valid tokens alone (a padded
+    chunk's real ones), bit for bit: percentiles (KVQuant's outliers) and minima / maxima; a row with no valid token
+    takes all of its tokens, as does valid None; the pads (here: copies of a real token, as `store.neutralized`
+    makes them) would move a percentile."""
+    spec = QuantizerSpec(bits=4, axis=Axis.CHANNEL, group_size=None, symmetry=symmetry, outlier_fraction=fraction)
+    x = torch.randn(3, 2, 29, 16) * 2 + 0.5
+    valid = torch.ones(3, 1, 29, 1, dtype=torch.bool)
+    valid[0, :, :7] = False    # 7 pads
+    valid[2] = False           # a row of pads only
+    x[0, :, :7] = x[0, :, 7:8]   # the pads as copies of the first real token
+    c, h = ref.static_channel_range(x, spec, torch.float32, valid=valid)
+    c_real, h_real = ref.static_channel_range(x[0:1, :, 7:], spec, torch.float32)
+    assert torch.equal(c[0:1], c_real) and torch.equal(h[0:1], h_real)
+    c_all, h_all = ref.static_channel_range(x, spec, torch.float32)
+    assert torch.equal(c[1:], c_all[1:]) and torch.equal(h[1:], h_all[1:])
+    if fraction > 0:   # the copies move a percentile (not a minimum or maximum)
+        assert not torch.equal(h_all[0], h[0])
+
+
 def test_rope_unrotate_inverts_rotate():
     x = torch.randn(2, 3, 7, 64)
     ang = torch.rand(2, 7, 32) * 6
