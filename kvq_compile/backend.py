@@ -212,7 +212,8 @@ class _StepRunner:
     @torch.no_grad()
     def absorb(self, args, p0):
         """Quantize positions [0, p0) that eager code wrote into the fp16 cache, as one chunk (kvq::append_chunk,
-        with the slots of its real tokens where the step's mask shows pads)."""
+        with the slots of its real tokens in their stored order where the step's mask shows pads; one token:
+        kvq::append)."""
         positions = torch.arange(p0, device=args[self.cache_args[0][0]].device)
         keep = seats = None
         if self.mask is not None:   # the step's query attends every real token before it: the others are pads
@@ -241,8 +242,11 @@ class _StepRunner:
             k, v, cos, sin = st.seated_chunk(keep, seats, k, v, cos, sin,
                                              layer.spec.key.quantized or layer.spec.value.quantized)
             names, tensors = layer.append_tensors()
-            torch.ops.kvq.append_chunk(tensors, k, v, positions, cos, sin, layer.descriptor(names),
-                                       slots if layer.spec.key.quantized or layer.spec.value.quantized else None)
+            if p0 > 1:   # (the chunk op: takes the slots)
+                torch.ops.kvq.append_chunk(tensors, k, v, positions, cos, sin, layer.descriptor(names),
+                                           slots if layer.spec.key.quantized or layer.spec.value.quantized else None)
+            else:        # one token: the decode append, as before (no percentile over one token)
+                torch.ops.kvq.append(tensors, k, v, positions, cos, sin, layer.descriptor(names))
 
     def after(self, args):
         if not self.release:

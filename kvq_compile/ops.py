@@ -15,9 +15,10 @@ of these same ops.
         the mask and is_causal mean what they mean to scaled_dot_product_attention over the static
         buffer, restricted to the written length p0 + n. GQA maps query head h to KV head h // (Hq // H).
     kvq::append_chunk, kvq::attend_chunk: the same for chunks of n > 1 tokens, tagged cudagraph_unsafe
-        (`chunk_ops`): a chunk reads its start position on the host. kvq::append_chunk takes `attended` [B|1, T]
-        too (`store.attended_slots`): which slots its last query attends, for its first-chunk statistics
-        (`store.append_side`: widened while the prefix is exact, taken again by rows that saw only pads).
+        (`chunk_ops`): a chunk reads its start position on the host. kvq::append_chunk takes `attended` [B|1, >=
+        p0 + n] too (`store.attended_slots`): which slots its last query attends, in the order the store holds them
+        (a seated first chunk's seated), for its first-chunk statistics (`store.append_side`: static ranges over the
+        real tokens alone, widened while the prefix is exact, taken again by rows that saw only pads).
     kvq::seat_chunk(seats!, attn_mask, positions, sink) -> (chunk [B, n], read [B, T]): a left-padded first
         chunk's seating for configs with a sink (`store.seat_first_chunk`): once per chunk graph of the rewrite,
         once per layer in KVQCache's compiled chunks.
@@ -74,8 +75,8 @@ _CHUNK_TAGS = (torch.Tag.cudagraph_unsafe,)  # torch >= 2.11 (pyproject) has it
 def append_chunk(store: list[torch.Tensor], key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
                  cos: torch.Tensor | None, sin: torch.Tensor | None, layout: str,
                  attended: torch.Tensor | None = None) -> None:
-    """attended [B or 1, T] bool (`store.attended_slots`): the slots the chunk's last query attends, in slot order;
-    the others are pads (`store.append_side`)."""
+    """attended [B or 1, >= p0 + n] bool (`store.attended_slots`): the slots the chunk's last query attends, in slot
+    order (a seated first chunk's seated); the others are pads (`store.append_side`)."""
     _append_impl(store, key, value, positions, cos, sin, layout, compiled=False, attended=attended)
 
 

@@ -632,7 +632,8 @@ def seat_first_chunk(seats: torch.Tensor, attention_mask: torch.Tensor, position
     token within the chunk, read [B, T]: the seats this step's mask is read through, `seated_mask`). A first chunk
     (positions from 0) is seated (`seating`) and `seats` [B, T] becomes its order, then the identity: later steps
     read their masks through it, and what a previous sequence left there is gone; the chunk's own mask is read
-    unseated (its attention takes the chunk's K/V as they come). A later chunk: the identity within it, and the
+    unseated (its attention takes the chunk's K/V as they come), its append's slots seated by `chunk` (`seated_mask`:
+    the append stores the chunk seated). A later chunk: the identity within it, and the
     prefix's columns through `seats`. Reads its start position on the host (chunks do: `ops.chunk_ops`)."""
     B, T = seats.shape
     n = positions.shape[0]
