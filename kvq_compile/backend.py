@@ -239,12 +239,12 @@ class _StepRunner:
                 c3, s3 = (c[:, 0] if c.dim() == 4 else c for c in (cos, sin))
                 k = ref.rope_unrotate(k.float(), c3.float(), s3.float()).to(k.dtype)
                 cos, sin = c3, s3
-            k, v, cos, sin = st.seated_chunk(keep, seats, k, v, cos, sin,
-                                             layer.spec.key.quantized or layer.spec.value.quantized)
+            quantizes = layer.spec.key.quantized or layer.spec.value.quantized
+            k, v, cos, sin = st.seated_chunk(keep, seats, k, v, cos, sin, quantizes)
             names, tensors = layer.append_tensors()
             if p0 > 1:   # (the chunk op: takes the slots)
                 torch.ops.kvq.append_chunk(tensors, k, v, positions, cos, sin, layer.descriptor(names),
-                                           slots if layer.spec.key.quantized or layer.spec.value.quantized else None)
+                                           slots if quantizes else None)
             else:        # one token: the decode append, as before (no percentile over one token)
                 torch.ops.kvq.append(tensors, k, v, positions, cos, sin, layer.descriptor(names))
 

@@ -633,8 +633,8 @@ def seat_first_chunk(seats: torch.Tensor, attention_mask: torch.Tensor, position
     (positions from 0) is seated (`seating`) and `seats` [B, T] becomes its order, then the identity: later steps
     read their masks through it, and what a previous sequence left there is gone; the chunk's own mask is read
     unseated (its attention takes the chunk's K/V as they come), its append's slots seated by `chunk` (`seated_mask`:
-    the append stores the chunk seated). A later chunk: the identity within it, and the
-    prefix's columns through `seats`. Reads its start position on the host (chunks do: `ops.chunk_ops`)."""
+    the append stores the chunk seated). A later chunk: the identity within it, and the prefix's columns through
+    `seats`. Reads its start position on the host (chunks do: `ops.chunk_ops`)."""
     B, T = seats.shape
     n = positions.shape[0]
     identity = torch.arange(T, device=seats.device).expand(B, T)

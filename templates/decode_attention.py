@@ -323,8 +323,7 @@ def _load_side(codes_ptr, cen_ptr, half_ptr, oval_ptr, oidx_ptr, lev_ptr, norm_p
     window tiles: a tile that starts below S has its valid t below S) codes are unpacked only if
     S <= t0 < min(bnd, p0), and not at all where WINDOW_CODES is False (the caller knows that no window tile holds
     this side's codes: their unpacking is not compiled). The values of masked positions (not tvalid) are finite
-    garbage that the caller masks
-    (scores to -inf, p to 0)."""
+    garbage that the caller masks (scores to -inf, p to 0)."""
     bh64 = bh.to(tl.int64)
     if BITS == 16:
         x = tl.load(data_ptr + bh64 * T * D + (t[:, None] * D + d[None, :]),
