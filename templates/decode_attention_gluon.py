@@ -125,9 +125,7 @@ Math (one program = one KV head of one sequence and one slice of the quantized r
     mask; a program runs that copy where its slice's mask bytes, checked once before the loop, are all true (HF's
     decode mask of an unpadded batch): kivi-2 469 -> 445, kivi-4 564 -> 523 SASS instructions per tile (offline
     sm_90, bf16 ring), 0.7-4.9% faster at batch x context >= 64k for kivi-2, kivi-4, innerq-2, xquant-1.38 (H200,
-    session 48). Session 43 had predicated the tiles' mask loads off in one loop instead: slower. int8's kernel the
-    same way (session 49, under a 128-register cap, `SYM8_MAXNREG`): 553 -> 535 instructions per 16-token tile (bf16),
-    415 -> 404 (fp16).
+    session 48). Session 43 had predicated the tiles' mask loads off in one loop instead: slower.
     Scale and offset are rounded to the cache dtype before the multiply-add (one rounding of the value after
     it): values can differ from the reference's fp32 dequantization by about one unit in the last place; at 2
     bits fp16 scales below 2^-12 lose bits in the division by 4 (at most 3 * 2^-23 absolute). Post-scaled Keys
@@ -159,8 +157,8 @@ factors; QZROWS / QZ_N the Keys' q . z per QZ_N groups (`QZ_ROWS`); VZ the Value
 its slice's end (`WHOLE_TILES`, `whole_tiles`); TPS tiles per ring slot (`RING_TILES`); PAIR one softmax step
 per slot (`PAIR_SOFTMAX`, `pair_flags`); KSUB bf16 post-scaled Keys as subnormals (`BF16_SUBNORMAL_KEYS`, SUB_E); VF
 4-, 2- and 1-bit bf16 Values with their scales folded into p (`VALUE_FOLD`, `VALUE_FOLD_BITS`, `fold_flags`, VF_E, VF_BITS,
-`VF_SWIZZLE`, `VF_PAIR_SEL`, `VF_NIB`); MOK the KIVI and int8 kernels' bool-mask slice check, bytes a step, and
-their tile loops built twice, once without the mask (`MASK_SLICE`).
+`VF_SWIZZLE`, `VF_PAIR_SEL`, `VF_NIB`); MOK the KIVI kernel's bool-mask slice check, bytes a step, and its tile
+loops built twice, once without the mask (`MASK_SLICE`).
 """
 from __future__ import annotations
 
@@ -1072,20 +1070,16 @@ if HAVE_GLUON:
         return s, allowed
 
     @gluon.jit
-    def _mask_slice_ok(AMASK, moff, start, stop, N: gl.constexpr, MOKON: gl.constexpr):
+    def _mask_slice_ok(AMASK, moff, start, stop, N: gl.constexpr):
         """1 where the bool mask row allows every position of [start, stop), else 0 (int32, one value for the
-        program): N bytes a step (N / 32 a lane), ahead of the tile loop (`MASK_SLICE`); 0 without MOKON."""
-        if MOKON:
-            lay: gl.constexpr = gl.BlockedLayout([N // 32], [32], [1], [0])
-            i = gl.arange(0, N, layout=lay)
-            bad = gl.zeros([N], gl.int32, lay)
-            for c in range(start, stop, N):
-                mv = gl.load(AMASK + moff + c + i, mask=c + i < stop, other=1)
-                bad = bad | (mv == 0).to(gl.int32)
-            ok = 1 - gl.max(bad, 0)
-        else:
-            ok = 0
-        return ok
+        program): N bytes a step (N / 32 a lane), ahead of the tile loop (`MASK_SLICE`)."""
+        lay: gl.constexpr = gl.BlockedLayout([N // 32], [32], [1], [0])
+        i = gl.arange(0, N, layout=lay)
+        bad = gl.zeros([N], gl.int32, lay)
+        for c in range(start, stop, N):
+            mv = gl.load(AMASK + moff + c + i, mask=c + i < stop, other=1)
+            bad = bad | (mv == 0).to(gl.int32)
+        return 1 - gl.max(bad, 0)
 
     @gluon.jit
     def _loop_runs(mok, VAR: gl.constexpr, MOKON: gl.constexpr):
@@ -1957,7 +1951,10 @@ if HAVE_GLUON:
 
         # MOK (`MASK_SLICE`, a bool mask): the loops below are built twice, the first without the mask; a program
         # whose slice the mask row allows whole (checked once, `_mask_slice_ok`) runs that one, the others the second
-        mok = _mask_slice_ok(AMASK, b.to(gl.int64) * stride_mb, start, stop, MOK, MOKON)
+        if MOKON:
+            mok = _mask_slice_ok(AMASK, b.to(gl.int64) * stride_mb, start, stop, MOK)
+        else:
+            mok = 0
         for var in gl.static_range(2 if MOKON else 1):
             if _loop_runs(mok, var, MOKON):
                 if PAIR:  # two tiles (one ring slot) per online-softmax step: one max, one rescale per 64 tokens
@@ -2604,15 +2601,14 @@ if HAVE_GLUON:
     def _sym8_decode_kernel(
             Q, stride_qb, stride_qh, KC, KHALF, VC, VHALF, POS, AMASK, stride_mb, OUT_M, OUT_L, OUT_ACC, scale, T,
             NSPLIT, H: gl.constexpr, REP: gl.constexpr, S: gl.constexpr, R: gl.constexpr, MASK_KIND: gl.constexpr,
-            IS_BF16: gl.constexpr, BT: gl.constexpr, NWIN: gl.constexpr, PDL: gl.constexpr, MOK: gl.constexpr = 0):
+            IS_BF16: gl.constexpr, BT: gl.constexpr, NWIN: gl.constexpr, PDL: gl.constexpr):
         """Decode over int8's layout: symmetric 8-bit Keys and Values with one scale per token vector,
             k[t, c] = s_k[t] (code - 127)    v[t, c] = s_v[t] (code - 127)    s = half / 127.
         Keys post-scaled: the mma takes fp16 (code - 127) straight from a `prmt` and an `add` against q in fp16 (a
         bf16 q is scaled by a power of two first if it exceeds 2^14), and s_k[t] multiplies row t of the transposed logits.
         Values are dequantized in the cache dtype (`_sym8_value_asm`) for the transposed p @ V of the KIVI kernel
         (in fp16 a token's scale half / 127 is subnormal below half ~ 7.8e-3 and carries fewer bits there).
-        The KIVI kernel's structure otherwise (one warp, BT-token tiles, the same mma layouts and online softmax).
-        MOK (`MASK_SLICE`, a bool mask): the tile loop built twice, once without the mask, as the KIVI kernel's."""
+        The KIVI kernel's structure otherwise (one warp, BT-token tiles, the same mma layouts and online softmax)."""
         bh = gl.program_id(0)
         split = gl.program_id(1)
         b = bh // H
@@ -2663,40 +2659,30 @@ if HAVE_GLUON:
             qscale = scale * 1.4426950408889634   # log2(e): the softmax runs in base 2
         trow, tcol, m8, lacc, acc = _softmax_state(BT, mma)
 
-        # MOK (`MASK_SLICE`): the loop twice, the first without the mask (`_kivi_decode_kernel`)
-        MOKON: gl.constexpr = _mok_on(MOK, MASK_KIND)
-        mok = _mask_slice_ok(AMASK, b.to(gl.int64) * stride_mb, start, stop, MOK, MOKON)
-        for var in gl.static_range(2 if MOKON else 1):
-            if _loop_runs(mok, var, MOKON):
-                for it in range(0, n_iter):
-                    t0 = start + it * BT
-                    # Keys past the slice: the slice's last row, unmasked (their logits are masked)
-                    krow = gl.expand_dims(gl.expand_dims(gl.minimum(t0 + kt, stop - 1), 0), 0)           # [1, 1, BT]
-                    kwords, _ = gl.broadcast(gl.expand_dims(gl.load(kc_base + krow * 32 + kword3), 2), cdummy)
-                    kv = _sym8_unpack(kwords, kwords, "k", IS_BF16)                                    # [8, 4, 4, BT]
-                    # [a2, a1, a0, b1, b0, c1, c0] -> k = 64 a2 + 32 a1 + 16 a0 + 8 c1 + 4 b1 + 2 b0 + c0,
-                    # transposed
-                    kvT = kv.reshape([2, 2, 2, 2, 2, 2, 2, BT]).permute([7, 0, 1, 2, 5, 3, 4, 6]).reshape(
-                        [BT, 128])
-                    kvT = gl.convert_layout(kvT, a_l)
-                    ksc = gl.load(KHALF + bh64 * T + gl.minimum(t0 + trow, stop - 1)).to(gl.float32) * \
-                        (qscale / 127.0)
-                    s = mma_v2(kvT, qT, gl.zeros([BT, 8], gl.float32, mma)) * gl.expand_dims(ksc, 1)
-                    s, allowed = _mask_scores(s, trow, tcol, t0, stop, AMASK, b.to(gl.int64) * stride_mb, REP,
-                                              _loop_mask_kind(MASK_KIND, MOKON, var))
-                    p, alpha8, m8, lacc = _softmax_step(s, allowed, m8, lacc)
+        for it in range(0, n_iter):
+            t0 = start + it * BT
+            # Keys past the slice: the slice's last row, unmasked (their logits are masked)
+            krow = gl.expand_dims(gl.expand_dims(gl.minimum(t0 + kt, stop - 1), 0), 0)               # [1, 1, BT]
+            kwords, _ = gl.broadcast(gl.expand_dims(gl.load(kc_base + krow * 32 + kword3), 2), cdummy)
+            kv = _sym8_unpack(kwords, kwords, "k", IS_BF16)                                        # [8, 4, 4, BT]
+            # [a2, a1, a0, b1, b0, c1, c0] -> k = 64 a2 + 32 a1 + 16 a0 + 8 c1 + 4 b1 + 2 b0 + c0, transposed
+            kvT = kv.reshape([2, 2, 2, 2, 2, 2, 2, BT]).permute([7, 0, 1, 2, 5, 3, 4, 6]).reshape([BT, 128])
+            kvT = gl.convert_layout(kvT, a_l)
+            ksc = gl.load(KHALF + bh64 * T + gl.minimum(t0 + trow, stop - 1)).to(gl.float32) * (qscale / 127.0)
+            s = mma_v2(kvT, qT, gl.zeros([BT, 8], gl.float32, mma)) * gl.expand_dims(ksc, 1)
+            s, allowed = _mask_scores(s, trow, tcol, t0, stop, AMASK, b.to(gl.int64) * stride_mb, REP, MASK_KIND)
+            p, alpha8, m8, lacc = _softmax_step(s, allowed, m8, lacc)
 
-                    vvalid = (t0 + vt) < stop
-                    vwords = gl.load(vc_base + t0 * 32 + voff, mask=gl.expand_dims(gl.expand_dims(gl.expand_dims(
-                        vvalid, 1), 2), 3), other=0)                                                 # [BT, 8, 2, 2]
-                    vsc = (gl.load(VHALF + vs_base + t0 + vt, mask=vvalid, other=0.0).to(gl.float32) / 127.0).to(dt)
-                    wv, vs5 = gl.broadcast(gl.expand_dims(vwords, 4), jdummy)
-                    wv, vs5 = gl.broadcast(wv, gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(
-                        vsc, 1), 2), 3), 4))
-                    vv = _sym8_unpack(wv, vs5, "v", IS_BF16).reshape([BT, 8, 2, 8])
-                    vv = vv.permute([0, 2, 3, 1]).reshape([BT, 128]).permute([1, 0])  # v^T [128 (n = 8j + w), BT]
-                    vv = gl.convert_layout(vv, a_l)
-                    acc = mma_v2(vv, _p_transposed(p.to(dt), b_l, BT, IS_BF16), acc * gl.expand_dims(alpha8, 0))
+            vvalid = (t0 + vt) < stop
+            vwords = gl.load(vc_base + t0 * 32 + voff, mask=gl.expand_dims(gl.expand_dims(gl.expand_dims(
+                vvalid, 1), 2), 3), other=0)                                                         # [BT, 8, 2, 2]
+            vsc = (gl.load(VHALF + vs_base + t0 + vt, mask=vvalid, other=0.0).to(gl.float32) / 127.0).to(dt)
+            wv, vs5 = gl.broadcast(gl.expand_dims(vwords, 4), jdummy)
+            wv, vs5 = gl.broadcast(wv, gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(vsc, 1), 2), 3), 4))
+            vv = _sym8_unpack(wv, vs5, "v", IS_BF16).reshape([BT, 8, 2, 8])
+            vv = vv.permute([0, 2, 3, 1]).reshape([BT, 128]).permute([1, 0])          # v^T [128 (n = 8j + w), BT]
+            vv = gl.convert_layout(vv, a_l)
+            acc = mma_v2(vv, _p_transposed(p.to(dt), b_l, BT, IS_BF16), acc * gl.expand_dims(alpha8, 0))
 
         _store_partials(OUT_M, OUT_L, OUT_ACC, bh, split, NSPLIT, NWIN, m8, gl.sum(lacc, 0), acc, REP, mma)
 
@@ -2717,14 +2703,10 @@ KIVI_BT = 32       # tokens per tile of `_kivi_decode_kernel`: a Key group (32) 
                    # batch 8-32 on an H100, bench/lut_variants.py, bench/RESULTS.md session 13)
 LUT_BT = 16        # tokens per tile of `_lut_decode_kernel`: faster than 32 at every shape of session 12 (at the cap,
                    # 6-14%; bench/RESULTS.md), which spills twice as much there (48 bytes against 24)
-MASK_SLICE = 512   # KIVI's, InnerQ's and int8's launches with a bool mask: each program checks its slice's mask
-                   # bytes, this many a step, and runs a copy of its tile loop built without the mask where they
-                   # allow it all (`_kivi_decode_kernel` / `_sym8_decode_kernel` MOK; 0: one loop, the mask read per
-                   # tile). Session 43 predicated the tiles' loads off instead (one copy): slower
-                   # (`bench/debug/mask_slice_tried.patch`)
-SYM8_MAXNREG = 128  # int8's register cap: 16 programs per SM. Uncapped its one-loop builds take 123 / 127 registers
-                    # (fp16 / bf16), the two-copy builds (MOK) 119 / 124 but the maskless build alone 133 (sm_90
-                    # compile, session 49); the cap keeps the copies within 128 whatever ptxas picks
+MASK_SLICE = 512   # KIVI's and InnerQ's launches with a bool mask: each program checks its slice's mask bytes, this
+                   # many a step, and runs a copy of its tile loop built without the mask where they allow it all
+                   # (`_kivi_decode_kernel` MOK; 0: one loop, the mask read per tile). Session 43 predicated the
+                   # tiles' loads off instead (one copy): slower (`bench/debug/mask_slice_tried.patch`)
 LUT_NO_MASK_AS_BOOL = True   # without a mask and without outliers, run the bool-mask build (MASK_KIND 3: its mask
                    # load predicated off): ptxas schedules the no-mask build of `_lut_decode_kernel` slower (kvquant-4
                    # 177.2 against 138.9 us at (32, 4096), bit-equal output; with outliers (kvquant-4-1%) the two
@@ -2934,16 +2916,6 @@ def _ring_device(query, use_tma: bool | None) -> bool:
     return bool(use_tma and HAVE_TMA and torch.cuda.get_device_capability(query.device) >= (9, 0))
 
 
-def _mask_slice(mask_kind: int) -> int:
-    """MOK of a launch (`MASK_SLICE` with a bool mask, else 0), checked."""
-    if mask_kind != 1 or not MASK_SLICE:
-        return 0
-    if MASK_SLICE < 32 or MASK_SLICE & (MASK_SLICE - 1):
-        raise ValueError(f"MASK_SLICE must be 0 or a power of two >= 32 (bytes a step, a whole number a lane), not "
-                         f"{MASK_SLICE}")
-    return MASK_SLICE
-
-
 def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int, m_buf, l_buf, acc_buf,
           scale: float, T: int, ng_k: int, nsplit: int, nwin: int, H: int, rep: int, sink: int, recent: int,
           tpg_v: int, kbits: int, vbits: int, kind: str, use_tma: bool | None, phase: int, temp, rope,
@@ -2957,7 +2929,7 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
             query, query.stride(0), query.stride(1), kp["codes"], kp["half"], vp["codes"], vp["half"], positions,
             amask, smb, m_buf, l_buf, acc_buf, float(scale), T, nsplit), dict(
             H=H, REP=rep, S=sink, R=recent, MASK_KIND=mask_kind, IS_BF16=bf16, BT=SYM8_BT, NWIN=nwin, PDL=pdl,
-            MOK=_mask_slice(mask_kind), num_warps=1, maxnreg=SYM8_MAXNREG)
+            num_warps=1)
     if kind == "lut":  # kvquant; rope = (cos, sin) tables [B, T, 128] or None
         cos, sin = rope if rope is not None else (query, query)
         if mask_kind == 0 and LUT_NO_MASK_AS_BOOL and tuple(nout) == (0, 0):
@@ -2990,6 +2962,9 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
             **({"maxnreg": POST_MAXNREG[phase]} if win and POST_MAXNREG.get(phase) else {}))
     if kind not in ("kivi", "inner") or phase:
         raise ValueError(f"no Gluon launch for layout {kind!r} with calibrated-softmax phase {phase}")
+    if mask_kind == 1 and MASK_SLICE and (MASK_SLICE < 32 or MASK_SLICE & (MASK_SLICE - 1)):
+        raise ValueError(f"MASK_SLICE must be 0 or a power of two >= 32 (bytes a step, a whole number a lane), not "
+                         f"{MASK_SLICE}")
     stores = [kp["codes"], kp["cen"], kp["half"], vp["codes"], vp["cen"], vp["half"]]
     extra = [query, kp["half"], kp["cen"]]   # KNORM: InnerQ's only; KHROWS, KCROWS
     if kind == "inner":  # ng_k: the Values' group rows; hybrid: the spacing of symmetric levels
@@ -3006,7 +2981,7 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
             H=H, REP=rep, S=sink, R=recent, TPG_K=1, TPG_V=32, MASK_KIND=mask_kind, IS_BF16=bf16, BT=KIVI_BT,
             KBITS=kbits, VBITS=vbits, KA_HI=ka_hi, KA_LO=ka_lo, VA_HI=va_hi, VA_LO=va_lo, NWIN=nwin, TMA=tma_on,
             NST=NSTAGES, PDL=pdl, INNER=True, KHYB=khyb, VHYB=vhyb, NORM=norm, WL=WIDEN_IN_LANES,
-            WT=WHOLE_TILES and whole_tiles(recent, 1, 32, KIVI_BT), MOK=_mask_slice(mask_kind),
+            WT=WHOLE_TILES and whole_tiles(recent, 1, 32, KIVI_BT), MOK=MASK_SLICE if mask_kind == 1 else 0,
             **_trace_kw(trace), num_warps=1)
     ka_hi, ka_lo = split_scale(2.0 / (2 ** kbits - 1), bf16)
     va_hi, va_lo = split_scale(2.0 / (2 ** vbits - 1), bf16)
@@ -3025,7 +3000,7 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
         IS_BF16=bf16, BT=KIVI_BT, KBITS=kbits, VBITS=vbits, KA_HI=ka_hi, KA_LO=ka_lo, VA_HI=va_hi, VA_LO=va_lo,
         NWIN=nwin, TMA=use_tma, NST=NSTAGES, PDL=pdl, KPOST=KEY_POST, QZROWS=qz, QZ_N=QZ_N,
         VZ=VALUE_ZERO_APART and bf16, WL=WIDEN_IN_LANES, WT=wt, TPS=tps,
-        KSUB=BF16_SUBNORMAL_KEYS and KEY_POST and bf16, KSW=SUB_WINDOW, **pair, **fold, MOK=_mask_slice(mask_kind),
+        KSUB=BF16_SUBNORMAL_KEYS and KEY_POST and bf16, KSW=SUB_WINDOW, **pair, **fold, MOK=MASK_SLICE if mask_kind == 1 else 0,
         **_trace_kw(trace), num_warps=1)
 
 
@@ -3148,7 +3123,7 @@ def resident_programs(query, kp: dict, vp: dict, positions, amask, smb: int, mas
     key = (kind, inner_flags(kp, vp) if kind == "inner" else None, dev.index, query.dtype, amask.dtype, mask_kind, kbits, vbits, H, rep, sink, recent, tpg_v, nwin,
            tma, NSTAGES, phase, rope is not None, tuple(nout), LUT_BT, LUT_MAXNREG, LUT_NO_MASK_AS_BOOL, SYM8_BT, KIVI_BT, pdl,
            KEY_POST, QZ_ROWS, QZ_N, VALUE_ZERO_APART, WIDEN_IN_LANES, WHOLE_TILES, tuple(sorted(RING_TILES.items())), PAIR_SOFTMAX, BF16_SUBNORMAL_KEYS, SUB_WINDOW, VALUE_FOLD, VALUE_FOLD_BITS, tuple(sorted(VF_SWIZZLE.items())), None if exact is None else tuple(exact[s]["ring"].shape[2] for s in ("k", "v")),
-           tuple(sorted(POST_MAXNREG.items())), tuple(sorted(POST_WCOST.items())), MASK_SLICE, SYM8_MAXNREG)
+           tuple(sorted(POST_MAXNREG.items())), tuple(sorted(POST_WCOST.items())), MASK_SLICE)
     if key not in _RESIDENT:
         one = torch.empty(1, dtype=torch.float32, device=dev)   # stand-ins: partial buffers, temperatures, logits
         props = torch.cuda.get_device_properties(dev)

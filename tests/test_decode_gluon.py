@@ -664,26 +664,16 @@ MOK_SCRIPT = textwrap.dedent('''
         b = compile_sm90(dag._kivi_decode_kernel, sig, dict(cx, MOK=mok), (0, 4, 5, 7, 8, 12, 13, 14))
         out.append(("innerq-2", mok, b.regs, b.stack + b.local, dag.programs_per_sm(b.regs, b.shared, (9, 0)),
                     tile_loops(b.sass)))
-    sym8 = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KHALF=ty, VC="*i32", VHALF=ty, POS="*i64",
-                AMASK="*i1", stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32", OUT_ACC="*fp32", scale="fp32", T="i32",
-                NSPLIT="i32")
-    cx = dict(H=8, REP=4, S=0, R=0, MASK_KIND=1, IS_BF16=True, BT=dag.SYM8_BT, NWIN=1, PDL=True)
-    for mok in (0, dag.MASK_SLICE):   # int8 (plain loads), under its cap as `_plan` builds it
-        b = compile_sm90(dag._sym8_decode_kernel, sym8, dict(cx, MOK=mok), (0, 3, 4, 5, 6, 10, 11, 12),
-                         maxnreg=dag.SYM8_MAXNREG)
-        out.append(("int8", mok, b.regs, b.stack + b.local, dag.programs_per_sm(b.regs, b.shared, (9, 0)),
-                    tile_loops(b.sass)))
     print(out)
 ''')
 
 
 @pytest.mark.skipif(not dag.HAVE_GLUON or not dag.HAVE_TMA, reason="triton without Gluon's TMA")
 def test_maskless_loop_copy_compiles_for_sm90():
-    """`MASK_SLICE` (MOK): kivi-2's, kivi-4's and innerq-2's ring builds and int8's plain-load build with a bool
-    mask hold two tile loops, the first (the copy without the mask) shorter than the second, which is as long as the
-    one loop of the build without MOK (within 6%: kivi-4 642 against 666 instructions, its registers 153 against
-    168, session 48; int8 535 / 553 against 553, session 49); no spills, and no fewer programs per SM than without
-    MOK (offline sm_90, bf16)."""
+    """`MASK_SLICE` (MOK): kivi-2's, kivi-4's and innerq-2's ring builds with a bool mask hold two tile loops, the
+    first (the copy without the mask) shorter than the second, which is as long as the one loop of the build
+    without MOK (within 6%: kivi-4 642 against 666 instructions, its registers 153 against 168, session 48); no
+    spills, and no fewer programs per SM than without MOK (offline sm_90, bf16)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__)] + [p for p in [env.get("PYTHONPATH")] if p])
     r = subprocess.run([sys.executable, "-c", MOK_SCRIPT], env=env, capture_output=True, text=True, timeout=900)
@@ -1587,9 +1577,9 @@ def test_whole_tiles_bit_equal_on_gpu(dtype, layout, case, tma, num_splits, monk
 
 @RING_GPU
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("layout", ["kivi-2", "kivi-4", "k1v1", "innerq-2", "int8"])
+@pytest.mark.parametrize("layout", ["kivi-2", "kivi-4", "k1v1", "innerq-2"])
 def test_maskless_loop_where_the_slice_is_allowed_on_gpu(dtype, layout, monkeypatch):
-    """`MASK_SLICE` (KIVI's, InnerQ's and int8's launches, bool mask): a program whose slice the mask row allows whole runs a
+    """`MASK_SLICE` (KIVI's and InnerQ's launches, bool mask): a program whose slice the mask row allows whole runs a
     copy of its tile loop built without the mask, the others the masked copy. Against one loop (MASK_SLICE 0) and
     the reference, for masks that allow everything (every program maskless), that mask a run of 32 positions inside
     the quantized region of each row (its programs masked, the rest maskless), that left-pad one row (its first 37
@@ -1639,8 +1629,7 @@ def test_maskless_loop_where_the_slice_is_allowed_on_gpu(dtype, layout, monkeypa
                 outs.append(da.decode_attention(q, bufs, k, v, p, am, 128 ** -0.5, False, cfg, lay.spec, ms.geo,
                                                 gluon=True, num_splits=ns).float())
                 assert built and all(b == step for b in built), built
-                kernel = "_sym8_decode_kernel" if layout == "int8" else "_kivi_decode_kernel"
-                assert kernel in str(getattr(da.LAST_KERNELS["main"], "name", da.LAST_KERNELS["main"]))
+                assert "_kivi_decode_kernel" in str(getattr(da.LAST_KERNELS["main"], "name", da.LAST_KERNELS["main"]))
             for out in outs[1:]:
                 err = (outs[0] - out).abs().amax().item()
                 assert err <= frac * outs[0].abs().amax().item(), (ns, tma, err)
