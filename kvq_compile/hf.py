@@ -179,10 +179,21 @@ class KVQLayer(CacheLayerMixin):
                 stored_key, stored_value, cos, sin = self.seat_rows(attention_mask, positions, stored_key,
                                                                     stored_value, cos, sin, quantized)
                 slot_mask = st.seated_mask(attention_mask, self.seats)   # (seated where seat_rows set the seats)
-            elif quantized:
-                stored_key, stored_value = st.neutralize_pads(attention_mask, positions, stored_key, value)
-        # a chunk: which slots its last query attends (slot order), for the first-chunk statistics (`append_side`)
-        attended = (st.attended_slots(slot_mask) if quantized else None,) if query.shape[2] > 1 else ()
+            else:
+                if sink and attention_mask.dim() == 4 and attention_mask.shape[-1] == self.seat_buffer.shape[1]:
+                    # an eager later chunk: rows whose real tokens start in it take the sink
+                    # (`store.seat_fresh_rows`); this chunk's mask is read as before
+                    read = st.seat_fresh_rows(self.seat_buffer, attention_mask, int(positions[0]),
+                                              positions.shape[0], self.store.cfg.sink)
+                    if self.seats is not None or not torch.equal(read, self.seat_buffer):
+                        mask = slot_mask = st.seated_mask(attention_mask, read)
+                        self.seats = self.seat_buffer
+                if quantized:
+                    stored_key, stored_value = st.neutralize_pads(attention_mask, positions, stored_key, value)
+            # a chunk: which slots its last query attends (slot order), for the first-chunk statistics and the
+            # sink of rows whose real tokens start in it (`append_side`, `store.fresh_sink`)
+        attended = (st.attended_slots(slot_mask) if quantized or self.store.cfg.sink else None,) \
+            if query.shape[2] > 1 else ()
         append(self.append_tensors, stored_key, stored_value, positions, cos, sin, self.append_layout, *attended)
         return attend(query, self.attend_tensors, key, value, positions, mask, scale, is_causal,
                       self.attend_layout)

@@ -454,6 +454,41 @@ def append(bufs: dict, cfg: KVQConfig, spec: LayerSpec, geo: Geometry, key: torc
         bufs["rope.sin"][:, p0:p0 + n] = sin.to(bufs["rope.sin"].dtype).expand(geo.batch, n, geo.head_dim)
     append_side(_side(bufs, "k"), spec.key, cfg, geo, key, p0, True, slots)
     append_side(_side(bufs, "v"), spec.value, cfg, geo, value, p0, False, slots)
+    fill = fresh_sink(slots, p0, key.shape[2], cfg.sink, geo.batch)
+    if fill is not None:   # rows whose first real tokens come in this chunk: they take the sink (`seat_first_chunk`)
+        for name, x in (("k", key), ("v", value)):
+            b = _side(bufs, name)
+            _fill_rows(b["sink"] if "sink" in b else b["data"], x, *fill)
+        if cos is not None and "rope.cos" in bufs:
+            for name, c in (("rope.cos", cos), ("rope.sin", sin)):
+                _fill_rows(bufs[name][:, None], c.expand(geo.batch, -1, -1)[:, None], *fill)
+
+
+def fresh_sink(slots: torch.Tensor | None, p0: int, n: int, sink: int, batch: int):
+    """A later chunk's rows that take the sink: (src [B, m] the chunk indices of each row's first m = min(sink, n)
+    attended tokens, ok [B, m] where a row is fresh and has that many) or None where no row does. A row is fresh
+    when `slots` ([B or 1, >= p0 + n] bool, `attended_slots` in slot order) attends nothing before p0 and something
+    in the chunk: its first chunks held only left padding, so its sink slots hold pads. Only for chunks at p0 >=
+    sink (an earlier chunk writes the sink in place). Reads on the host whether any row is fresh (a chunk reads p0
+    there anyway)."""
+    if slots is None or sink == 0 or p0 < sink or n < 2 or slots.shape[-1] < p0 + n:
+        return None
+    a = slots[..., p0:p0 + n].expand(batch, n)
+    fresh = a.any(-1) & ~slots[..., :p0].expand(batch, p0).any(-1)
+    if not bool(fresh.any()):
+        return None
+    m = min(sink, n)
+    src = torch.sort((~a).to(torch.uint8), dim=-1, stable=True).indices[:, :m]   # attended tokens first, in order
+    ok = fresh[:, None] & (torch.arange(m, device=a.device) < a.sum(-1, keepdim=True))
+    return src, ok
+
+
+def _fill_rows(buf: torch.Tensor, x: torch.Tensor, src: torch.Tensor, ok: torch.Tensor) -> None:
+    """buf[b, :, j] = x[b, :, src[b, j]] where ok[b, j] (buf, x [B, H, *, D]; `fresh_sink`)."""
+    B, m = src.shape
+    x = x.expand(B, *x.shape[1:])
+    picked = x.gather(2, src[:, None, :, None].expand(B, x.shape[1], m, x.shape[3])).to(buf.dtype)
+    buf[:, :, :m] = torch.where(ok[:, None, :, None], picked, buf[:, :, :m])
 
 
 def read(bufs: dict, cfg: KVQConfig, spec: LayerSpec, head_dim: int, length: int, upto: int):
@@ -638,12 +673,44 @@ def seat_first_chunk(seats: torch.Tensor, attention_mask: torch.Tensor, position
     B, T = seats.shape
     n = positions.shape[0]
     identity = torch.arange(T, device=seats.device).expand(B, T)
-    if int(positions[0]) != 0:
-        return identity[:, :n].clone(), seats.clone()
+    p0 = int(positions[0])
+    if p0 != 0:
+        return identity[:, :n].clone(), seat_fresh_rows(seats, attention_mask, p0, n, sink)
     keep = attended(attention_mask, positions)
     chunk = identity[:, :n].clone() if keep is None else seating(keep.expand(B, n), sink)
     seats.copy_(torch.cat([chunk, identity[:, n:]], -1))
     return chunk, identity.clone()
+
+
+def seat_fresh_rows(seats: torch.Tensor, attention_mask: torch.Tensor, p0: int, n: int, sink: int) -> torch.Tensor:
+    """A later chunk (at p0, n tokens) of rows whose first chunks held only left padding (`fresh_sink`): their sink
+    slots hold pads. Each such row's first m = min(sink, n) real tokens of the chunk take its sink: the append
+    copies them there (`append`, `fresh_sink`), and here slot j and the token's own slot p0 + src[j] trade mask
+    columns in `seats` (in place), so later steps read slot j as that token and its own slot as the pad column j
+    (masked). Returns the seats this chunk's own mask is read through: as before for the other rows, the identity
+    for the fresh ones (their earlier slots all pads). Decided from the mask alone (last query; raw column order,
+    where a fresh row's prefix is all pads in any order), so every layer's call gives the same result. A row with
+    fewer than `sink` real tokens in that chunk keeps pads in the rest of its sink; a chunk at p0 < sink writes
+    the sink in place (not rearranged)."""
+    B, T = seats.shape
+    if attention_mask.dim() != 4 or attention_mask.shape[-1] != T:
+        return seats.clone()
+    raw = attended_slots(attention_mask)
+    fill = fresh_sink(raw, p0, n, sink, B)
+    if fill is None:
+        return seats.clone()
+    src, ok = fill
+    fresh = ok[:, 0]
+    identity = torch.arange(T, device=seats.device).expand(B, T)
+    read = torch.where(fresh[:, None], identity, seats)
+    moved = identity.clone()
+    m = src.shape[1]
+    j = torch.arange(m, device=seats.device).expand(B, m)
+    own = p0 + src
+    moved[:, :m] = torch.where(ok, own, j)
+    moved.scatter_(1, own, torch.where(ok, j, own))
+    seats.copy_(torch.where(fresh[:, None], moved, seats))
+    return read
 
 
 def seated_chunk(keep: torch.Tensor | None, chunk: torch.Tensor | None, key: torch.Tensor, value: torch.Tensor,

@@ -330,3 +330,45 @@ def test_widening_stays_in_the_cache_dtype():
     assert torch.isfinite(chunked.buffers["k.norm"]).all()
     for n in ("k.norm", "k.codes", "k.half", "k.sink"):
         assert torch.equal(chunked.buffers[n], one.buffers[n]), n
+
+
+@pytest.mark.parametrize("name", ["kvquant-4", "innerq-2", "fp16"])
+def test_a_fresh_row_takes_its_sink_from_the_chunk_its_real_tokens_start_in(name):
+    """A later chunk (at 16, 16 tokens) in which row 1 attends its first real tokens (from 21; its first chunk held
+    only pads): `store.append` copies its first `sink` real tokens into its sink (and, Keys stored before RoPE,
+    their RoPE table rows), also after the widening re-append of a config with a recent window (innerq-2) and into
+    the plain slots of unquantized sides (fp16); row 0 (real tokens before the chunk) keeps its sink. And
+    `seat_fresh_rows` trades the same slots' mask columns: row 1 reads slot j as column 21 + j and slot 21 + j as
+    the pad column j, its chunk's own mask read as before (the identity)."""
+    torch.manual_seed(3)
+    cfg = KVQConfig.preset(name)
+    cfg.sink, cfg.recent = 4, min(cfg.recent, 36)   # innerq-2: the chunk at 16 widens (all still exact)
+    B, H, T, D = 2, 2, 48, 64
+    geo = st.Geometry(B, H, T, D, "float32")
+    ms = st.ModelStore(cfg, 1, geo, "cpu")
+    names, tensors = ms.layers[0].append_tensors()
+    bufs = dict(zip(names, tensors))
+    slots = torch.ones(B, T, dtype=torch.bool)
+    slots[1, :21] = False
+    k, v = (torch.randn(B, H, 32, D) for _ in range(2))
+    cos, sin = (torch.randn(1, 32, D) for _ in range(2))
+    for p0 in (0, 16):
+        st.append(bufs, cfg, ms.layers[0].spec, geo, k[:, :, p0:p0 + 16], v[:, :, p0:p0 + 16], p0,
+                  cos[:, p0:p0 + 16], sin[:, p0:p0 + 16], slots[:, :p0 + 16])
+    for side, x in (("k", k), ("v", v)):
+        sink = bufs[f"{side}.sink"] if f"{side}.sink" in bufs else bufs[f"{side}.data"]
+        torch.testing.assert_close(sink[1, :, :4], x[1, :, 21:25], atol=0, rtol=0)
+        torch.testing.assert_close(sink[0, :, :4], x[0, :, :4], atol=0, rtol=0)
+    if cfg.keys_before_rope:
+        for tab, x in (("rope.cos", cos), ("rope.sin", sin)):
+            torch.testing.assert_close(bufs[tab][1, :4], x[0, 21:25], atol=0, rtol=0)
+            torch.testing.assert_close(bufs[tab][0, :4], x[0, :4], atol=0, rtol=0)
+    seats = ms.seats.clone()
+    read = st.seat_fresh_rows(seats, slots[:, None, None, :], 16, 16, cfg.sink)
+    assert torch.equal(read, torch.arange(T).expand(B, T))
+    want = torch.arange(T).expand(B, T).clone()
+    want[1, :4], want[1, 21:25] = torch.arange(21, 25), torch.arange(4)
+    assert torch.equal(seats, want)
+    again = seats.clone()   # every layer calls it: the same result from the swapped seats
+    assert torch.equal(st.seat_fresh_rows(again, slots[:, None, None, :], 16, 16, cfg.sink), read)
+    assert torch.equal(again, want)
