@@ -58,8 +58,9 @@ class KVQLayer(CacheLayerMixin):
         self.append_beside = append_beside and rotary is None and st.attention_independent(layer.cfg)
         self.cumulative_length = torch.zeros((), dtype=torch.int64, device=device)
         self.pending: torch.Tensor | None = None
-        # the store's [B, T] slot -> token buffer (`ModelStore.seats`, shared by the layers, one address: CUDA graphs
-        # keep it), read by later masks once an eager first chunk with masked tokens seated its rows (`seat_rows`)
+        # the store's [B, T] slot -> mask column buffer (`ModelStore.seats`, shared by the layers, one address: CUDA
+        # graphs keep it), read by later masks once an eager first chunk with masked tokens seated its rows
+        # (`seat_rows`) or a later chunk gave a row whose real tokens start in it its sink (`store.seat_fresh_rows`)
         self.seat_buffer = seats
         self.seats: torch.Tensor | None = None
         self.append_names, self.append_tensors = layer.append_tensors()

@@ -20,8 +20,9 @@ of these same ops.
         (a seated first chunk's seated), for its first-chunk statistics (`store.append_side`: static ranges over the
         real tokens alone, widened while the prefix is exact, taken again by rows that saw only pads).
     kvq::seat_chunk(seats!, attn_mask, positions, sink) -> (chunk [B, n], read [B, T]): a left-padded first
-        chunk's seating for configs with a sink (`store.seat_first_chunk`): once per chunk graph of the rewrite,
-        once per layer in KVQCache's compiled chunks.
+        chunk's seating for configs with a sink, and a later chunk's for rows whose real tokens start in it (their
+        sink, `store.seat_first_chunk`, `store.seat_fresh_rows`): once per chunk graph of the rewrite, once per
+        layer in KVQCache's compiled chunks.
     kvq::append_attend(query [B,Hq,1,D], store!, key, value, positions [1], attn_mask?, scale, is_causal, layout)
         -> [B,Hq,1,D]: one decode step of a layer, kvq::append then kvq::attend, as one op so that its CUDA kernel
         may launch the append beside the attention (`decode_attention`'s append) where the attention reads
@@ -89,8 +90,9 @@ def _append_chunk_fake(store, key, value, positions, cos, sin, layout, attended=
 def seat_chunk(seats: torch.Tensor, attn_mask: torch.Tensor, positions: torch.Tensor,
                sink: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A compiled chunk's seating (`store.seat_first_chunk`): (the chunk's slot -> token [B, n], the seats its mask
-    is read through [B, T]); a first chunk writes the store's seats. The rewrite emits it once per chunk graph of a
-    config with a sink, KVQCache's compiled chunks once per layer."""
+    is read through [B, T]); a first chunk writes the store's seats, a later chunk those of rows whose real tokens
+    start in it. The rewrite emits it once per chunk graph of a config with a sink, KVQCache's compiled chunks once
+    per layer."""
     return st.seat_first_chunk(seats, attn_mask, positions, sink)
 
 

@@ -233,8 +233,10 @@ class ModelStore:
         self.rope = {}
         if cfg.keys_before_rope:
             self.rope = {n: torch.zeros(s, dtype=dt, device=device) for n, (s, dt) in rope_table_shapes(geo).items()}
-        # slot -> token order of each row's first (absorbed) prefix, identity after it (`seating`; the backend's
-        # graphs read their masks through it): configs with a sink only; B x T int64, not counted in `nbytes`
+        # slot -> mask column of each row: its first (absorbed) prefix seated (`seating`), the identity after it,
+        # and the sink slots of rows whose real tokens started in a later chunk traded with those tokens' slots
+        # (`seat_fresh_rows`); every step's mask is read through it (`seated_mask`). Configs with a sink only; B x T
+        # int64, not counted in `nbytes`
         self.seats = None
         if cfg.sink > 0:
             self.seats = torch.arange(geo.max_len, device=device).expand(geo.batch, -1).clone()
@@ -669,7 +671,9 @@ def seat_first_chunk(seats: torch.Tensor, attention_mask: torch.Tensor, position
     read their masks through it, and what a previous sequence left there is gone; the chunk's own mask is read
     unseated (its attention takes the chunk's K/V as they come), its append's slots seated by `chunk` (`seated_mask`:
     the append stores the chunk seated). A later chunk: the identity within it, and the prefix's columns through
-    `seats`. Reads its start position on the host (chunks do: `ops.chunk_ops`)."""
+    `seats`, except that rows whose real tokens start in it take the sink (`seat_fresh_rows`: their seats change,
+    this chunk's mask is read through the identity for them). Reads its start position on the host (chunks do:
+    `ops.chunk_ops`)."""
     B, T = seats.shape
     n = positions.shape[0]
     identity = torch.arange(T, device=seats.device).expand(B, T)
@@ -734,8 +738,8 @@ def seated_chunk(keep: torch.Tensor | None, chunk: torch.Tensor | None, key: tor
 
 
 def seated_mask(mask: torch.Tensor | None, seats: torch.Tensor | None) -> torch.Tensor | None:
-    """mask [B or 1, 1 or Hq, q, T] with its first n columns in `seats`' ([B, n]) order; None or another shape:
-    unchanged."""
+    """mask [B or 1, 1 or Hq, q, T] with its first n columns in `seats`' ([B, n]) order: slot s reads column
+    seats[b, s] (`ModelStore.seats`); None or another shape: unchanged."""
     if seats is None or mask is None or mask.dim() != 4:
         return mask
     B, n = seats.shape

@@ -398,6 +398,36 @@ def test_a_row_whose_real_tokens_start_after_its_first_chunk_takes_the_sink(name
             torch.testing.assert_close(b[0], a[0], atol=coded, rtol=0)
 
 
+def test_rows_that_took_their_sink_attend_as_an_exact_cache():
+    """fp16 (nothing quantized) with a 4-token sink, four rows padded by 0, 11, 14 and 19 in 8-token chunks: rows
+    whose real tokens start in the second or third chunk take their sink there (`store.seat_fresh_rows`), a row
+    with fewer real tokens in that chunk than the sink only partly. Every prefill and decode logit equals HF's
+    static cache (within 1e-5): the chunk's own attention reads the pre-swap seats, later chunks and decode steps
+    the swapped ones, so no real token is read twice or read as a pad (the review's case; an exact cache cannot
+    show what the sink buys, the int8 test above does). KVQCache eager and compiled, kvq_backend's chunk graphs."""
+    from transformers import StaticCache
+
+    model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=2).to(DEVICE)
+    cfg = KVQConfig.preset("fp16")
+    cfg.sink = 4
+    ids, mask = (t.to(DEVICE) for t in prompts(4, 24, pad=(0, 11, 14, 19), seed=6))
+    tol = 1e-5 if DEVICE == "cpu" else 1e-4
+    kw = dict(attention_mask=mask, max_new_tokens=6, **GEN)
+    want = model.generate(ids, cache_implementation="static", disable_compile=True, **kw).logits
+    for how in ("eager", "compiled", "backend"):
+        torch._dynamo.reset()
+        if how == "backend":
+            static = StaticCache(config=model.config, max_cache_len=32)
+            static.early_initialization(4, 1, 64, torch.float32, DEVICE)
+            run = dict(past_key_values=static, compile_config=compile_config(kvq_backend(cfg)))
+        else:
+            run = dict(past_key_values=KVQCache(model, cfg, batch_size=4, max_cache_len=32))
+            run.update(compile_config=_compiled()) if how == "compiled" else run.update(disable_compile=True)
+        got = model.generate(ids, prefill_chunk_size=8, **run, **kw).logits
+        for a, b in zip(want, got):
+            torch.testing.assert_close(b, a, atol=tol, rtol=tol)
+
+
 def test_padded_rows_sink_holds_their_first_tokens():
     """An eager prefill with left padding seats each row's real tokens first (`KVQLayer.seat_rows`): a padded row's
     sink holds its first real tokens (before session 44: pads); later steps read the mask in the same order."""
