@@ -334,8 +334,7 @@ def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: tor
         return
     fresh = None
     if p0 > 0 and a is not None and firsts:
-        fresh = a[..., p0:p0 + n].any(-1) & ~a[..., :p0].any(-1)
-        fresh = fresh.expand(geo.batch) if bool(fresh.any()) else None   # (a chunk reads p0 on the host anyway)
+        fresh = fresh_rows(a, p0, n, geo.batch)
     first = max(S - p0, 0)   # statistics skip the exact sink tokens when there are others
     first = first if n > first else 0
     body = x[:, :, first:]
@@ -466,6 +465,14 @@ def append(bufs: dict, cfg: KVQConfig, spec: LayerSpec, geo: Geometry, key: torc
                 _fill_rows(bufs[name][:, None], c.expand(geo.batch, -1, -1)[:, None], *fill)
 
 
+def fresh_rows(slots: torch.Tensor, p0: int, n: int, batch: int) -> torch.Tensor | None:
+    """[batch] bool: the rows that `slots` ([B or 1, >= p0 + n] bool, slot order) shows attending nothing before p0
+    and something in the chunk [p0, p0 + n) (their first chunks held only left padding); None where no row does
+    (read on the host: a chunk reads p0 there anyway)."""
+    fresh = slots[..., p0:p0 + n].any(-1) & ~slots[..., :p0].any(-1)
+    return fresh.expand(batch) if bool(fresh.any()) else None
+
+
 def fresh_sink(slots: torch.Tensor | None, p0: int, n: int, sink: int, batch: int):
     """A later chunk's rows that take the sink: (src [B, m] the chunk indices of each row's first m = min(sink, n)
     attended tokens, ok [B, m] where a row is fresh and has that many) or None where no row does. A row is fresh
@@ -475,10 +482,10 @@ def fresh_sink(slots: torch.Tensor | None, p0: int, n: int, sink: int, batch: in
     there anyway)."""
     if slots is None or sink == 0 or p0 < sink or n < 2 or slots.shape[-1] < p0 + n:
         return None
-    a = slots[..., p0:p0 + n].expand(batch, n)
-    fresh = a.any(-1) & ~slots[..., :p0].expand(batch, p0).any(-1)
-    if not bool(fresh.any()):
+    fresh = fresh_rows(slots, p0, n, batch)
+    if fresh is None:
         return None
+    a = slots[..., p0:p0 + n].expand(batch, n)
     m = min(sink, n)
     src = torch.sort((~a).to(torch.uint8), dim=-1, stable=True).indices[:, :m]   # attended tokens first, in order
     ok = fresh[:, None] & (torch.arange(m, device=a.device) < a.sum(-1, keepdim=True))
