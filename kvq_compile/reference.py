@@ -152,16 +152,22 @@ def outliers_per_token(spec: QuantizerSpec, head_dim: int) -> int:
     return max(1, round(spec.outlier_fraction * head_dim))
 
 
+def _extent(xg: torch.Tensor, valid: torch.Tensor | None):
+    """(max, min) [..., 1] over the last dim of the members where valid is not False; (0, 0) for a group without
+    valid members (see _range for groups holding inf or NaN)."""
+    hi = xg if valid is None else torch.where(valid, xg, -math.inf)
+    lo = xg if valid is None else torch.where(valid, xg, math.inf)
+    mx, mn = hi.amax(-1, keepdim=True), lo.amin(-1, keepdim=True)
+    empty = ~torch.isfinite(mx)
+    return torch.where(empty, 0.0, mx), torch.where(empty, 0.0, mn)
+
+
 def _range(xg: torch.Tensor, symmetric: bool, valid: torch.Tensor | None):
     """(center, half) over the last dim, ignoring members where valid is False; (0, 0) for a group without valid
     members. A group holding inf or NaN has no defined quantization: here its max is not finite and it is taken as
     empty too, while the Triton append (`templates/quantize_append.py`) takes the range its max and min give (an
     inf stays in it; the GPU's max and min skip NaN). Tests compare only groups whose members are finite."""
-    hi = xg if valid is None else torch.where(valid, xg, -math.inf)
-    lo = xg if valid is None else torch.where(valid, xg, math.inf)
-    mx, mn = hi.amax(-1, keepdim=True), lo.amin(-1, keepdim=True)
-    empty = ~torch.isfinite(mx)
-    mx, mn = torch.where(empty, 0.0, mx), torch.where(empty, 0.0, mn)
+    mx, mn = _extent(xg, valid)
     if symmetric:
         return torch.zeros_like(mx), torch.maximum(mx.abs(), mn.abs())
     return (mx + mn) / 2, (mx - mn) / 2
@@ -212,23 +218,28 @@ def static_channel_range(x: torch.Tensor, spec: QuantizerSpec, storage_dtype: to
 def select_outliers(xf: torch.Tensor, spec: QuantizerSpec, static_range=None):
     """KVQuant's dense-and-sparse outliers of a float32 block [..., T, D]: (index [..., T, k], valid
     [..., T, D] with False at the outliers), or (None, None) without outliers. Per token vector, the k entries
-    farthest from their range's center in units of its half-width (ties: the lower channel first): the static
-    per-channel range when given, else the full (outliers included) range of their group."""
+    farthest from their range's center in units of its half-width: the static per-channel range (c, h) when
+    given, scored |x - c| / h, else the full (outliers included) range [mn, mx] of their group, scored
+    max(x - mn, mx - x) / (mx - mn), which orders as |x - c| / h does ((1 + |x - c| / h) / 2) and scores a group's
+    max and min exactly 1 both (|x - c| / h leaves them an ulp apart as c rounds, so eager and compiled K, 1e-7
+    apart, chose opposite extremes: session 49). Ties go to the larger |x|, then the lower channel; NaN scores
+    come first, the lower channel first among them."""
     k = outliers_per_token(spec, xf.shape[-1])
     if not k:
         return None, None
     if static_range is not None:
         c0, h0 = (s.float() for s in static_range)
+        score = (xf - c0).abs() / h0.clamp_min(EPS)
     else:
         xg = to_groups(xf, spec)
-        cg, hg = _range(xg, False, None)
-        c0 = from_groups(cg.expand(xg.shape), spec, xf.shape)
-        h0 = from_groups(hg.expand(xg.shape), spec, xf.shape)
-    score = (xf - c0).abs() / h0.clamp_min(EPS)
-    # the k largest, ties to the lower channel (a token's max and min often score exactly 1): a stable sort,
-    # not topk, whose tie order is the implementation's (CPU and CUDA differ; the Triton append takes the lowest
-    # channel among the highest scores, k times)
-    idx = score.sort(dim=-1, descending=True, stable=True).indices[..., :k]  # [..., T, k]
+        mx, mn = (from_groups(m.expand(xg.shape), spec, xf.shape) for m in _extent(xg, None))
+        score = torch.maximum(xf - mn, mx - xf) / (mx - mn).clamp_min(2 * EPS)
+    # the k largest by (score, |x|, -channel): stable sorts, not topk, whose tie order is the implementation's
+    # (CPU and CUDA differ); the Triton append takes the lowest channel among the largest |x| among the highest
+    # scores, k times
+    by_mag = torch.where(score.isnan(), 0.0, xf.abs()).sort(dim=-1, descending=True, stable=True).indices
+    order = score.gather(-1, by_mag).sort(dim=-1, descending=True, stable=True).indices[..., :k]
+    idx = by_mag.gather(-1, order)  # [..., T, k]
     return idx, torch.ones_like(xf, dtype=torch.bool).scatter(-1, idx, False)
 
 

@@ -13,8 +13,9 @@ token x = chunk[b, h, 0] at device position p0 and the side's fill boundary Q(L)
                        EAGER: single-token groups, x itself): the group of G tokens at [C(p0), C(p0) + G) (the
                        ring's slots, x at p0) is quantized, x_g = tokens.to(dtype) / norm:
         outliers       per token, the NOUT channels farthest from their range's center in units of its
-                       half-width (static range, else the group's full asymmetric range), kept exact; ties to
-                       the lower channel, NaN scores first (the reference's stable descending sort)
+                       half-width (static range (c, h): |x - c| / h; else the group's full range [mn, mx]:
+                       max(x - mn, mx - x) / (mx - mn), its max and min exactly 1), kept exact; ties to the
+                       larger |x|, then the lower channel, NaN scores first (the reference's stable sorts)
         range          per group over the other members: asymmetric (c, h) = ((max + min) / 2, (max - min) / 2),
                        symmetric (0, max |x|); h *= 1 - 2 eta; both rounded to the cache dtype
         hybrid         symmetric B-bit vs asymmetric (B-1)-bit by the group's L1 error, symmetric only when
@@ -127,13 +128,18 @@ def _reduce(v, grp, OP: tl.constexpr, AXIS: tl.constexpr, NGRP: tl.constexpr, RS
 
 
 @triton.jit
-def _range(x, valid, grp, SYMMETRIC: tl.constexpr, AXIS: tl.constexpr, NGRP: tl.constexpr, RS: tl.constexpr = False):
-    """(center, half) of each group over its valid members (reference._range; 0, 0 for an empty group)."""
+def _extent(x, valid, grp, AXIS: tl.constexpr, NGRP: tl.constexpr, RS: tl.constexpr = False):
+    """(max, min) of each group over its valid members (reference._extent; 0, 0 for an empty group)."""
     mx = _reduce(tl.where(valid, x, float("-inf")), grp, 0, AXIS, NGRP, RS)
     mn = _reduce(tl.where(valid, x, float("inf")), grp, 1, AXIS, NGRP, RS)
     empty = mx == float("-inf")
-    mx = tl.where(empty, 0.0, mx)
-    mn = tl.where(empty, 0.0, mn)
+    return tl.where(empty, 0.0, mx), tl.where(empty, 0.0, mn)
+
+
+@triton.jit
+def _range(x, valid, grp, SYMMETRIC: tl.constexpr, AXIS: tl.constexpr, NGRP: tl.constexpr, RS: tl.constexpr = False):
+    """(center, half) of each group over its valid members (reference._range; 0, 0 for an empty group)."""
+    mx, mn = _extent(x, valid, grp, AXIS, NGRP, RS)
     if SYMMETRIC:
         return tl.zeros(mx.shape, tl.float32), tl.maximum(tl.abs(mx), tl.abs(mn))
     return (mx + mn) / 2, (mx - mn) / 2
@@ -303,20 +309,24 @@ def _append_side(X, stride_xb, stride_xh, DATA, CODES, CEN, HALF, OVAL, OIDX, SI
         valid = emask
         if NOUT > 0:
             if STATIC:
-                c0, h0 = scen, shalf
-            else:
-                c0, h0 = _range(xg, emask, grp, False, AXIS, NGRP, RS)
-            score = tl.where(emask, tl.math.div_rn(tl.abs(xg - c0), tl.maximum(h0, EPS)), -1.0)
+                score = tl.math.div_rn(tl.abs(xg - scen), tl.maximum(shalf, EPS))
+            else:  # the reference's max(x - mn, mx - x) / (mx - mn): a group's max and min score exactly 1
+                mx, mn = _extent(xg, emask, grp, AXIS, NGRP, RS)
+                score = tl.math.div_rn(tl.maximum(xg - mn, mx - xg), tl.maximum(mx - mn, 2 * EPS))
+            score = tl.where(emask, score, -1.0)
+            mag = tl.abs(xg)
             dfull = gt * 0 + tl.where(ev, dch, D)  # [GP, WP, CP]; D marks the slots past a word's codes
             for k in tl.static_range(NOUT):
-                # the highest score of each token, ties to the lowest channel, NaN above all (the reference's
-                # stable descending sort), by a max and a min over the slots; not argmax over the scores
-                # reshaped to [GP, WP * CP], which picked repeated and out-of-range channels on an H200 with the
-                # [tokens, words, codes] ring load (RING_VEC 0, session 40)
+                # the highest score of each token, ties to the larger |x|, then the lowest channel, NaN above all
+                # (the reference's stable descending sorts), by maxima and a min over the slots; not argmax over
+                # the scores reshaped to [GP, WP * CP], which picked repeated and out-of-range channels on an H200
+                # with the [tokens, words, codes] ring load (RING_VEC 0, session 40)
                 nan = score != score
                 any_nan = tl.max(tl.max(nan.to(tl.int32), 2), 1) > 0  # [GP]
                 best = tl.max(tl.max(tl.where(nan, -1.0, score), 2), 1)  # [GP]
-                top = tl.where(any_nan[:, None, None], nan, score == best[:, None, None])
+                top = score == best[:, None, None]
+                big = tl.max(tl.max(tl.where(top, mag, -1.0), 2), 1)  # [GP]
+                top = tl.where(any_nan[:, None, None], nan, top & (mag == big[:, None, None]))
                 f = tl.min(tl.min(tl.where(top, dfull, D), 2), 1)  # [GP]
                 chosen = dfull == f[:, None, None]
                 # the chosen value's bits (a float sum over the other slots' zeros would turn -0.0 into +0.0)
