@@ -60,7 +60,7 @@ class KVQLayer(CacheLayerMixin):
         self.pending: torch.Tensor | None = None
         # the store's [B, T] slot -> mask column buffer (`ModelStore.seats`, shared by the layers, one address: CUDA
         # graphs keep it), read by later masks once an eager first chunk with masked tokens seated its rows
-        # (`seat_rows`) or a later chunk gave a row whose real tokens start in it its sink (`store.seat_fresh_rows`)
+        # (`seat_rows`) or a later chunk filled a row's sink where it held pads (`store.seat_fresh_rows`)
         self.seat_buffer = seats
         self.seats: torch.Tensor | None = None
         self.append_names, self.append_tensors = layer.append_tensors()
@@ -182,7 +182,7 @@ class KVQLayer(CacheLayerMixin):
                 slot_mask = st.seated_mask(attention_mask, self.seats)   # (seated where seat_rows set the seats)
             else:
                 if sink and attention_mask.dim() == 4 and attention_mask.shape[-1] == self.seat_buffer.shape[1]:
-                    # an eager later chunk: rows whose real tokens start in it take the sink
+                    # an eager later chunk: rows whose sink holds pads take its first real tokens there
                     # (`store.seat_fresh_rows`); this chunk's mask is read as before
                     read = st.seat_fresh_rows(self.seat_buffer, attention_mask, int(positions[0]),
                                               positions.shape[0], self.store.cfg.sink)
@@ -192,7 +192,7 @@ class KVQLayer(CacheLayerMixin):
                 if quantized:
                     stored_key, stored_value = st.neutralize_pads(attention_mask, positions, stored_key, value)
             # a chunk: which slots its last query attends (slot order), for the first-chunk statistics and the
-            # sink of rows whose real tokens start in it (`append_side`, `store.fresh_sink`)
+            # sink slots of rows that held pads there (`append_side`, `store.sink_fill`)
         attended = (st.attended_slots(slot_mask) if quantized or self.store.cfg.sink else None,) \
             if query.shape[2] > 1 else ()
         append(self.append_tensors, stored_key, stored_value, positions, cos, sin, self.append_layout, *attended)

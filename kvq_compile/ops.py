@@ -20,7 +20,7 @@ of these same ops.
         (a seated first chunk's seated), for its first-chunk statistics (`store.append_side`: static ranges over the
         real tokens alone, widened while the prefix is exact, taken again by rows that saw only pads).
     kvq::seat_chunk(seats!, attn_mask, positions, sink) -> (chunk [B, n], read [B, T]): a left-padded first
-        chunk's seating for configs with a sink, and a later chunk's for rows whose real tokens start in it (their
+        chunk's seating for configs with a sink, and a later chunk's for rows whose sink holds pads (their
         sink, `store.seat_first_chunk`, `store.seat_fresh_rows`): once per chunk graph of the rewrite, once per
         layer in KVQCache's compiled chunks.
     kvq::append_attend(query [B,Hq,1,D], store!, key, value, positions [1], attn_mask?, scale, is_causal, layout)

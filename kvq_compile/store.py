@@ -455,8 +455,8 @@ def append(bufs: dict, cfg: KVQConfig, spec: LayerSpec, geo: Geometry, key: torc
         bufs["rope.sin"][:, p0:p0 + n] = sin.to(bufs["rope.sin"].dtype).expand(geo.batch, n, geo.head_dim)
     append_side(_side(bufs, "k"), spec.key, cfg, geo, key, p0, True, slots)
     append_side(_side(bufs, "v"), spec.value, cfg, geo, value, p0, False, slots)
-    fill = fresh_sink(slots, p0, key.shape[2], cfg.sink, geo.batch)
-    if fill is not None:   # rows whose first real tokens come in this chunk: they take the sink (`seat_first_chunk`)
+    fill = sink_fill(slots, p0, key.shape[2], cfg.sink, geo.batch)
+    if fill is not None:   # rows whose sink holds pads take the chunk's first real tokens there (`seat_fresh_rows`)
         for name, x in (("k", key), ("v", value)):
             b = _side(bufs, name)
             _fill_rows(b["sink"] if "sink" in b else b["data"], x, *fill)
@@ -473,31 +473,36 @@ def fresh_rows(slots: torch.Tensor, p0: int, n: int, batch: int) -> torch.Tensor
     return fresh.expand(batch) if bool(fresh.any()) else None
 
 
-def fresh_sink(slots: torch.Tensor | None, p0: int, n: int, sink: int, batch: int):
-    """A later chunk's rows that take the sink: (src [B, m] the chunk indices of each row's first m = min(sink, n)
-    attended tokens, ok [B, m] where a row is fresh and has that many) or None where no row does. A row is fresh
-    when `slots` ([B or 1, >= p0 + n] bool, `attended_slots` in slot order) attends nothing before p0 and something
-    in the chunk: its first chunks held only left padding, so its sink slots hold pads. Only for chunks at p0 >=
-    sink (an earlier chunk writes the sink in place). Reads on the host whether any row is fresh (a chunk reads p0
-    there anyway)."""
+def sink_fill(slots: torch.Tensor | None, p0: int, n: int, sink: int, batch: int):
+    """A later chunk's rows whose sink holds pads, which take its first real tokens there: (dst [B, m] sink slots,
+    src [B, m] chunk indices, ok [B, m]; m = min(sink, n)): the k-th sink slot that `slots` ([B or 1, >= p0 + n]
+    bool, `attended_slots` in slot order) shows unattended takes the chunk's k-th attended token, for k below both
+    counts (ok). A sink holds pads where a row's first chunks held fewer than `sink` real tokens (left padding up
+    to or past a chunk boundary: `seating` put that chunk's real tokens first). None where no row takes any. Only
+    for chunks at p0 >= sink (an earlier chunk writes the sink in place) of n >= 2 tokens (a decode step's append
+    is `append_decode`'s). Reads on the host whether any row takes one (a chunk reads p0 there anyway)."""
     if slots is None or sink == 0 or p0 < sink or n < 2 or slots.shape[-1] < p0 + n:
         return None
-    fresh = fresh_rows(slots, p0, n, batch)
-    if fresh is None:
+    s = slots.expand(batch, slots.shape[-1])
+    empty, a = ~s[:, :sink], s[:, p0:p0 + n]
+    if not bool((empty.any(-1) & a.any(-1)).any()):
         return None
-    a = slots[..., p0:p0 + n].expand(batch, n)
     m = min(sink, n)
-    src = torch.sort((~a).to(torch.uint8), dim=-1, stable=True).indices[:, :m]   # attended tokens first, in order
-    ok = fresh[:, None] & (torch.arange(m, device=a.device) < a.sum(-1, keepdim=True))
-    return src, ok
+    # the unattended sink slots first, the attended chunk tokens first, each in order (stable sorts)
+    dst = torch.sort((~empty).to(torch.uint8), dim=-1, stable=True).indices[:, :m]
+    src = torch.sort((~a).to(torch.uint8), dim=-1, stable=True).indices[:, :m]
+    k = torch.arange(m, device=s.device)
+    ok = (k < empty.sum(-1, keepdim=True)) & (k < a.sum(-1, keepdim=True))
+    return dst, src, ok
 
 
-def _fill_rows(buf: torch.Tensor, x: torch.Tensor, src: torch.Tensor, ok: torch.Tensor) -> None:
-    """buf[b, :, j] = x[b, :, src[b, j]] where ok[b, j] (buf, x [B, H, *, D]; `fresh_sink`)."""
+def _fill_rows(buf: torch.Tensor, x: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, ok: torch.Tensor) -> None:
+    """buf[b, :, dst[b, j]] = x[b, :, src[b, j]] where ok[b, j] (buf, x [B, H, *, D]; `sink_fill`)."""
     B, m = src.shape
     x = x.expand(B, *x.shape[1:])
-    picked = x.gather(2, src[:, None, :, None].expand(B, x.shape[1], m, x.shape[3])).to(buf.dtype)
-    buf[:, :, :m] = torch.where(ok[:, None, :, None], picked, buf[:, :, :m])
+    rows = lambda i, t: i[:, None, :, None].expand(B, t.shape[1], m, t.shape[3])  # noqa: E731
+    picked = x.gather(2, rows(src, x)).to(buf.dtype)
+    buf.scatter_(2, rows(dst, buf), torch.where(ok[:, None, :, None], picked, buf.gather(2, rows(dst, buf))))
 
 
 def read(bufs: dict, cfg: KVQConfig, spec: LayerSpec, head_dim: int, length: int, upto: int):
@@ -678,7 +683,7 @@ def seat_first_chunk(seats: torch.Tensor, attention_mask: torch.Tensor, position
     read their masks through it, and what a previous sequence left there is gone; the chunk's own mask is read
     unseated (its attention takes the chunk's K/V as they come), its append's slots seated by `chunk` (`seated_mask`:
     the append stores the chunk seated). A later chunk: the identity within it, and the prefix's columns through
-    `seats`, except that rows whose real tokens start in it take the sink (`seat_fresh_rows`: their seats change,
+    `seats`, except that rows whose sink holds pads take its first real tokens there (`seat_fresh_rows`: their seats change,
     this chunk's mask is read through the identity for them). Reads its start position on the host (chunks do:
     `ops.chunk_ops`)."""
     B, T = seats.shape
@@ -694,33 +699,34 @@ def seat_first_chunk(seats: torch.Tensor, attention_mask: torch.Tensor, position
 
 
 def seat_fresh_rows(seats: torch.Tensor, attention_mask: torch.Tensor, p0: int, n: int, sink: int) -> torch.Tensor:
-    """A later chunk (at p0, n tokens) of rows whose first chunks held only left padding (`fresh_sink`): their sink
-    slots hold pads. Each such row's first m = min(sink, n) real tokens of the chunk take its sink: the append
-    copies them there (`append`, `fresh_sink`), and here slot j and the token's own slot p0 + src[j] trade mask
-    columns in `seats` (in place), so later steps read slot j as that token and its own slot as the pad column j
-    (masked). Returns the seats this chunk's own mask is read through: as before for the other rows, the identity
-    for the fresh ones (their earlier slots all pads). Decided from the mask alone (last query; raw column order,
-    where a fresh row's prefix is all pads in any order), so every layer's call gives the same result. A row with
-    fewer than `sink` real tokens in that chunk keeps pads in the rest of its sink; a chunk at p0 < sink writes
-    the sink in place (not rearranged)."""
+    """A later chunk (at p0 >= sink, n tokens) of rows whose sink holds pads (their first chunks held fewer than
+    `sink` real tokens: left padding up to or past a chunk boundary). Such a row's unattended sink slots take its
+    first real tokens of the chunk (`sink_fill`): the append copies them there (`append`), and here each such slot
+    and the token's own slot trade mask columns in `seats` (in place), so later steps read the sink slot as that
+    token and its own slot as the sink slot's pad column (masked). Returns the seats this chunk's own mask is read
+    through: the seats as they were before the trade. Every layer's call gives the same (KVQCache calls it per
+    layer): the slots are decided from the mask and the seats with this chunk's trades undone (a sink slot already
+    seated at a column >= p0 counts as unattended, the chunk's slots read their own columns), and a row already
+    traded is left as it is. A chunk at p0 < sink writes the sink in place (not rearranged)."""
     B, T = seats.shape
-    if attention_mask.dim() != 4 or attention_mask.shape[-1] != T:
+    if attention_mask.dim() != 4 or attention_mask.shape[-1] != T or p0 < sink:
         return seats.clone()
-    raw = attended_slots(attention_mask)
-    fill = fresh_sink(raw, p0, n, sink, B)
+    raw = attended_slots(attention_mask).expand(B, T)
+    att = raw.gather(1, seats) & (seats < p0)
+    att[:, p0:p0 + n] = raw[:, p0:p0 + n]
+    fill = sink_fill(att, p0, n, sink, B)
     if fill is None:
         return seats.clone()
-    src, ok = fill
-    fresh = ok[:, 0]
-    identity = torch.arange(T, device=seats.device).expand(B, T)
-    read = torch.where(fresh[:, None], identity, seats)
-    moved = identity.clone()
-    m = src.shape[1]
-    j = torch.arange(m, device=seats.device).expand(B, m)
+    dst, src, ok = fill
     own = p0 + src
-    moved[:, :m] = torch.where(ok, own, j)
-    moved.scatter_(1, own, torch.where(ok, j, own))
-    seats.copy_(torch.where(fresh[:, None], moved, seats))
+    at_dst, at_own = seats.gather(1, dst), seats.gather(1, own)
+    traded = seats.clone()
+    traded.scatter_(1, dst, torch.where(ok, at_own, at_dst))
+    traded.scatter_(1, own, torch.where(ok, at_dst, at_own))
+    rows = ok[:, :1]
+    done = rows & (at_dst[:, :1] >= p0)   # traded by an earlier layer's call: the trade undone is the seats before
+    read = torch.where(done, traded, seats)
+    seats.copy_(torch.where(rows & ~done, traded, seats))
     return read
 
 

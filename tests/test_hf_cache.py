@@ -344,21 +344,24 @@ def test_chunked_prefill_within_the_window_equals_one_piece(pads, name):
 
 @pytest.mark.parametrize("name", ["int8", "fp16"])
 def test_a_row_whose_real_tokens_start_after_its_first_chunk_takes_the_sink(name):
-    """A chunked prefill whose first chunk holds only pads for a row (11 pads, 8-token chunks): the row's first
-    real tokens take its sink when they come (`store.seat_fresh_rows`, `fresh_sink`: copied into the sink, the
-    mask read through the seats), as an unchunked prefill seats them. Layer 0 (its K/V depend on the token and its
-    position alone) as attention reads it, each attended slot put back in its mask column: int8 with a 4-token sink
-    and no window (per-token codes, wherever a token sits) gives the padded row's real tokens as the unchunked
-    prefill does, the first 4 exact (within 1e-5); before session 49 those 4 were int8 codes (off by up to half a
-    step: 0.003 here; SmolLM2 innerq-2, 40 pads: 52.53 perplexity against 37.70, bench/RESULTS.md). fp16 (no
-    codes) checks the copy of unquantized sides, every token within 1e-5. KVQCache eager and compiled,
-    kvq_backend's chunk graphs."""
+    """A chunked prefill (8-token chunks, a 4-token sink) whose first chunks hold fewer than 4 real tokens for a
+    row: the row's first real tokens take its sink when they come (`store.seat_fresh_rows`, `sink_fill`: copied
+    into the sink's pad slots, the mask read through the seats), as an unchunked prefill seats them. Pads 11: the
+    first chunk all pads, the second 5 real; pads 6: 2 real in the first chunk (seated there), 2 more from the
+    second; pads 14: 2 from the second chunk, 2 from the third. Layer 0 (its K/V depend on the token and its
+    position alone) as attention reads it, each attended slot put back in its mask column: int8 with no window
+    (per-token codes, wherever a token sits) gives each row's real tokens as the unchunked prefill does, the first 4
+    exact (within 1e-5); before session 49 those 4 were int8 codes for the row of 11 pads (off by up to half a step:
+    0.003 here; SmolLM2 innerq-2, 40 pads: 52.53 perplexity against 37.70, bench/RESULTS.md), before session 50 for
+    the rows of 6 and 14 the last 2. fp16 (no codes) checks the copy of unquantized sides, every token within 1e-5.
+    KVQCache eager and compiled, kvq_backend's chunk graphs."""
     from transformers import StaticCache
 
     model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=2).to(DEVICE)
     cfg = KVQConfig.preset(name)
     cfg.sink, cfg.recent = 4, 0
-    ids, mask = (t.to(DEVICE) for t in prompts(2, 21, pad=(0, 11), seed=5))
+    pads = (0, 11, 6, 14)
+    ids, mask = (t.to(DEVICE) for t in prompts(len(pads), 21, pad=pads, seed=5))
     tol = 1e-5 if DEVICE == "cpu" else 1e-4
 
     def run(chunk, how):   # layer 0's store, its seats and its KV as attention reads them [B, H, 21, D]
@@ -367,7 +370,7 @@ def test_a_row_whose_real_tokens_start_after_its_first_chunk_takes_the_sink(name
             torch._dynamo.reset()
             be = kvq_backend(cfg, release_fp16_cache=False)
             static = StaticCache(config=model.config, max_cache_len=32)
-            static.early_initialization(2, 1, 64, torch.float32, DEVICE)
+            static.early_initialization(len(pads), 1, 64, torch.float32, DEVICE)
             model.generate(ids, attention_mask=mask, max_new_tokens=1, past_key_values=static,
                            compile_config=compile_config(be), **kw, **GEN)
             layer, seats = be.stores()[-1].layers[0], be.stores()[-1].seats
@@ -377,7 +380,7 @@ def test_a_row_whose_real_tokens_start_after_its_first_chunk_takes_the_sink(name
                 kw["compile_config"] = _compiled()
             else:
                 kw["disable_compile"] = True
-            cache = KVQCache(model, cfg, batch_size=2, max_cache_len=32)
+            cache = KVQCache(model, cfg, batch_size=len(pads), max_cache_len=32)
             model.generate(ids, attention_mask=mask, max_new_tokens=1, past_key_values=cache, **kw, **GEN)
             layer, seats = cache.layers[0].store, cache.layers[0].seat_buffer
         names, tensors = layer.attend_tensors()
@@ -392,25 +395,25 @@ def test_a_row_whose_real_tokens_start_after_its_first_chunk_takes_the_sink(name
     coded = tol if name == "fp16" else 0.05
     for how in ("eager", "compiled", "backend"):
         for a, b in zip(whole, run(8, how)):
-            # the padded row's first 4 real tokens: exact, from its sink
-            torch.testing.assert_close(b[1, :, 11:15], a[1, :, 11:15], atol=tol, rtol=tol)
-            torch.testing.assert_close(b[1, :, 11:], a[1, :, 11:], atol=coded, rtol=0)
-            torch.testing.assert_close(b[0], a[0], atol=coded, rtol=0)
+            for r, p in enumerate(pads):   # each row's first 4 real tokens: exact, from its sink
+                torch.testing.assert_close(b[r, :, p:p + 4], a[r, :, p:p + 4], atol=tol, rtol=tol)
+                torch.testing.assert_close(b[r, :, p:], a[r, :, p:], atol=coded, rtol=0)
 
 
 def test_rows_that_took_their_sink_attend_as_an_exact_cache():
-    """fp16 (nothing quantized) with a 4-token sink, four rows padded by 0, 11, 14 and 19 in 8-token chunks: rows
-    whose real tokens start in the second or third chunk take their sink there (`store.seat_fresh_rows`), a row
-    with fewer real tokens in that chunk than the sink only partly. Every prefill and decode logit equals HF's
-    static cache (within 1e-5): the chunk's own attention reads the pre-swap seats, later chunks and decode steps
-    the swapped ones, so no real token is read twice or read as a pad (the review's case; an exact cache cannot
-    show what the sink buys, the int8 test above does). KVQCache eager and compiled, kvq_backend's chunk graphs."""
+    """fp16 (nothing quantized) with a 4-token sink, five rows padded by 0, 6, 11, 14 and 19 in 8-token chunks: rows
+    whose sink holds pads take their next real tokens there (`store.seat_fresh_rows`): from the second chunk (6:
+    its first chunk's 2 real tokens seated in the sink, 2 more; 11), from the second and the third (14: 2 real
+    tokens in each), from the third (19). Every prefill and decode logit equals HF's static cache (within 1e-5):
+    the chunk's own attention reads the pre-swap seats, later chunks and decode steps the swapped ones, so no real
+    token is read twice or read as a pad (the review's case; an exact cache cannot show what the sink buys, the
+    int8 test above does). KVQCache eager and compiled, kvq_backend's chunk graphs."""
     from transformers import StaticCache
 
     model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=2).to(DEVICE)
     cfg = KVQConfig.preset("fp16")
     cfg.sink = 4
-    ids, mask = (t.to(DEVICE) for t in prompts(4, 24, pad=(0, 11, 14, 19), seed=6))
+    ids, mask = (t.to(DEVICE) for t in prompts(5, 24, pad=(0, 6, 11, 14, 19), seed=6))
     tol = 1e-5 if DEVICE == "cpu" else 1e-4
     kw = dict(attention_mask=mask, max_new_tokens=6, **GEN)
     want = model.generate(ids, cache_implementation="static", disable_compile=True, **kw).logits
@@ -418,10 +421,10 @@ def test_rows_that_took_their_sink_attend_as_an_exact_cache():
         torch._dynamo.reset()
         if how == "backend":
             static = StaticCache(config=model.config, max_cache_len=32)
-            static.early_initialization(4, 1, 64, torch.float32, DEVICE)
+            static.early_initialization(5, 1, 64, torch.float32, DEVICE)
             run = dict(past_key_values=static, compile_config=compile_config(kvq_backend(cfg)))
         else:
-            run = dict(past_key_values=KVQCache(model, cfg, batch_size=4, max_cache_len=32))
+            run = dict(past_key_values=KVQCache(model, cfg, batch_size=5, max_cache_len=32))
             run.update(compile_config=_compiled()) if how == "compiled" else run.update(disable_compile=True)
         got = model.generate(ids, prefill_chunk_size=8, **run, **kw).logits
         for a, b in zip(want, got):

@@ -372,3 +372,47 @@ def test_a_fresh_row_takes_its_sink_from_the_chunk_its_real_tokens_start_in(name
     again = seats.clone()   # every layer calls it: the same result from the swapped seats
     assert torch.equal(st.seat_fresh_rows(again, slots[:, None, None, :], 16, 16, cfg.sink), read)
     assert torch.equal(again, want)
+
+
+def test_a_sink_partly_held_by_pads_takes_the_next_chunk_s_first_real_tokens():
+    """Row 1's first chunk (8 tokens, 6 pads) was seated with its 2 real tokens in sink slots 0 and 1 and pads in
+    2 and 3; the next chunk (at 8) fills slots 2 and 3 with its first 2 real tokens (`sink_fill`; row 0, whose
+    sink is full, keeps it): `store.append` copies them there and `seat_fresh_rows` trades those slots' mask
+    columns with the tokens' own (slot 2 <-> 9, 3 <-> 10: the chunk's first real tokens, its first a pad), its
+    chunk's own mask read through the seats before the trade, and a second call (every layer calls it) gives the
+    same read and leaves the seats as the first left them."""
+    torch.manual_seed(5)
+    cfg = KVQConfig.preset("int8")
+    cfg.sink, cfg.recent = 4, 0
+    B, H, T, D = 2, 2, 24, 32
+    geo = st.Geometry(B, H, T, D, "float32")
+    ms = st.ModelStore(cfg, 1, geo, "cpu")
+    bufs = dict(zip(*ms.layers[0].append_tensors()))
+    raw = torch.ones(B, T, dtype=torch.bool)
+    raw[1, :6] = False
+    raw[1, 8] = False   # a pad inside the second chunk (as a mask may hold): skipped
+    first = st.seating(raw[:, :8], cfg.sink)
+    seats = ms.seats
+    seats.copy_(torch.cat([first, torch.arange(8, T).expand(B, -1)], -1))
+    assert first[1].tolist() == [6, 7, 0, 1, 2, 3, 4, 5]
+    k, v = (torch.randn(B, H, 16, D) for _ in range(2))
+    mask = raw[:, None, None, :]
+    before = seats.clone()
+    read = st.seat_fresh_rows(seats, mask, 8, 8, cfg.sink)
+    assert torch.equal(read, before)
+    want = before.clone()
+    want[1, 2], want[1, 3], want[1, 9], want[1, 10] = 9, 10, 0, 1
+    assert torch.equal(seats, want)
+    again = seats.clone()
+    assert torch.equal(st.seat_fresh_rows(again, mask, 8, 8, cfg.sink), read)
+    assert torch.equal(again, want)
+    slot_order = st.attended_slots(st.seated_mask(mask.float().log(), read))
+    for p0, (a, b) in ((0, (0, 8)), (8, (8, 16))):
+        kk, vv = k[:, :, a:b], v[:, :, a:b]
+        if p0 == 0:
+            kk, vv = (st.seat(x, first, 2) for x in (kk, vv))
+        st.append(bufs, cfg, ms.layers[0].spec, geo, kk, vv, p0, slots=slot_order[:, :b])
+    for side, x in (("k", k), ("v", v)):
+        sink = bufs[f"{side}.sink"]
+        torch.testing.assert_close(sink[1, :, :4], x[1, :, [6, 7, 9, 10]], atol=0, rtol=0)
+        torch.testing.assert_close(sink[0, :, :4], x[0, :, :4], atol=0, rtol=0)
