@@ -220,9 +220,10 @@ def select_outliers(xf: torch.Tensor, spec: QuantizerSpec, static_range=None):
     [..., T, D] with False at the outliers), or (None, None) without outliers. Per token vector, the k entries
     farthest from their range's center in units of its half-width: the static per-channel range (c, h) when
     given, scored |x - c| / h, else the full (outliers included) range [mn, mx] of their group, scored
-    max(x - mn, mx - x) / (mx - mn), which orders as |x - c| / h does ((1 + |x - c| / h) / 2) and scores a group's
-    max and min exactly 1 both (|x - c| / h leaves them an ulp apart as c rounds, so eager and compiled K, 1e-7
-    apart, chose opposite extremes: session 49). Ties go to the larger |x|, then the lower channel; NaN scores
+    max(x - mn, mx - x) / max(mx - mn, 2 EPS): (1 + |x - c| / h) / 2 where h >= EPS, so it orders a group's members
+    as |x - c| / h does, and scores a group's max and min exactly 1 both (|x - c| / h leaves them an ulp apart as c
+    rounds, so eager and compiled K, 3e-7 apart, chose opposite extremes: session 49); a group narrower than 2 EPS
+    scores (h + |x - c|) / (2 EPS), below wider groups' extremes. Ties go to the larger |x|, then the lower channel; NaN scores
     come first, the lower channel first among them."""
     k = outliers_per_token(spec, xf.shape[-1])
     if not k:

@@ -306,10 +306,14 @@ def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: tor
     read yet): the side is appended again from position 0 with the exact prefix and the chunk, both in the cache
     dtype, as if the prefill so far had come in one piece (its codes rewritten; with an input dtype wider than the
     cache's, the statistics then come from values rounded to the cache dtype, where one piece takes them from the
-    input). After that they stay, except for rows whose earlier tokens were all pads, which take them from this
-    chunk (a chunked prefill whose first chunks held only left padding for a row). Not handled: a row whose first
-    real chunk holds a single real token gets a point range, as a one-token first chunk does; a one-token chunk (a
-    decode step, a last prefill chunk of one token: the decode append) changes nothing.
+    input). After that they stay, except for rows whose earlier tokens past the sink were all pads, which take them
+    from this chunk (a chunked prefill whose first chunks held fewer real tokens than the sink for a row: seated
+    into its sink, `seating`, or moved there, `sink_fill`). The statistics leave the sink's tokens out where the
+    chunk has real tokens past it; a row whose real tokens in the chunk all sit in the sink takes them over those
+    (a left-padded row of at most `sink` real tokens; its pads hold copies of them, `neutralized`, over which a
+    range would be a point). Not handled: a row whose first real chunk holds a single real token gets a point
+    range, as a one-token first chunk does; a one-token chunk (a decode step, a last prefill chunk of one token:
+    the decode append) changes nothing.
     slots [B or 1, >= p0 + n] bool (`attended_slots`): the slots, in slot order (`seated_mask`), that the chunk's
     last query attends; the others are pads, `neutralized` in the prefix appended again (also in the sink and ring:
     a slot that an earlier query of the chunk attends but the last does not, as under a sliding window, would be
@@ -333,18 +337,31 @@ def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: tor
         append_side(b, q, cfg, geo, whole, 0, is_key, a)
         return
     fresh = None
-    if p0 > 0 and a is not None and firsts:
-        fresh = fresh_rows(a, p0, n, geo.batch)
+    if p0 > S and n > 1 and a is not None and firsts:   # (rows whose real tokens so far all sit in the sink)
+        fresh = fresh_rows(a[..., S:], p0 - S, n, geo.batch)
     first = max(S - p0, 0)   # statistics skip the exact sink tokens when there are others
     first = first if n > first else 0
+    alone = None   # rows whose real tokens in the chunk all sit in its sink part: statistics over those
+    if first and a is not None and firsts:
+        av = a[..., p0:p0 + n]
+        alone = av.any(-1) & ~av[..., first:].any(-1)
+        alone = alone.expand(geo.batch) if bool(alone.any()) else None
     body = x[:, :, first:]
     rows = None if p0 == 0 else fresh
     if (p0 == 0 or fresh is not None) and "norm" in b:
-        _set_rows(b["norm"], ref.key_norm(body), rows)
+        norm = ref.key_norm(body)
+        if alone is not None:
+            norm = torch.where(alone[:, None, None, None], ref.key_norm(x), norm)
+        _set_rows(b["norm"], norm, rows)
     if (p0 == 0 or fresh is not None) and static:
-        scaled = body.float() / b["norm"] if "norm" in b else body
         # over the real tokens: a pad holds a copy of one (`neutralized`), which would weigh in a percentile
         valid = None if a is None else a[..., p0 + first:p0 + n][:, None, :, None]
+        if alone is not None:   # the whole chunk, its sink part counted for those rows alone
+            body = x
+            av = av.expand(geo.batch, n)
+            valid = torch.where(alone[:, None], av, av & (torch.arange(n, device=x.device) >= first))
+            valid = valid[:, None, :, None]
+        scaled = body.float() / b["norm"] if "norm" in b else body
         c, h = ref.static_channel_range(scaled, q, dt, cfg.eta_for(q), valid)
         if "center" in b:
             _set_rows(b["center"], c, rows)

@@ -46,7 +46,8 @@ def check(cfg, B=2, H=3, D=64, T=40, prefill=9, steps=14, dtype=torch.float32, l
     """Reference and template stores after the same appends, compared buffer by buffer after every step.
     strided: decode tokens arrive as [B, 1, H, D] transposed views (the layout of a projection's output), and
     RoPE rows per sequence ([B, 1, D], not [1, 1, D]). integers: values in 0..3 with every zero a -0.0 (ties
-    everywhere: ranges, scores, outliers; a -0.0 often a group's minimum)."""
+    everywhere: ranges, scores, outliers; a -0.0 often a group's minimum); "signed": in -3..3 (a token's max and
+    min often of one magnitude: the outliers' tie-break past it, the lower channel)."""
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
 
     def shift(k, v, i):  # layer i's key and value (layer 0's as drawn: -0.0 + 0 would be +0.0)
@@ -55,7 +56,7 @@ def check(cfg, B=2, H=3, D=64, T=40, prefill=9, steps=14, dtype=torch.float32, l
     def rnd(*s):
         x = torch.randn(*s, generator=gen, device=DEVICE)
         if integers:
-            x = (x.abs() * 1.5).round().clamp(0, 3)
+            x = (x * 1.5 if integers == "signed" else x.abs() * 1.5).round().clamp(-3, 3)
             x = torch.where(x == 0, -0.0, x)
         return x.to(dtype)
     geo = st.Geometry(B, H, T, D, st.dtype_name(dtype))
@@ -256,12 +257,14 @@ def test_groups_coded_as_they_leave_the_window(name, monkeypatch):
 
 
 @pytest.mark.interpreter
-def test_outliers_of_tied_integer_values():
+@pytest.mark.parametrize("integers", [True, "signed"])
+def test_outliers_of_tied_integer_values(integers):
     """Integer values (-0.0 for zero): scores tie at every turn; the outliers chosen and their values, a -0.0
-    too, as the reference's (session 40's review: the sum that extracts a value turned -0.0 into +0.0)."""
+    too, as the reference's (session 40's review: the sum that extracts a value turned -0.0 into +0.0); signed
+    ones also tie in magnitude (+-a: the lower channel)."""
     cfg = KVQConfig(key=_q(4, Axis.CHANNEL, 4, outliers=0.05), value=_q(3, Axis.TOKEN, 16, outliers=0.05),
                     sink=1, recent=4)
-    check(cfg, D=64, steps=12, seed=2, integers=True)
+    check(cfg, D=64, steps=12, seed=2, integers=integers)
 
 
 @pytest.mark.interpreter

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kvq_compile import Axis, KVQConfig, QuantizerSpec, Symmetry
+from kvq_compile import reference as ref
 from kvq_compile import store as st
 from kvq_compile.presets import PRESETS
 from kvq_compile.simulate import quantized_view
@@ -416,3 +417,51 @@ def test_a_sink_partly_held_by_pads_takes_the_next_chunk_s_first_real_tokens():
         sink = bufs[f"{side}.sink"]
         torch.testing.assert_close(sink[1, :, :4], x[1, :, [6, 7, 9, 10]], atol=0, rtol=0)
         torch.testing.assert_close(sink[0, :, :4], x[0, :, :4], atol=0, rtol=0)
+
+
+def _chunked_prefill(cfg, k, real, chunks):
+    """A left-padded prefill of k [B, H, T, D] (Keys and Values alike) in `chunks` as the rewrite and KVQCache run
+    one (`seat_first_chunk`, `seated_chunk`, the append's slots through the seats): the layer's buffers."""
+    B, H, T, D = k.shape
+    geo = st.Geometry(B, H, T, D, "float32")
+    ms = st.ModelStore(cfg, 1, geo, "cpu")
+    bufs = dict(zip(*ms.layers[0].append_tensors()))
+    p0 = 0
+    for n in chunks:
+        pos = torch.arange(p0, p0 + n)
+        allowed = real[:, None, :] & (torch.arange(T)[None, None] <= pos[None, :, None])
+        mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[:, None]
+        chunk, read = st.seat_first_chunk(ms.seats, mask, pos, cfg.sink)
+        kk, vv, _, _ = st.seated_chunk(st.attended(mask, pos), chunk, k[:, :, p0:p0 + n], k[:, :, p0:p0 + n],
+                                       None, None)
+        slots = st.attended_slots(st.seated_mask(st.seated_mask(mask, read), chunk))
+        st.append(bufs, cfg, ms.layers[0].spec, geo, kk, vv, p0, slots=slots)
+        p0 += n
+    return bufs
+
+
+@pytest.mark.parametrize("name", ["kvquant-4", "innerq-2"])
+def test_a_row_whose_real_tokens_sit_in_its_sink_takes_its_statistics_over_them(name):
+    """Row 1 holds 46 pads, then 18 real tokens, in chunks of 48 and 16 (a 4-token sink, no recent window): its
+    first chunk's 2 real tokens are seated in its sink, its pads copies of them. Its statistics (KVQuant's static
+    Key ranges, InnerQ's Key norm) come from those 2 (before session 50: from the copies, a point range of 1e-6 on
+    every channel for kvquant-4), then, as its real tokens past the sink start in the second chunk, from that chunk's
+    16. Row 0 (no pads) keeps its first chunk's, taken past the sink."""
+    torch.manual_seed(7)
+    cfg = KVQConfig.preset(name)
+    cfg.sink, cfg.recent = 4, 0
+    B, H, T, D = 2, 2, 64, 32
+    k = torch.randn(B, H, T, D) * torch.linspace(0.1, 5, D)
+    real = torch.ones(B, T, dtype=torch.bool)
+    real[1, :46] = False
+    spec = cfg.key
+    one = _chunked_prefill(cfg, k, real, [48])
+    two = _chunked_prefill(cfg, k, real, [48, 16])
+    if name == "innerq-2":
+        for bufs, r, toks in ((one, 1, k[1:, :, 46:48]), (two, 1, k[1:, :, 48:]), (two, 0, k[:1, :, 4:48])):
+            torch.testing.assert_close(bufs["k.norm"][r:r + 1], ref.key_norm(toks), atol=0, rtol=0)
+        return
+    for bufs, r, toks in ((one, 1, k[1:, :, 46:48]), (two, 1, k[1:, :, 48:]), (two, 0, k[:1, :, 4:48])):
+        c, h = ref.static_channel_range(toks, spec, torch.float32, cfg.eta_for(spec))
+        torch.testing.assert_close(bufs["k.half"][r:r + 1], h, atol=0, rtol=0)
+    assert (one["k.half"][1] > 0.01).all()
