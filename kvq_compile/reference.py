@@ -223,8 +223,8 @@ def select_outliers(xf: torch.Tensor, spec: QuantizerSpec, static_range=None):
     max(x - mn, mx - x) / max(mx - mn, 2 EPS): (1 + |x - c| / h) / 2 where h >= EPS, so it orders a group's members
     as |x - c| / h does, and scores a group's max and min exactly 1 both (|x - c| / h leaves them an ulp apart as c
     rounds, so eager and compiled K, 3e-7 apart, chose opposite extremes: session 49); a group narrower than 2 EPS
-    scores (h + |x - c|) / (2 EPS), below wider groups' extremes. Ties go to the larger |x|, then the lower channel; NaN scores
-    come first, the lower channel first among them."""
+    scores (h + |x - c|) / (2 EPS), below wider groups' extremes. Ties go to the larger |x|, then the lower channel;
+    NaN scores come first, the lower channel first among them."""
     k = outliers_per_token(spec, xf.shape[-1])
     if not k:
         return None, None

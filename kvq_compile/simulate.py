@@ -8,7 +8,7 @@ import torch
 
 from . import reference as ref
 from .config import Axis, KVQConfig, QuantizerSpec
-from .store import attended, fill_boundary, neutralized, seat, seated_mask, seating
+from .store import attended, fill_boundary, neutralized, seat, seated_mask, seating, statistics_tokens
 
 
 
@@ -39,13 +39,24 @@ def quantized_view(history: torch.Tensor, q: QuantizerSpec, cfg: KVQConfig, leng
         return out
     first = S if first_chunk > S else 0
     body = history[:, :, first:first_chunk]
+    stat_valid = None if valid is None else valid[..., first:first_chunk]
+    alone = None   # rows whose real tokens all sit in the sink: statistics over those (`store.statistics_tokens`)
+    if valid is not None and first:
+        real = valid[..., :first_chunk].expand(x.shape[0], first_chunk)
+        alone = real.any(-1) & ~real[:, first:].any(-1)
+        if bool(alone.any()):
+            body, stat_valid = history[:, :, :first_chunk], statistics_tokens(real, first)
+        else:
+            alone = None
     norm = None
     if is_key and cfg.key_norm:
-        norm = ref.key_norm(body)
+        norm = ref.key_norm(body if alone is None else history[:, :, first:first_chunk])
+        if alone is not None:
+            norm = torch.where(alone[:, None, None, None], ref.key_norm(body), norm)
     static = None
     if q.axis is Axis.CHANNEL and q.group_size is None:
         static = ref.static_channel_range(body.float() / norm if norm is not None else body, q, dt, cfg.eta_for(q),
-                                          None if valid is None else valid[..., first:first_chunk][:, None, :, None])
+                                          None if stat_valid is None else stat_valid[:, None, :, None])
 
     def deq(block, src_block):
         blk = block.to(dt)

@@ -288,6 +288,16 @@ def _set_rows(buf: torch.Tensor, value: torch.Tensor, rows: torch.Tensor | None)
         buf.copy_(torch.where(rows.view(-1, *([1] * (buf.dim() - 1))), value.to(buf.dtype).expand_as(buf), buf))
 
 
+def statistics_tokens(real: torch.Tensor, first: int) -> torch.Tensor:
+    """[B, n] bool: the tokens of a chunk whose statistics a row takes (`append_side`), from its real tokens `real`
+    [B, n] (slot order) and the chunk's first `first` tokens that sit in the sink: its real tokens past those; a
+    row with none there, its real tokens in the sink (its pads hold copies of one of them, `neutralized`); a row with no
+    real token, every token past the sink (as without a mask: a row of pads takes nothing from its neighbours)."""
+    past = torch.arange(real.shape[-1], device=real.device) >= first
+    body = real & past
+    return torch.where(body.any(-1, keepdim=True), body, torch.where(real.any(-1, keepdim=True), real, past))
+
+
 def _exact_prefix(b: dict, p0: int, S: int, wr: int) -> torch.Tensor:
     """Positions [0, p0) of a side whose tokens all still sit in its sink and ring, exact (cache dtype)."""
     parts = [b["sink"][:, :, :min(S, p0)]] if S else []
@@ -310,8 +320,8 @@ def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: tor
     from this chunk (a chunked prefill whose first chunks held fewer real tokens than the sink for a row: seated
     into its sink, `seating`, or moved there, `sink_fill`). The statistics leave the sink's tokens out where the
     chunk has real tokens past it; a row whose real tokens in the chunk all sit in the sink takes them over those
-    (a left-padded row of at most `sink` real tokens; its pads hold copies of them, `neutralized`, over which a
-    range would be a point). Not handled: a row whose first real chunk holds a single real token gets a point
+    (a left-padded row of at most `sink` real tokens; its pads hold copies of one of them, `neutralized`, over which
+    a range would be a point). Not handled: a row whose first real chunk holds a single real token gets a point
     range, as a one-token first chunk does; a one-token chunk (a decode step, a last prefill chunk of one token:
     the decode append) changes nothing.
     slots [B or 1, >= p0 + n] bool (`attended_slots`): the slots, in slot order (`seated_mask`), that the chunk's
@@ -343,9 +353,9 @@ def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: tor
     first = first if n > first else 0
     alone = None   # rows whose real tokens in the chunk all sit in its sink part: statistics over those
     if first and a is not None and firsts:
-        av = a[..., p0:p0 + n]
+        av = a[..., p0:p0 + n].expand(geo.batch, n)
         alone = av.any(-1) & ~av[..., first:].any(-1)
-        alone = alone.expand(geo.batch) if bool(alone.any()) else None
+        alone = alone if bool(alone.any()) else None
     body = x[:, :, first:]
     rows = None if p0 == 0 else fresh
     if (p0 == 0 or fresh is not None) and "norm" in b:
@@ -358,9 +368,7 @@ def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: tor
         valid = None if a is None else a[..., p0 + first:p0 + n][:, None, :, None]
         if alone is not None:   # the whole chunk, its sink part counted for those rows alone
             body = x
-            av = av.expand(geo.batch, n)
-            valid = torch.where(alone[:, None], av, av & (torch.arange(n, device=x.device) >= first))
-            valid = valid[:, None, :, None]
+            valid = statistics_tokens(av, first)[:, None, :, None]
         scaled = body.float() / b["norm"] if "norm" in b else body
         c, h = ref.static_channel_range(scaled, q, dt, cfg.eta_for(q), valid)
         if "center" in b:
@@ -700,9 +708,9 @@ def seat_first_chunk(seats: torch.Tensor, attention_mask: torch.Tensor, position
     read their masks through it, and what a previous sequence left there is gone; the chunk's own mask is read
     unseated (its attention takes the chunk's K/V as they come), its append's slots seated by `chunk` (`seated_mask`:
     the append stores the chunk seated). A later chunk: the identity within it, and the prefix's columns through
-    `seats`, except that rows whose sink holds pads take its first real tokens there (`seat_fresh_rows`: their seats change,
-    this chunk's mask is read through the identity for them). Reads its start position on the host (chunks do:
-    `ops.chunk_ops`)."""
+    `seats`, except that rows whose sink holds pads take its first real tokens there (`seat_fresh_rows`: their
+    seats change, this chunk's mask is read through them as they were before). Reads its start position on the host
+    (chunks do: `ops.chunk_ops`)."""
     B, T = seats.shape
     n = positions.shape[0]
     identity = torch.arange(T, device=seats.device).expand(B, T)

@@ -443,7 +443,7 @@ def _chunked_prefill(cfg, k, real, chunks):
 @pytest.mark.parametrize("name", ["kvquant-4", "innerq-2"])
 def test_a_row_whose_real_tokens_sit_in_its_sink_takes_its_statistics_over_them(name):
     """Row 1 holds 46 pads, then 18 real tokens, in chunks of 48 and 16 (a 4-token sink, no recent window): its
-    first chunk's 2 real tokens are seated in its sink, its pads copies of them. Its statistics (KVQuant's static
+    first chunk's 2 real tokens are seated in its sink, its pads copies of one of them. Its statistics (KVQuant's static
     Key ranges, InnerQ's Key norm) come from those 2 (before session 50: from the copies, a point range of 1e-6 on
     every channel for kvquant-4), then, as its real tokens past the sink start in the second chunk, from that chunk's
     16. Row 0 (no pads) keeps its first chunk's, taken past the sink."""
@@ -465,3 +465,32 @@ def test_a_row_whose_real_tokens_sit_in_its_sink_takes_its_statistics_over_them(
         c, h = ref.static_channel_range(toks, spec, torch.float32, cfg.eta_for(spec))
         torch.testing.assert_close(bufs["k.half"][r:r + 1], h, atol=0, rtol=0)
     assert (one["k.half"][1] > 0.01).all()
+
+
+@pytest.mark.parametrize("name", ["innerq-2", "kvquant-4", "kvquant-4-1%"])
+def test_statistics_of_a_row_whose_real_tokens_sit_in_its_sink_as_the_simulation_takes_them(name):
+    """A first chunk of 12 tokens with a 4-token sink: row 0 all real, row 1 three real tokens (seated in its sink,
+    9 pads), row 2 none; then 8 decode steps. Every decode token as attention reads it equals the independent
+    simulation's (`simulate.quantized_view`, which takes the statistics by `store.statistics_tokens` too): exact.
+    (The review of session 50: with the store alone changed, row 1's decode Keys were up to 12.7 apart.)"""
+    torch.manual_seed(11)
+    cfg = KVQConfig.preset(name)
+    cfg.sink, cfg.recent, cfg.keys_before_rope = 4, 0, False
+    B, H, D, n, T, L = 3, 2, 32, 12, 24, 20
+    x = torch.randn(B, H, T, D) * torch.linspace(0.1, 5, D)
+    real = torch.ones(B, T, dtype=torch.bool)
+    real[1, 3:n], real[2, :n] = False, False
+    x[:, :, :n] = st.neutralized(real[:, :n], x[:, :, :n])[0]
+    geo = st.Geometry(B, H, T, D, "float32")
+    ms = st.ModelStore(cfg, 1, geo, "cpu")
+    spec = ms.layers[0].spec
+    bufs = dict(zip(*ms.layers[0].append_tensors()))
+    st.append(bufs, cfg, spec, geo, x[:, :, :n], x[:, :, :n], 0, slots=real[:, :n])
+    for p in range(n, L):
+        st.append_decode(bufs, cfg, spec, geo, x[:, :, p:p + 1], x[:, :, p:p + 1], torch.tensor(p))
+    k, v = st.read(bufs, cfg, spec, D, L, L)
+    for got, q, is_key in ((k, spec.key, True), (v, spec.value, False)):
+        want = quantized_view(x, q, cfg, L, n, is_key=is_key, valid=real[:, :n])
+        torch.testing.assert_close(got[:, :, n:L], want[:, :, n:L], atol=0, rtol=0)
+    if spec.key.axis is Axis.CHANNEL and spec.key.group_size is None:   # kvquant's static Key ranges: not a point
+        assert (bufs["k.half"][1] > 0.01).all()
