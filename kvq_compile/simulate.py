@@ -42,10 +42,9 @@ def quantized_view(history: torch.Tensor, q: QuantizerSpec, cfg: KVQConfig, leng
     stat_valid = None if valid is None else valid[..., first:first_chunk]
     alone = None   # rows whose real tokens all sit in the sink: statistics over those (`store.statistics_tokens`)
     if valid is not None and first:
-        real = valid[..., :first_chunk].expand(x.shape[0], first_chunk)
-        alone = real.any(-1) & ~real[:, first:].any(-1)
+        stat_tokens, alone = statistics_tokens(valid[..., :first_chunk].expand(x.shape[0], first_chunk), first)
         if bool(alone.any()):
-            body, stat_valid = history[:, :, :first_chunk], statistics_tokens(real, first)
+            body, stat_valid = history[:, :, :first_chunk], stat_tokens
         else:
             alone = None
     norm = None

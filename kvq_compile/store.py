@@ -288,14 +288,17 @@ def _set_rows(buf: torch.Tensor, value: torch.Tensor, rows: torch.Tensor | None)
         buf.copy_(torch.where(rows.view(-1, *([1] * (buf.dim() - 1))), value.to(buf.dtype).expand_as(buf), buf))
 
 
-def statistics_tokens(real: torch.Tensor, first: int) -> torch.Tensor:
-    """[B, n] bool: the tokens of a chunk whose statistics a row takes (`append_side`), from its real tokens `real`
-    [B, n] (slot order) and the chunk's first `first` tokens that sit in the sink: its real tokens past those; a
-    row with none there, its real tokens in the sink (its pads hold copies of one of them, `neutralized`); a row with no
-    real token, every token past the sink (as without a mask: a row of pads takes nothing from its neighbours)."""
+def statistics_tokens(real: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [B, n] bool, alone [B] bool): the tokens of a chunk whose statistics a row takes (`append_side`),
+    from its real tokens `real` [B, n] (slot order) and the chunk's first `first` tokens that sit in the sink: its
+    real tokens past those; a row with none there (`alone`), its real tokens in the sink (its pads hold copies of
+    one of them, `neutralized`); a row with no real token, every token past the sink (as without a mask: a row of
+    pads takes nothing from its neighbours)."""
     past = torch.arange(real.shape[-1], device=real.device) >= first
     body = real & past
-    return torch.where(body.any(-1, keepdim=True), body, torch.where(real.any(-1, keepdim=True), real, past))
+    has_body = body.any(-1, keepdim=True)
+    alone = real.any(-1) & ~has_body[..., 0]
+    return torch.where(has_body, body, torch.where(real.any(-1, keepdim=True), real, past)), alone
 
 
 def _exact_prefix(b: dict, p0: int, S: int, wr: int) -> torch.Tensor:
@@ -353,8 +356,7 @@ def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: tor
     first = first if n > first else 0
     alone = None   # rows whose real tokens in the chunk all sit in its sink part: statistics over those
     if first and a is not None and firsts:
-        av = a[..., p0:p0 + n].expand(geo.batch, n)
-        alone = av.any(-1) & ~av[..., first:].any(-1)
+        stat_tokens, alone = statistics_tokens(a[..., p0:p0 + n].expand(geo.batch, n), first)
         alone = alone if bool(alone.any()) else None
     body = x[:, :, first:]
     rows = None if p0 == 0 else fresh
@@ -368,7 +370,7 @@ def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: tor
         valid = None if a is None else a[..., p0 + first:p0 + n][:, None, :, None]
         if alone is not None:   # the whole chunk, its sink part counted for those rows alone
             body = x
-            valid = statistics_tokens(av, first)[:, None, :, None]
+            valid = stat_tokens[:, None, :, None]
         scaled = body.float() / b["norm"] if "norm" in b else body
         c, h = ref.static_channel_range(scaled, q, dt, cfg.eta_for(q), valid)
         if "center" in b:
