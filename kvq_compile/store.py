@@ -501,23 +501,27 @@ def fresh_rows(slots: torch.Tensor, p0: int, n: int, batch: int) -> torch.Tensor
 
 
 def sink_fill(slots: torch.Tensor | None, p0: int, n: int, sink: int, batch: int):
-    """A later chunk's rows whose sink holds pads, which take its first real tokens there: (dst [B, m] sink slots,
-    src [B, m] chunk indices, ok [B, m]; m = min(sink, n)): the k-th sink slot that `slots` ([B or 1, >= p0 + n]
-    bool, `attended_slots` in slot order) shows unattended takes the chunk's k-th attended token, for k below both
-    counts (ok). A sink holds pads where a row's first chunks held fewer than `sink` real tokens (left padding up
-    to or past a chunk boundary: `seating` put that chunk's real tokens first). None where no row takes any. Only
-    for chunks at p0 >= sink (an earlier chunk writes the sink in place) of n >= 2 tokens (a decode step's append
-    is `append_decode`'s). Reads on the host whether any row takes one (a chunk reads p0 there anyway)."""
-    if slots is None or sink == 0 or p0 < sink or n < 2 or slots.shape[-1] < p0 + n:
+    """A later chunk's rows whose sink holds pads, which take its first real tokens past the sink there: (dst [B, m]
+    sink slots, src [B, m] chunk indices, ok [B, m]; m = min(sink, n - j)): the k-th sink slot that `slots`
+    ([B or 1, >= p0 + n] bool, `attended_slots` in slot order) shows unattended takes the chunk's k-th attended token
+    among those past the sink (chunk index >= j = max(sink - p0, 0)), for k below both counts (ok). A sink holds pads
+    where a row's first chunks held fewer than `sink` real tokens (left padding up to or past a chunk boundary:
+    `seating` put that chunk's real tokens first). A chunk at p0 < sink writes its first j tokens into the sink in
+    place (its own pads there count as unattended sink slots) and fills only where it reaches past the sink
+    (p0 + n > sink); with the later chunks' fills a row's sink then holds its first `sink` real tokens, as one piece
+    seats them. None where no row takes any; chunks of n >= 2 tokens only (a decode step's append is
+    `append_decode`'s). Reads on the host whether any row takes one (a chunk reads p0 there anyway)."""
+    j = max(sink - p0, 0)
+    if slots is None or sink == 0 or n < 2 or j >= n or slots.shape[-1] < p0 + n:
         return None
     s = slots.expand(batch, slots.shape[-1])
-    empty, a = ~s[:, :sink], s[:, p0:p0 + n]
+    empty, a = ~s[:, :sink], s[:, p0 + j:p0 + n]
     if not bool((empty.any(-1) & a.any(-1)).any()):
         return None
-    m = min(sink, n)
+    m = min(sink, n - j)
     # the unattended sink slots first, the attended chunk tokens first, each in order (stable sorts)
     dst = torch.sort((~empty).to(torch.uint8), dim=-1, stable=True).indices[:, :m]
-    src = torch.sort((~a).to(torch.uint8), dim=-1, stable=True).indices[:, :m]
+    src = torch.sort((~a).to(torch.uint8), dim=-1, stable=True).indices[:, :m] + j
     k = torch.arange(m, device=s.device)
     ok = (k < empty.sum(-1, keepdim=True)) & (k < a.sum(-1, keepdim=True))
     return dst, src, ok
@@ -726,17 +730,19 @@ def seat_first_chunk(seats: torch.Tensor, attention_mask: torch.Tensor, position
 
 
 def seat_fresh_rows(seats: torch.Tensor, attention_mask: torch.Tensor, p0: int, n: int, sink: int) -> torch.Tensor:
-    """A later chunk (at p0 >= sink, n tokens) of rows whose sink holds pads (their first chunks held fewer than
-    `sink` real tokens: left padding up to or past a chunk boundary). Such a row's unattended sink slots take its
-    first real tokens of the chunk (`sink_fill`): the append copies them there (`append`), and here each such slot
+    """A later chunk (at p0 > 0, n tokens) of rows whose sink holds pads (their first chunks held fewer than `sink`
+    real tokens: left padding up to or past a chunk boundary). Such a row's unattended sink slots take its first
+    real tokens of the chunk past the sink (`sink_fill`; a chunk at p0 < sink writes the sink slots it reaches in
+    place, its pads there among the unattended): the append copies them there (`append`), and here each such slot
     and the token's own slot trade mask columns in `seats` (in place), so later steps read the sink slot as that
     token and its own slot as the sink slot's pad column (masked). Returns the seats this chunk's own mask is read
     through: the seats as they were before the trade. Every layer's call gives the same (KVQCache calls it per
-    layer): the slots are decided from the mask and the seats with this chunk's trades undone (a sink slot already
-    seated at a column >= p0 counts as unattended, the chunk's slots read their own columns), and a row already
-    traded is left as it is. A chunk at p0 < sink writes the sink in place (not rearranged)."""
+    layer): the slots are decided from the mask and the seats with this chunk's trades undone (a slot before the
+    chunk already seated at a column >= p0 counts as unattended, the chunk's slots read their own columns), and a
+    row already traded is left as it is (its first sink slot seated at a token past the sink and the chunk's
+    start: before the trade a slot before the chunk reads a column < p0, one of the chunk's its own, < sink)."""
     B, T = seats.shape
-    if attention_mask.dim() != 4 or attention_mask.shape[-1] != T or p0 < sink:
+    if attention_mask.dim() != 4 or attention_mask.shape[-1] != T or p0 == 0:
         return seats.clone()
     raw = attended_slots(attention_mask).expand(B, T)
     att = raw.gather(1, seats) & (seats < p0)
@@ -751,7 +757,7 @@ def seat_fresh_rows(seats: torch.Tensor, attention_mask: torch.Tensor, p0: int, 
     traded.scatter_(1, dst, torch.where(ok, at_own, at_dst))
     traded.scatter_(1, own, torch.where(ok, at_dst, at_own))
     rows = ok[:, :1]
-    done = rows & (at_dst[:, :1] >= p0)   # traded by an earlier layer's call: the trade undone is the seats before
+    done = rows & (at_dst[:, :1] >= max(p0, sink))   # traded by an earlier layer's call: undone, the seats before
     read = torch.where(done, traded, seats)
     seats.copy_(torch.where(rows & ~done, traded, seats))
     return read

@@ -342,8 +342,8 @@ def test_chunked_prefill_within_the_window_equals_one_piece(pads, name):
             torch.testing.assert_close(b, a, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("name", ["int8", "fp16"])
-def test_a_row_whose_real_tokens_start_after_its_first_chunk_takes_the_sink(name):
+@pytest.mark.parametrize("name, sink", [("int8", 4), ("fp16", 4), ("int8", 12)])
+def test_a_row_whose_real_tokens_start_after_its_first_chunk_takes_the_sink(name, sink):
     """A chunked prefill (8-token chunks, a 4-token sink) whose first chunks hold fewer than 4 real tokens for a
     row: the row's first real tokens take its sink when they come (`store.seat_fresh_rows`, `sink_fill`: copied
     into the sink's pad slots, the mask read through the seats), as an unchunked prefill seats them. Pads 11: the
@@ -354,12 +354,15 @@ def test_a_row_whose_real_tokens_start_after_its_first_chunk_takes_the_sink(name
     exact (within 1e-5); before session 49 those 4 were int8 codes for the row of 11 pads (off by up to half a step:
     0.003 here; SmolLM2 innerq-2, 40 pads: 52.53 perplexity against 37.70, bench/RESULTS.md), before session 50 for
     the rows of 6 and 14 the last 2. fp16 (no codes) checks the copy of unquantized sides, every token within 1e-5.
-    KVQCache eager and compiled, kvq_backend's chunk graphs."""
+    A 12-token sink: the chunk at 8 starts inside it, writes its first 4 tokens there in place and copies its real
+    tokens past the sink into the sink's pad slots (`sink_fill`), each row's first min(12, real) tokens exact (before
+    session 51 the rows of 6 and 14 pads had their tokens 12-15 quantized). KVQCache eager and compiled,
+    kvq_backend's chunk graphs."""
     from transformers import StaticCache
 
     model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=2).to(DEVICE)
     cfg = KVQConfig.preset(name)
-    cfg.sink, cfg.recent = 4, 0
+    cfg.sink, cfg.recent = sink, 0
     pads = (0, 11, 6, 14)
     ids, mask = (t.to(DEVICE) for t in prompts(len(pads), 21, pad=pads, seed=5))
     tol = 1e-5 if DEVICE == "cpu" else 1e-4
@@ -395,24 +398,27 @@ def test_a_row_whose_real_tokens_start_after_its_first_chunk_takes_the_sink(name
     coded = tol if name == "fp16" else 0.05
     for how in ("eager", "compiled", "backend"):
         for a, b in zip(whole, run(8, how)):
-            for r, p in enumerate(pads):   # each row's first 4 real tokens: exact, from its sink
-                torch.testing.assert_close(b[r, :, p:p + 4], a[r, :, p:p + 4], atol=tol, rtol=tol)
+            for r, p in enumerate(pads):   # each row's first `sink` real tokens: exact, from its sink
+                torch.testing.assert_close(b[r, :, p:p + sink], a[r, :, p:p + sink], atol=tol, rtol=tol)
                 torch.testing.assert_close(b[r, :, p:], a[r, :, p:], atol=coded, rtol=0)
 
 
-def test_rows_that_took_their_sink_attend_as_an_exact_cache():
+@pytest.mark.parametrize("sink", [4, 12])
+def test_rows_that_took_their_sink_attend_as_an_exact_cache(sink):
     """fp16 (nothing quantized) with a 4-token sink, five rows padded by 0, 6, 11, 14 and 19 in 8-token chunks: rows
     whose sink holds pads take their next real tokens there (`store.seat_fresh_rows`): from the second chunk (6:
     its first chunk's 2 real tokens seated in the sink, 2 more; 11), from the second and the third (14: 2 real
     tokens in each), from the third (19). Every prefill and decode logit equals HF's static cache (within 1e-5):
     the chunk's own attention reads the pre-swap seats, later chunks and decode steps the swapped ones, so no real
     token is read twice or read as a pad (the review's case; an exact cache cannot show what the sink buys, the
-    int8 test above does). KVQCache eager and compiled, kvq_backend's chunk graphs."""
+    int8 test above does). A 12-token sink: the chunk at 8 starts inside it (its first 4 tokens written there in
+    place, its real tokens past the sink copied into the sink's pad slots). KVQCache eager and compiled,
+    kvq_backend's chunk graphs."""
     from transformers import StaticCache
 
     model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=2).to(DEVICE)
     cfg = KVQConfig.preset("fp16")
-    cfg.sink = 4
+    cfg.sink = sink
     ids, mask = (t.to(DEVICE) for t in prompts(5, 24, pad=(0, 6, 11, 14, 19), seed=6))
     tol = 1e-5 if DEVICE == "cpu" else 1e-4
     kw = dict(attention_mask=mask, max_new_tokens=6, **GEN)
