@@ -182,7 +182,7 @@ class KVQLayer(CacheLayerMixin):
                 slot_mask = st.seated_mask(attention_mask, self.seats)   # (seated where seat_rows set the seats)
             else:
                 if sink and attention_mask.dim() == 4 and attention_mask.shape[-1] == self.seat_buffer.shape[1]:
-                    # an eager later chunk: rows whose sink holds pads take its first real tokens there
+                    # an eager later chunk: rows whose sink holds pads take its first real tokens past the sink there
                     # (`store.seat_fresh_rows`); this chunk's mask is read as before
                     read = st.seat_fresh_rows(self.seat_buffer, attention_mask, int(positions[0]),
                                               positions.shape[0], self.store.cfg.sink)

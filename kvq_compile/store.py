@@ -483,7 +483,8 @@ def append(bufs: dict, cfg: KVQConfig, spec: LayerSpec, geo: Geometry, key: torc
     append_side(_side(bufs, "k"), spec.key, cfg, geo, key, p0, True, slots)
     append_side(_side(bufs, "v"), spec.value, cfg, geo, value, p0, False, slots)
     fill = sink_fill(slots, p0, key.shape[2], cfg.sink, geo.batch)
-    if fill is not None:   # rows whose sink holds pads take the chunk's first real tokens there (`seat_fresh_rows`)
+    if fill is not None:   # rows whose sink holds pads take the chunk's first real tokens past the sink there
+        # (`seat_fresh_rows`)
         for name, x in (("k", key), ("v", value)):
             b = _side(bufs, name)
             _fill_rows(b["sink"] if "sink" in b else b["data"], x, *fill)
@@ -512,7 +513,7 @@ def sink_fill(slots: torch.Tensor | None, p0: int, n: int, sink: int, batch: int
     seats them. None where no row takes any; chunks of n >= 2 tokens only (a decode step's append is
     `append_decode`'s). Reads on the host whether any row takes one (a chunk reads p0 there anyway)."""
     j = max(sink - p0, 0)
-    if slots is None or sink == 0 or n < 2 or j >= n or slots.shape[-1] < p0 + n:
+    if slots is None or sink == 0 or p0 == 0 or n < 2 or j >= n or slots.shape[-1] < p0 + n:
         return None
     s = slots.expand(batch, slots.shape[-1])
     empty, a = ~s[:, :sink], s[:, p0 + j:p0 + n]
@@ -714,7 +715,8 @@ def seat_first_chunk(seats: torch.Tensor, attention_mask: torch.Tensor, position
     read their masks through it, and what a previous sequence left there is gone; the chunk's own mask is read
     unseated (its attention takes the chunk's K/V as they come), its append's slots seated by `chunk` (`seated_mask`:
     the append stores the chunk seated). A later chunk: the identity within it, and the prefix's columns through
-    `seats`, except that rows whose sink holds pads take its first real tokens there (`seat_fresh_rows`: their
+    `seats`, except that rows whose sink holds pads take its first real tokens past the sink there
+    (`seat_fresh_rows`: their
     seats change, this chunk's mask is read through them as they were before). Reads its start position on the host
     (chunks do: `ops.chunk_ops`)."""
     B, T = seats.shape
@@ -742,8 +744,8 @@ def seat_fresh_rows(seats: torch.Tensor, attention_mask: torch.Tensor, p0: int, 
     row already traded is left as it is (its first sink slot seated at a token past the sink and the chunk's
     start: before the trade a slot before the chunk reads a column < p0, one of the chunk's its own, < sink)."""
     B, T = seats.shape
-    if attention_mask.dim() != 4 or attention_mask.shape[-1] != T or p0 == 0:
-        return seats.clone()
+    if attention_mask.dim() != 4 or attention_mask.shape[-1] != T or p0 == 0 or p0 + n <= sink:
+        return seats.clone()   # (a first chunk, or one that ends inside the sink: nothing to fill)
     raw = attended_slots(attention_mask).expand(B, T)
     att = raw.gather(1, seats) & (seats < p0)
     att[:, p0:p0 + n] = raw[:, p0:p0 + n]

@@ -356,7 +356,7 @@ def test_a_row_whose_real_tokens_start_after_its_first_chunk_takes_the_sink(name
     the rows of 6 and 14 the last 2. fp16 (no codes) checks the copy of unquantized sides, every token within 1e-5.
     A 12-token sink: the chunk at 8 starts inside it, writes its first 4 tokens there in place and copies its real
     tokens past the sink into the sink's pad slots (`sink_fill`), each row's first min(12, real) tokens exact (before
-    session 51 the rows of 6 and 14 pads had their tokens 12-15 quantized). KVQCache eager and compiled,
+    session 51 the rows of 6, 11 and 14 pads had their tokens 12-15 quantized). KVQCache eager and compiled,
     kvq_backend's chunk graphs."""
     from transformers import StaticCache
 

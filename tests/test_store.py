@@ -419,17 +419,18 @@ def test_a_sink_partly_held_by_pads_takes_the_next_chunk_s_first_real_tokens():
         torch.testing.assert_close(sink[0, :, :4], x[0, :, :4], atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["int8", "innerq-2", "fp16"])
+@pytest.mark.parametrize("name", ["int8", "innerq-2", "fp16", "kvquant-4"])
 def test_a_chunk_that_starts_inside_the_sink_fills_it_with_its_tokens_past_the_sink(name):
     """A 12-token sink filled in 8-token chunks: the chunk at 8 starts inside it, writes its tokens 8-11 there in
     place and copies its real tokens past the sink into the sink's pad slots (its own pads there included:
     `sink_fill`), then the chunk at 16 fills what is left. Rows padded by 0, 6, 11 and 14, and one whose only pad
     is slot 9 (inside the chunk, in the sink: the first sink slot it fills is one of the chunk's own). Read through
-    the seats, each row's sink holds its first min(12, real) real tokens, exact, as one piece seats them; every
+    the seats, each row's sink holds its first min(12, real) real tokens, exact, as one piece seats them (Keys
+    stored before RoPE, kvquant-4: their RoPE rows too); every
     layer's call of `seat_fresh_rows` reads and leaves the same seats; and the chunk's own mask, read through the
     seats it returns, attends each real token once. Before session 51 a chunk at p0 < sink wrote in place only:
-    the rows of 6 and 14 pads kept their real tokens 12-15 out of their sink, past it (quantized), and took later
-    ones instead."""
+    the rows of 6, 11 and 14 pads kept their real tokens 12-15 out of their sink, past it (quantized), and took
+    later ones instead."""
     torch.manual_seed(8)
     cfg = KVQConfig.preset(name)
     cfg.sink, cfg.recent = 12, 0 if name == "int8" else min(cfg.recent, 8)
@@ -441,6 +442,7 @@ def test_a_chunk_that_starts_inside_the_sink_fills_it_with_its_tokens_past_the_s
     real = torch.arange(T) >= torch.tensor(pads + (0,))[:, None]
     real[-1, 9] = False
     k = torch.randn(B, H, T, D) * torch.linspace(0.1, 5, D)
+    cos, sin = (torch.randn(1, T, D) for _ in range(2))
     for p0 in (0, 8, 16):
         pos = torch.arange(p0, p0 + 8)
         allowed = real[:, None, :] & (torch.arange(T)[None, None] <= pos[None, :, None])
@@ -452,10 +454,10 @@ def test_a_chunk_that_starts_inside_the_sink_fills_it_with_its_tokens_past_the_s
             assert torch.equal(st.seat_fresh_rows(ms.seats, mask, p0, 8, cfg.sink), read)
             assert torch.equal(ms.seats, after)
             assert torch.equal(read, before)
-        kk, vv, _, _ = st.seated_chunk(st.attended(mask, pos), chunk, k[:, :, p0:p0 + 8], k[:, :, p0:p0 + 8],
-                                       None, None, name != "fp16")
+        kk, vv, cc, ss = st.seated_chunk(st.attended(mask, pos), chunk, k[:, :, p0:p0 + 8], k[:, :, p0:p0 + 8],
+                                         cos[:, p0:p0 + 8], sin[:, p0:p0 + 8], name != "fp16")
         slots = st.attended_slots(st.seated_mask(st.seated_mask(mask, read), chunk))
-        st.append(bufs, cfg, ms.layers[0].spec, geo, kk, vv, p0, slots=slots)
+        st.append(bufs, cfg, ms.layers[0].spec, geo, kk, vv, p0, cc, ss, slots=slots)
         # the chunk's attention: each slot it attends (through `read`) holds that column's token, each column once
         # (the sink only where the rest is quantized)
         top = p0 + 8 if name == "fp16" else min(cfg.sink, p0 + 8)
@@ -479,6 +481,9 @@ def test_a_chunk_that_starts_inside_the_sink_fills_it_with_its_tokens_past_the_s
             sink = bufs[f"{side}.sink"] if f"{side}.sink" in bufs else bufs[f"{side}.data"]
             at = real[r, cols[r]]
             torch.testing.assert_close(sink[r, :, :cfg.sink][:, at], k[r, :, cols[r][at]], atol=0, rtol=0)
+        if cfg.keys_before_rope:
+            for tab, x in (("rope.cos", cos), ("rope.sin", sin)):
+                torch.testing.assert_close(bufs[tab][r, :cfg.sink][at], x[0, cols[r][at]], atol=0, rtol=0)
 
 
 def _chunked_prefill(cfg, k, real, chunks):
