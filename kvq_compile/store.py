@@ -483,8 +483,7 @@ def append(bufs: dict, cfg: KVQConfig, spec: LayerSpec, geo: Geometry, key: torc
     append_side(_side(bufs, "k"), spec.key, cfg, geo, key, p0, True, slots)
     append_side(_side(bufs, "v"), spec.value, cfg, geo, value, p0, False, slots)
     fill = sink_fill(slots, p0, key.shape[2], cfg.sink, geo.batch)
-    if fill is not None:   # rows whose sink holds pads take the chunk's first real tokens past the sink there
-        # (`seat_fresh_rows`)
+    if fill is not None:   # pad slots of the sink take the chunk's first real tokens past it (`seat_fresh_rows`)
         for name, x in (("k", key), ("v", value)):
             b = _side(bufs, name)
             _fill_rows(b["sink"] if "sink" in b else b["data"], x, *fill)
@@ -716,9 +715,8 @@ def seat_first_chunk(seats: torch.Tensor, attention_mask: torch.Tensor, position
     unseated (its attention takes the chunk's K/V as they come), its append's slots seated by `chunk` (`seated_mask`:
     the append stores the chunk seated). A later chunk: the identity within it, and the prefix's columns through
     `seats`, except that rows whose sink holds pads take its first real tokens past the sink there
-    (`seat_fresh_rows`: their
-    seats change, this chunk's mask is read through them as they were before). Reads its start position on the host
-    (chunks do: `ops.chunk_ops`)."""
+    (`seat_fresh_rows`: their seats change, this chunk's mask is read through them as they were before). Reads its
+    start position on the host (chunks do: `ops.chunk_ops`)."""
     B, T = seats.shape
     n = positions.shape[0]
     identity = torch.arange(T, device=seats.device).expand(B, T)
