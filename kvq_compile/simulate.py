@@ -40,7 +40,7 @@ def quantized_view(history: torch.Tensor, q: QuantizerSpec, cfg: KVQConfig, leng
     first = S if first_chunk > S else 0
     body = history[:, :, first:first_chunk]
     stat_valid = None if valid is None else valid[..., first:first_chunk]
-    alone = None   # rows whose real tokens all sit in the sink: statistics over those (`store.statistics_tokens`)
+    alone = None   # rows with fewer than 2 real tokens past the sink: statistics over all (`store.statistics_tokens`)
     if valid is not None and first:
         stat_tokens, alone = statistics_tokens(valid[..., :first_chunk].expand(x.shape[0], first_chunk), first)
         if bool(alone.any()):

@@ -291,12 +291,12 @@ def _set_rows(buf: torch.Tensor, value: torch.Tensor, rows: torch.Tensor | None)
 def statistics_tokens(real: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [B, n] bool, alone [B] bool): the tokens of a chunk whose statistics a row takes (`append_side`),
     from its real tokens `real` [B, n] (slot order) and the chunk's first `first` tokens that sit in the sink: its
-    real tokens past those; a row with none there (`alone`), its real tokens in the sink (its pads hold copies of
-    one of them, `neutralized`); a row with no real token, every token past the sink (as without a mask: a row of
-    pads takes nothing from its neighbours)."""
+    real tokens past those; a row with fewer than 2 there (`alone`: one token's range is a point), all its real
+    tokens, the sink's too (its pads hold copies of one of them, `neutralized`); a row with no real token, every
+    token past the sink (as without a mask: a row of pads takes nothing from its neighbours)."""
     past = torch.arange(real.shape[-1], device=real.device) >= first
     body = real & past
-    has_body = body.any(-1, keepdim=True)
+    has_body = body.sum(-1, keepdim=True) >= 2
     alone = real.any(-1) & ~has_body[..., 0]
     return torch.where(has_body, body, torch.where(real.any(-1, keepdim=True), real, past)), alone
 
@@ -309,8 +309,21 @@ def _exact_prefix(b: dict, p0: int, S: int, wr: int) -> torch.Tensor:
     return torch.cat(parts, dim=2)
 
 
+def _filled(whole: torch.Tensor, a: torch.Tensor, p0: int, fill) -> tuple[torch.Tensor, torch.Tensor]:
+    """(whole [B, H, p0 + n, D], a [B, p0 + n]) of a widening re-append (`append_side`) with `sink_fill`'s copies
+    made in it: each filled sink slot holds its chunk token and is attended, the token's own slot is a pad."""
+    dst, src, ok = fill
+    B = dst.shape[0]
+    whole = whole.expand(B, *whole.shape[1:]).clone()
+    _fill_rows(whole, whole[:, :, p0:].clone(), dst, src, ok)
+    a, own = a.expand(B, a.shape[-1]).clone(), p0 + src   # (own >= sink > dst)
+    a.scatter_(1, dst, a.gather(1, dst) | ok)
+    a.scatter_(1, own, a.gather(1, own) & ~ok)
+    return whole, a
+
+
 def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: torch.Tensor, p0: int,
-                is_key: bool, slots: torch.Tensor | None = None) -> None:
+                is_key: bool, slots: torch.Tensor | None = None, fill=None) -> None:
     """Write chunk x [B, H, n, D] at positions [p0, p0 + n) into one side's buffers (in place).
 
     The statistics a side keeps from its first chunk (InnerQ's Key norm, static per-channel ranges) come from the
@@ -322,9 +335,9 @@ def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: tor
     input). After that they stay, except for rows whose earlier tokens past the sink were all pads, which take them
     from this chunk (a chunked prefill whose first chunks held fewer real tokens than the sink for a row: seated
     into its sink, `seating`, or moved there, `sink_fill`). The statistics leave the sink's tokens out where the
-    chunk has real tokens past it; a row whose real tokens in the chunk all sit in the sink takes them over those
-    (a left-padded row of at most `sink` real tokens; its pads hold copies of one of them, `neutralized`, over which
-    a range would be a point). Not handled: a row whose first real chunk holds a single real token gets a point
+    chunk has at least 2 real tokens past it; a row with fewer takes them over all its real tokens, the sink's too
+    (a left-padded row of at most `sink` + 1 real tokens; its pads hold copies of one of them, `neutralized`, over
+    which a range would be a point). Not handled: a row whose first real chunk holds a single real token gets a point
     range, as a one-token first chunk does; a one-token chunk (a decode step, a last prefill chunk of one token:
     the decode append) changes nothing.
     slots [B or 1, >= p0 + n] bool (`attended_slots`): the slots, in slot order (`seated_mask`), that the chunk's
@@ -332,7 +345,10 @@ def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: tor
     a slot that an earlier query of the chunk attends but the last does not, as under a sliding window, would be
     read as a copy; no caller passes such masks: KVQCache and the pass refuse sliding windows), and left out of the
     static ranges taken from the chunk (their percentiles: `reference.static_channel_range`'s valid). A seated first
-    chunk's slots are in its seated order, as its tokens are here. None, or shorter than p0 + n: no pads."""
+    chunk's slots are in its seated order, as its tokens are here. None, or shorter than p0 + n: no pads.
+    fill: `sink_fill`'s copies of the chunk's tokens into the sink's pad slots, which `append` makes after this:
+    their own slots here hold pads (`neutralized`; masked from then on), and a widening re-append counts them in
+    the sink, as one piece seated holds them; a chunk that does not widen still takes its statistics with them."""
     n = x.shape[2]
     if not q.quantized:
         b["data"][:, :, p0:p0 + n] = x.to(b["data"].dtype)
@@ -346,7 +362,10 @@ def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: tor
     if p0 > 0 and n > 1 and firsts and fill_boundary(p0, S, R, G) == S:
         whole = torch.cat([_exact_prefix(b, p0, S, wr), x.to(dt)], dim=2)
         if a is not None:
-            whole = neutralized(a[..., :p0 + n], whole)[0]
+            a = a[..., :p0 + n]
+            if fill is not None:   # the sink's pad slots take the chunk's tokens past it (`append`): as one seated
+                whole, a = _filled(whole, a, p0, fill)   # piece, those count in the sink, their own slots as pads
+            whole = neutralized(a, whole)[0]
         append_side(b, q, cfg, geo, whole, 0, is_key, a)
         return
     fresh = None
@@ -354,7 +373,7 @@ def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: tor
         fresh = fresh_rows(a[..., S:], p0 - S, n, geo.batch)
     first = max(S - p0, 0)   # statistics skip the exact sink tokens when there are others
     first = first if n > first else 0
-    alone = None   # rows whose real tokens in the chunk all sit in its sink part: statistics over those
+    alone = None   # rows with fewer than 2 real tokens past the chunk's sink part: statistics over all of them
     if first and a is not None and firsts:
         stat_tokens, alone = statistics_tokens(a[..., p0:p0 + n].expand(geo.batch, n), first)
         alone = alone if bool(alone.any()) else None
@@ -376,6 +395,10 @@ def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: tor
         if "center" in b:
             _set_rows(b["center"], c, rows)
         _set_rows(b["half"], h, rows)
+    if fill is not None and a is not None:   # the tokens `append` copies into the sink: pads in their own slots
+        keep = a[..., p0:p0 + n].expand(geo.batch, n).clone()
+        keep.scatter_(1, fill[1], keep.gather(1, fill[1]) & ~fill[2])
+        x = neutralized(keep, x)[0]
     q_old, q_new = code_boundary(p0, S, R, G), code_boundary(p0 + n, S, R, G)
     if q_new > q_old:
         parts = []
@@ -480,9 +503,9 @@ def append(bufs: dict, cfg: KVQConfig, spec: LayerSpec, geo: Geometry, key: torc
         cos, sin = (c[:, 0] if c.dim() == 4 else c for c in (cos, sin))  # [B|1, 1, n, D] -> [B|1, n, D]
         bufs["rope.cos"][:, p0:p0 + n] = cos.to(bufs["rope.cos"].dtype).expand(geo.batch, n, geo.head_dim)
         bufs["rope.sin"][:, p0:p0 + n] = sin.to(bufs["rope.sin"].dtype).expand(geo.batch, n, geo.head_dim)
-    append_side(_side(bufs, "k"), spec.key, cfg, geo, key, p0, True, slots)
-    append_side(_side(bufs, "v"), spec.value, cfg, geo, value, p0, False, slots)
     fill = sink_fill(slots, p0, key.shape[2], cfg.sink, geo.batch)
+    append_side(_side(bufs, "k"), spec.key, cfg, geo, key, p0, True, slots, fill)
+    append_side(_side(bufs, "v"), spec.value, cfg, geo, value, p0, False, slots, fill)
     if fill is not None:   # pad slots of the sink take the chunk's first real tokens past it (`seat_fresh_rows`)
         for name, x in (("k", key), ("v", value)):
             b = _side(bufs, name)

@@ -342,6 +342,42 @@ def test_chunked_prefill_within_the_window_equals_one_piece(pads, name):
             torch.testing.assert_close(b, a, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("name, sink, recent, backend", [
+    ("innerq-2", 12, 12, False), ("innerq-2", 12, 12, True), ("innerq-2", 4, 20, False),
+    ("kvquant-4-1%", 12, 12, False), ("kvquant-4-1%", 4, 20, False), ("kivi-2", 12, 12, False)])
+def test_a_chunked_prefill_that_fills_a_row_s_sink_equals_one_piece(name, sink, recent, backend):
+    """8-token chunks whose rows (padded by 0, 6, 9, 11, 14) take their sink from later chunks (`sink_fill`: at
+    p0 >= sink, and with a 12-token sink from the chunk at 8, which starts inside it), every prompt token still
+    exact while it is chunked: every logit, the 12 decode steps' too, equals the unchunked prefill's. The tokens
+    moved into the sink leave pads in their own slots (masked from then on) and count in the sink, not past it, in
+    the statistics a widening re-append takes (`store.append_side`'s fill), as one seated piece holds them. Before
+    (session 51's review): up to 1.7e-2 apart for innerq-2 (its Values' token groups held the moved tokens' own
+    slots), 1e-4 for kvquant-4-1%. KVQCache; kvq_backend's compiled chunks for one case."""
+    from transformers import StaticCache
+
+    model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=2).to(DEVICE)
+    cfg = small_windows(name)
+    cfg.sink, cfg.recent = sink, recent
+    pads = (0, 6, 9, 11, 14)
+    ids, mask = (t.to(DEVICE) for t in prompts(len(pads), 21, pad=pads))
+    tol = 1e-5 if DEVICE == "cpu" else 1e-4
+
+    def run(chunk):
+        kw = dict(prefill_chunk_size=chunk) if chunk else {}
+        if backend:
+            torch._dynamo.reset()
+            static = StaticCache(config=model.config, max_cache_len=34)
+            static.early_initialization(len(pads), 1, 64, torch.float32, DEVICE)
+            kw.update(past_key_values=static, compile_config=compile_config(kvq_backend(cfg)))
+        else:
+            kw.update(past_key_values=KVQCache(model, cfg, batch_size=len(pads), max_cache_len=34),
+                      disable_compile=True)
+        return model.generate(ids, attention_mask=mask, max_new_tokens=12, **GEN, **kw).logits
+
+    for a, b in zip(run(None), run(8)):
+        torch.testing.assert_close(b, a, atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("name, sink", [("int8", 4), ("fp16", 4), ("int8", 12)])
 def test_a_row_whose_real_tokens_start_after_its_first_chunk_takes_the_sink(name, sink):
     """A chunked prefill (8-token chunks, a 4-token sink) whose first chunks hold fewer than 4 real tokens for a

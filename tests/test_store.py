@@ -534,6 +534,27 @@ def test_a_row_whose_real_tokens_sit_in_its_sink_takes_its_statistics_over_them(
     assert (one["k.half"][1] > 0.01).all()
 
 
+@pytest.mark.parametrize("chunks, pad", [([24], 19), ([8, 8, 8], 11)])
+def test_a_row_with_one_real_token_past_its_sink_takes_no_point_range(chunks, pad):
+    """kvquant-4's static Key ranges with a 4-token sink and a 4-token window. One piece with 19 pads: 5 real
+    tokens, 4 in the sink and 1 past it. 8-token chunks with 11 pads: the chunk at 8 widens, its first 4 real tokens
+    move into the sink (`sink_fill`), 1 stays past it, and the chunk at 16 no longer widens. A range over the one
+    token past the sink would be a point (1e-6 on every channel, frozen; session 51's review: decode Keys off by up
+    to 32.6); the row takes it over all its real tokens (`store.statistics_tokens`), here its 5 (of chunks: the
+    first 5; the later ones come after the statistics are fixed)."""
+    torch.manual_seed(12)
+    cfg = KVQConfig.preset("kvquant-4")
+    cfg.sink, cfg.recent = 4, 4
+    B, H, T, D = 2, 2, 24, 32
+    k = torch.randn(B, H, T, D) * torch.linspace(0.1, 5, D)
+    real = torch.ones(B, T, dtype=torch.bool)
+    real[1, :pad] = False
+    bufs = _chunked_prefill(cfg, k, real, chunks)
+    c, h = ref.static_channel_range(k[1:, :, pad:pad + 5], cfg.key, torch.float32, cfg.eta_for(cfg.key))
+    torch.testing.assert_close(bufs["k.half"][1:], h, atol=0, rtol=0)
+    assert (bufs["k.half"][1] > 0.01).all()
+
+
 @pytest.mark.parametrize("name", ["innerq-2", "kvquant-4", "kvquant-4-1%"])
 def test_statistics_of_a_row_whose_real_tokens_sit_in_its_sink_as_the_simulation_takes_them(name):
     """A first chunk of 12 tokens with a 4-token sink: row 0 all real, row 1 three real tokens (seated in its sink,
