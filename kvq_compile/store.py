@@ -316,10 +316,17 @@ def _filled(whole: torch.Tensor, a: torch.Tensor, p0: int, fill) -> tuple[torch.
     B = dst.shape[0]
     whole = whole.expand(B, *whole.shape[1:]).clone()
     _fill_rows(whole, whole[:, :, p0:].clone(), dst, src, ok)
-    a, own = a.expand(B, a.shape[-1]).clone(), p0 + src   # (own >= sink > dst)
+    a = a.expand(B, a.shape[-1]).clone()
     a.scatter_(1, dst, a.gather(1, dst) | ok)
-    a.scatter_(1, own, a.gather(1, own) & ~ok)
-    return whole, a
+    return whole, moved_out(a, p0 + src, ok)   # (own slots >= sink > dst)
+
+
+def moved_out(keep: torch.Tensor, own: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+    """keep [B, m] bool with its columns own [B, k] cleared where ok [B, k] (columns outside [0, m) ignored): the
+    slots that `sink_fill`'s moved tokens leave, pads from then on."""
+    m = keep.shape[-1]
+    idx = torch.where(ok & (own >= 0) & (own < m), own, m)   # (m: a spare column)
+    return torch.cat([keep, keep[:, :1]], 1).scatter_(1, idx, False)[:, :m]
 
 
 def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: torch.Tensor, p0: int,
@@ -343,9 +350,12 @@ def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: tor
     slots [B or 1, >= p0 + n] bool (`attended_slots`): the slots, in slot order (`seated_mask`), that the chunk's
     last query attends; the others are pads, `neutralized` in the prefix appended again (also in the sink and ring:
     a slot that an earlier query of the chunk attends but the last does not, as under a sliding window, would be
-    read as a copy; no caller passes such masks: KVQCache and the pass refuse sliding windows), and left out of the
-    static ranges taken from the chunk (their percentiles: `reference.static_channel_range`'s valid). A seated first
-    chunk's slots are in its seated order, as its tokens are here. None, or shorter than p0 + n: no pads.
+    read as a copy; no caller passes such masks: KVQCache and the pass refuse sliding windows) and in each block of
+    groups coded (the ring's tokens of earlier chunks with this chunk's: a pad copies a real token of its block, as
+    one piece's copies one next to it, where the chunk's own neutralization may have copied one of another group),
+    and left out of the static ranges taken from the chunk (their percentiles: `reference.static_channel_range`'s
+    valid). A seated first chunk's slots are in its seated order, as its tokens are here. None, or shorter than
+    p0 + n: no pads.
     fill: `sink_fill`'s copies of the chunk's tokens into the sink's pad slots, which `append` makes after this:
     their own slots here hold pads (`neutralized`; masked from then on), and a widening re-append counts them in
     the sink, as one piece seated holds them; a chunk that does not widen still takes its statistics with them."""
@@ -396,9 +406,7 @@ def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: tor
             _set_rows(b["center"], c, rows)
         _set_rows(b["half"], h, rows)
     if fill is not None and a is not None:   # the tokens `append` copies into the sink: pads in their own slots
-        keep = a[..., p0:p0 + n].expand(geo.batch, n).clone()
-        keep.scatter_(1, fill[1], keep.gather(1, fill[1]) & ~fill[2])
-        x = neutralized(keep, x)[0]
+        x = neutralized(moved_out(a[..., p0:p0 + n].expand(geo.batch, n), fill[1], fill[2]), x)[0]
     q_old, q_new = code_boundary(p0, S, R, G), code_boundary(p0 + n, S, R, G)
     if q_new > q_old:
         parts = []
@@ -408,6 +416,11 @@ def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: tor
         if q_new > p0:  # tokens of this chunk that are quantized straight away
             parts.append(x[:, :, max(q_old, p0) - p0:q_new - p0].to(dt))
         block = torch.cat(parts, dim=2)
+        if a is not None:   # its pads (the ring's from earlier chunks too, and the tokens `append` moves into the
+            keep = a[..., q_old:q_new].expand(geo.batch, q_new - q_old)   # sink) as copies of its own real tokens
+            if fill is not None:
+                keep = moved_out(keep, p0 + fill[1] - q_old, fill[2])
+            block = neutralized(keep, block)[0]
         if "norm" in b:
             block = block.float() / b["norm"]
         qb = ref.quantize_block(block, q, _levels(b, q), dt, cfg.eta_for(q), _static_range(b) if static else None)

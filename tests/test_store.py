@@ -486,9 +486,11 @@ def test_a_chunk_that_starts_inside_the_sink_fills_it_with_its_tokens_past_the_s
                 torch.testing.assert_close(bufs[tab][r, :cfg.sink][at], x[0, cols[r][at]], atol=0, rtol=0)
 
 
-def _chunked_prefill(cfg, k, real, chunks):
-    """A left-padded prefill of k [B, H, T, D] (Keys and Values alike) in `chunks` as the rewrite and KVQCache run
-    one (`seat_first_chunk`, `seated_chunk`, the append's slots through the seats): the layer's buffers."""
+def _chunked_prefill(cfg, k, real, chunks, v=None):
+    """A left-padded prefill of k [B, H, T, D] (and v, Keys where None) in `chunks` as the rewrite and KVQCache
+    run one (`seat_first_chunk`, `seated_chunk`, the append's slots through the seats): the layer's buffers and
+    store (its seats)."""
+    v = k if v is None else v
     B, H, T, D = k.shape
     geo = st.Geometry(B, H, T, D, "float32")
     ms = st.ModelStore(cfg, 1, geo, "cpu")
@@ -499,12 +501,47 @@ def _chunked_prefill(cfg, k, real, chunks):
         allowed = real[:, None, :] & (torch.arange(T)[None, None] <= pos[None, :, None])
         mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[:, None]
         chunk, read = st.seat_first_chunk(ms.seats, mask, pos, cfg.sink)
-        kk, vv, _, _ = st.seated_chunk(st.attended(mask, pos), chunk, k[:, :, p0:p0 + n], k[:, :, p0:p0 + n],
+        kk, vv, _, _ = st.seated_chunk(st.attended(mask, pos), chunk, k[:, :, p0:p0 + n], v[:, :, p0:p0 + n],
                                        None, None)
         slots = st.attended_slots(st.seated_mask(st.seated_mask(mask, read), chunk))
         st.append(bufs, cfg, ms.layers[0].spec, geo, kk, vv, p0, slots=slots)
         p0 += n
-    return bufs
+    return bufs, ms
+
+
+@pytest.mark.parametrize("chunks, pads", [([8, 10, 8], (0, 6, 9, 23, 24)), ([6, 6, 6, 6, 2], (0, 7, 9, 22, 23))])
+@pytest.mark.parametrize("name", ["kivi-2", "innerq-2", "kvquant-4-1%"])
+def test_a_chunked_prefill_whose_boundaries_split_token_groups_equals_one_piece(name, chunks, pads):
+    """Token groups of 4 that chunk boundaries split (chunks of 8, 10, 8 and of 6, 6, 6, 6, 2; a 12-token sink
+    and window), rows padded so that later chunks fill their sink (`sink_fill`; the last two rows hold 2 to 4 real
+    tokens, all moved there), then 12 decode steps. Each real token's K and V as attention reads them, put back in
+    its mask column, equal one piece's exactly. A group is coded from the ring's tokens of earlier chunks and this
+    chunk's: its pads and the tokens moved into the sink become copies of its own real tokens
+    (`store.append_side`), as one piece's, whose pads copy a real token next to them. Before (session 51's second
+    review): KIVI's Keys and InnerQ's Values (which keep no first-chunk statistics, so never append again as one
+    piece) held in such a group copies of a token of another chunk, up to 1.0-5.8 apart here."""
+    torch.manual_seed(13)
+    cfg = small_windows(name)
+    cfg.sink, cfg.recent, cfg.keys_before_rope = 12, 12, False
+    B, H, D, P, L = len(pads), 2, 32, sum(chunks), sum(chunks) + 12
+    k, v = (torch.randn(B, H, L, D) * torch.linspace(0.1, 5, D) for _ in range(2))
+    real = torch.arange(L) >= torch.tensor(pads)[:, None]
+
+    def read(parts):   # K, V [B, H, L, D] by mask column, pads 0
+        bufs, ms = _chunked_prefill(cfg, k[:, :, :P], real[:, :P], parts, v[:, :, :P])
+        geo = st.Geometry(B, H, P, D, "float32")
+        spec = ms.layers[0].spec
+        for p in range(P, L):
+            st.append_decode(bufs, cfg, spec, geo, k[:, :, p:p + 1], v[:, :, p:p + 1], torch.tensor(p))
+        seats = torch.cat([ms.seats[:, :P], torch.arange(P, L).expand(B, -1)], 1)
+        out = []
+        for x in st.read(bufs, cfg, spec, D, L, L):
+            out.append(torch.zeros_like(x).scatter_(2, seats[:, None, :, None].expand_as(x), x))
+            out[-1][~real[:, None, :, None].expand_as(x)] = 0
+        return out
+
+    for got, want in zip(read(chunks), read([P])):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("name", ["kvquant-4", "innerq-2"])
@@ -522,8 +559,8 @@ def test_a_row_whose_real_tokens_sit_in_its_sink_takes_its_statistics_over_them(
     real = torch.ones(B, T, dtype=torch.bool)
     real[1, :46] = False
     spec = cfg.key
-    one = _chunked_prefill(cfg, k, real, [48])
-    two = _chunked_prefill(cfg, k, real, [48, 16])
+    one, _ = _chunked_prefill(cfg, k, real, [48])
+    two, _ = _chunked_prefill(cfg, k, real, [48, 16])
     if name == "innerq-2":
         for bufs, r, toks in ((one, 1, k[1:, :, 46:48]), (two, 1, k[1:, :, 48:]), (two, 0, k[:1, :, 4:48])):
             torch.testing.assert_close(bufs["k.norm"][r:r + 1], ref.key_norm(toks), atol=0, rtol=0)
@@ -549,7 +586,7 @@ def test_a_row_with_one_real_token_past_its_sink_takes_no_point_range(chunks, pa
     k = torch.randn(B, H, T, D) * torch.linspace(0.1, 5, D)
     real = torch.ones(B, T, dtype=torch.bool)
     real[1, :pad] = False
-    bufs = _chunked_prefill(cfg, k, real, chunks)
+    bufs, _ = _chunked_prefill(cfg, k, real, chunks)
     c, h = ref.static_channel_range(k[1:, :, pad:pad + 5], cfg.key, torch.float32, cfg.eta_for(cfg.key))
     torch.testing.assert_close(bufs["k.half"][1:], h, atol=0, rtol=0)
     assert (bufs["k.half"][1] > 0.01).all()
