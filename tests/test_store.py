@@ -486,19 +486,23 @@ def test_a_chunk_that_starts_inside_the_sink_fills_it_with_its_tokens_past_the_s
                 torch.testing.assert_close(bufs[tab][r, :cfg.sink][at], x[0, cols[r][at]], atol=0, rtol=0)
 
 
-def _chunked_prefill(cfg, k, real, chunks, v=None):
+def _chunked_prefill(cfg, k, real, chunks, v=None, max_len=None):
     """A left-padded prefill of k [B, H, T, D] (and v, Keys where None) in `chunks` as the rewrite and KVQCache
-    run one (`seat_first_chunk`, `seated_chunk`, the append's slots through the seats): the layer's buffers and
-    store (its seats)."""
+    run one (`seat_first_chunk`, `seated_chunk`, the append's slots through the seats) into a store of `max_len`
+    (T where None) tokens: the layer's buffers and the store (its seats; the identity without a sink)."""
     v = k if v is None else v
     B, H, T, D = k.shape
-    geo = st.Geometry(B, H, T, D, "float32")
+    geo = st.Geometry(B, H, max_len or T, D, "float32")
     ms = st.ModelStore(cfg, 1, geo, "cpu")
+    if ms.seats is None:   # (no sink: nothing is seated)
+        ms.seats = torch.arange(geo.max_len).expand(B, -1).clone()
     bufs = dict(zip(*ms.layers[0].append_tensors()))
+    M = geo.max_len   # (a static cache's mask spans it)
+    real = torch.cat([real, real.new_ones(B, M - T)], 1)
     p0 = 0
     for n in chunks:
         pos = torch.arange(p0, p0 + n)
-        allowed = real[:, None, :] & (torch.arange(T)[None, None] <= pos[None, :, None])
+        allowed = real[:, None, :] & (torch.arange(M)[None, None] <= pos[None, :, None])
         mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[:, None]
         chunk, read = st.seat_first_chunk(ms.seats, mask, pos, cfg.sink)
         kk, vv, _, _ = st.seated_chunk(st.attended(mask, pos), chunk, k[:, :, p0:p0 + n], v[:, :, p0:p0 + n],
@@ -509,27 +513,35 @@ def _chunked_prefill(cfg, k, real, chunks, v=None):
     return bufs, ms
 
 
-@pytest.mark.parametrize("chunks, pads", [([8, 10, 8], (0, 6, 9, 23, 24)), ([6, 6, 6, 6, 2], (0, 7, 9, 22, 23))])
-@pytest.mark.parametrize("name", ["kivi-2", "innerq-2", "kvquant-4-1%"])
-def test_a_chunked_prefill_whose_boundaries_split_token_groups_equals_one_piece(name, chunks, pads):
-    """Token groups of 4 that chunk boundaries split (chunks of 8, 10, 8 and of 6, 6, 6, 6, 2; a 12-token sink
-    and window), rows padded so that later chunks fill their sink (`sink_fill`; the last two rows hold 2 to 4 real
-    tokens, all moved there), then 12 decode steps. Each real token's K and V as attention reads them, put back in
-    its mask column, equal one piece's exactly. A group is coded from the ring's tokens of earlier chunks and this
-    chunk's: its pads and the tokens moved into the sink become copies of its own real tokens
-    (`store.append_side`), as one piece's, whose pads copy a real token next to them. Before (session 51's second
-    review): KIVI's Keys and InnerQ's Values (which keep no first-chunk statistics, so never append again as one
-    piece) held in such a group copies of a token of another chunk, up to 1.0-5.8 apart here."""
+@pytest.mark.parametrize("name, chunks, pads, sink, recent, sides", [
+    *[(name, [8, 10, 8], (0, 6, 9, 23, 24), 12, 12, "kv") for name in ("kivi-2", "innerq-2", "kvquant-4-1%")],
+    *[(name, [6, 6, 6, 6, 2], (0, 7, 9, 22, 23), 12, 12, "kv") for name in ("kivi-2", "innerq-2", "kvquant-4-1%")],
+    ("kivi-2", [11, 2], (0, 9), 2, 4, "kv"), ("innerq-2", [11, 2], (0, 9), 2, 4, "v"),
+    ("kivi-2", [13, 2], (0, 13), 0, 4, "kv"), ("innerq-2", [13, 2], (0, 13), 0, 4, "v")])
+def test_a_chunked_prefill_whose_boundaries_split_token_groups_equals_one_piece(name, chunks, pads, sink, recent,
+                                                                                sides):
+    """Token groups of 4 that chunk boundaries split (chunks of 8, 10, 8 and of 6, 6, 6, 6, 2 with a 12-token sink
+    and window; 11, 2 and 13, 2 with a window of 4), rows padded so that later chunks fill their sink (`sink_fill`;
+    rows of 22 to 24 pads hold 2 to 4 real tokens, all moved there), then 20 decode steps (more than the window and
+    a group: the group still open after the prefill is coded by a decode step). Each real token's K and V as
+    attention reads them, put back in its mask column, equal one piece's exactly (with a window of 4 the chunk at
+    11 or 13 no longer widens InnerQ's Key norm, which then differs from one piece's by design: Values alone). A
+    group coded at a chunk's append holds the ring's tokens of earlier chunks and this chunk's: its pads and the
+    tokens moved into the sink become copies of its own real tokens (`store.append_side`); the group still open
+    after a chunk takes its pads as one piece's (`store.neutralize_open_group`). Before session 52 (session 51's
+    second review and session 52's): KIVI's Keys and InnerQ's Values (which keep no first-chunk statistics, so
+    never append again as one piece) held in such groups copies of a token of another chunk or, where a chunk held
+    no real token past the sink, the moved tokens themselves: 2.1-6.7 apart."""
     torch.manual_seed(13)
     cfg = small_windows(name)
-    cfg.sink, cfg.recent, cfg.keys_before_rope = 12, 12, False
-    B, H, D, P, L = len(pads), 2, 32, sum(chunks), sum(chunks) + 12
+    cfg.sink, cfg.recent, cfg.keys_before_rope = sink, recent, False
+    B, H, D, P, L = len(pads), 2, 32, sum(chunks), sum(chunks) + 20
     k, v = (torch.randn(B, H, L, D) * torch.linspace(0.1, 5, D) for _ in range(2))
     real = torch.arange(L) >= torch.tensor(pads)[:, None]
 
     def read(parts):   # K, V [B, H, L, D] by mask column, pads 0
-        bufs, ms = _chunked_prefill(cfg, k[:, :, :P], real[:, :P], parts, v[:, :, :P])
-        geo = st.Geometry(B, H, P, D, "float32")
+        bufs, ms = _chunked_prefill(cfg, k[:, :, :P], real[:, :P], parts, v[:, :, :P], L)
+        geo = st.Geometry(B, H, L, D, "float32")
         spec = ms.layers[0].spec
         for p in range(P, L):
             st.append_decode(bufs, cfg, spec, geo, k[:, :, p:p + 1], v[:, :, p:p + 1], torch.tensor(p))
@@ -540,8 +552,9 @@ def test_a_chunked_prefill_whose_boundaries_split_token_groups_equals_one_piece(
             out[-1][~real[:, None, :, None].expand_as(x)] = 0
         return out
 
-    for got, want in zip(read(chunks), read([P])):
-        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    for side, got, want in zip("kv", read(chunks), read([P])):
+        if side in sides:
+            torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("name", ["kvquant-4", "innerq-2"])
@@ -550,7 +563,8 @@ def test_a_row_whose_real_tokens_sit_in_its_sink_takes_its_statistics_over_them(
     first chunk's 2 real tokens are seated in its sink, its pads copies of one of them. Its statistics (KVQuant's static
     Key ranges, InnerQ's Key norm) come from those 2 (before session 50: from the copies, a point range of 1e-6 on
     every channel for kvquant-4), then, as its real tokens past the sink start in the second chunk, from that chunk's
-    16. Row 0 (no pads) keeps its first chunk's, taken past the sink."""
+    14 past its sink (the first 2 fill its sink's pad slots, `sink_fill`, as one piece seats them; before session
+    52 from all 16). Row 0 (no pads) keeps its first chunk's, taken past the sink."""
     torch.manual_seed(7)
     cfg = KVQConfig.preset(name)
     cfg.sink, cfg.recent = 4, 0
@@ -562,10 +576,10 @@ def test_a_row_whose_real_tokens_sit_in_its_sink_takes_its_statistics_over_them(
     one, _ = _chunked_prefill(cfg, k, real, [48])
     two, _ = _chunked_prefill(cfg, k, real, [48, 16])
     if name == "innerq-2":
-        for bufs, r, toks in ((one, 1, k[1:, :, 46:48]), (two, 1, k[1:, :, 48:]), (two, 0, k[:1, :, 4:48])):
+        for bufs, r, toks in ((one, 1, k[1:, :, 46:48]), (two, 1, k[1:, :, 50:]), (two, 0, k[:1, :, 4:48])):
             torch.testing.assert_close(bufs["k.norm"][r:r + 1], ref.key_norm(toks), atol=0, rtol=0)
         return
-    for bufs, r, toks in ((one, 1, k[1:, :, 46:48]), (two, 1, k[1:, :, 48:]), (two, 0, k[:1, :, 4:48])):
+    for bufs, r, toks in ((one, 1, k[1:, :, 46:48]), (two, 1, k[1:, :, 50:]), (two, 0, k[:1, :, 4:48])):
         c, h = ref.static_channel_range(toks, spec, torch.float32, cfg.eta_for(spec))
         torch.testing.assert_close(bufs["k.half"][r:r + 1], h, atol=0, rtol=0)
     assert (one["k.half"][1] > 0.01).all()
@@ -590,6 +604,34 @@ def test_a_row_with_one_real_token_past_its_sink_takes_no_point_range(chunks, pa
     c, h = ref.static_channel_range(k[1:, :, pad:pad + 5], cfg.key, torch.float32, cfg.eta_for(cfg.key))
     torch.testing.assert_close(bufs["k.half"][1:], h, atol=0, rtol=0)
     assert (bufs["k.half"][1] > 0.01).all()
+
+
+@pytest.mark.parametrize("pad", [20, 27])
+@pytest.mark.parametrize("name", ["innerq-2", "kvquant-4"])
+def test_a_fresh_row_past_the_window_takes_its_statistics_without_the_tokens_moved_into_its_sink(name, pad):
+    """Two 16-token chunks, a 4-token sink and window: the chunk at 16 no longer widens (row 0's tokens 4-11 have
+    left the window), and row 1, all pads before it, takes its statistics from it (InnerQ's Key norm, KVQuant's
+    static Key ranges) while its first 4 real tokens move into its sink (`sink_fill`). As one piece seats them, those
+    count in the sink, not past it: 20 pads, the row's tokens 24-31; 27 pads, 1 token left past the sink, all its 5
+    real tokens (no point range: `store.statistics_tokens`). Before session 52 the moved tokens counted (a sink
+    token, in a real model the BOS with its outsized Keys, in every fresh row's ranges). Row 0 keeps its first
+    chunk's, past the sink."""
+    torch.manual_seed(17)
+    cfg = KVQConfig.preset(name)
+    cfg.sink, cfg.recent = 4, 4
+    B, H, T, D = 2, 2, 32, 32
+    k = torch.randn(B, H, T, D) * torch.linspace(0.1, 5, D)
+    k[1, :, pad] *= 6   # the row's first real token: outsized, as a BOS is
+    real = torch.ones(B, T, dtype=torch.bool)
+    real[1, :pad] = False
+    bufs, _ = _chunked_prefill(cfg, k, real, [16, 16])
+    lo = pad + 4 if pad + 6 <= T else pad
+    for r, toks in ((0, k[:1, :, 4:16]), (1, k[1:, :, lo:])):
+        if name == "innerq-2":
+            torch.testing.assert_close(bufs["k.norm"][r:r + 1], ref.key_norm(toks), atol=0, rtol=0)
+        else:
+            c, h = ref.static_channel_range(toks, cfg.key, torch.float32, cfg.eta_for(cfg.key))
+            torch.testing.assert_close(bufs["k.half"][r:r + 1], h, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("name", ["innerq-2", "kvquant-4", "kvquant-4-1%"])
