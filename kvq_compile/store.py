@@ -288,15 +288,13 @@ def _set_rows(buf: torch.Tensor, value: torch.Tensor, rows: torch.Tensor | None)
         buf.copy_(torch.where(rows.view(-1, *([1] * (buf.dim() - 1))), value.to(buf.dtype).expand_as(buf), buf))
 
 
-def statistics_tokens(real: torch.Tensor, first: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def statistics_tokens(real: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [B, n] bool, alone [B] bool): the tokens of a chunk whose statistics a row takes (`append_side`),
-    from its real tokens `real` [B, n] (slot order) and the chunk's first `first` tokens that sit in the sink (or
-    `first` [B, n] bool: the tokens counted past the sink, `append_side`'s fresh rows: real ones not moved into the
-    sink by `sink_fill`, every one for a row with no real token): its real tokens past those; a row with fewer than
-    2 there (`alone`: one token's range is a point), all its real tokens, the sink part's too (its pads hold copies
-    of one of them, `neutralized`); a row with no real token, every token past the sink (as without a mask: a row
-    of pads takes nothing from its neighbours)."""
-    past = first if torch.is_tensor(first) else torch.arange(real.shape[-1], device=real.device) >= first
+    from its real tokens `real` [B, n] (slot order) and the chunk's first `first` tokens that sit in the sink: its
+    real tokens past those; a row with fewer than 2 there (`alone`: one token's range is a point), all its real
+    tokens, the sink's too (its pads hold copies of one of them, `neutralized`); a row with no real token, every
+    token past the sink (as without a mask: a row of pads takes nothing from its neighbours)."""
+    past = torch.arange(real.shape[-1], device=real.device) >= first
     body = real & past
     has_body = body.sum(-1, keepdim=True) >= 2
     alone = real.any(-1) & ~has_body[..., 0]
@@ -366,8 +364,9 @@ def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: tor
     p0 + n: no pads.
     fill: `sink_fill`'s copies of the chunk's tokens into the sink's pad slots, which `append` makes after this:
     their own slots here hold pads (`neutralized`; masked from then on), and a widening re-append counts them in
-    the sink, as one piece seated holds them; a chunk that does not widen takes a fresh row's statistics without
-    them too (over all the row's real tokens of the chunk where fewer than 2 others are left: `statistics_tokens`)."""
+    the sink, as one piece seated holds them; a chunk that does not widen still takes its statistics with them (a
+    fresh row's, taken from that chunk alone: without them, as one piece, its ranges were narrower and SmolLM2
+    kvquant-4 worse, bench/RESULTS.md session 52)."""
     n = x.shape[2]
     if not q.quantized:
         b["data"][:, :, p0:p0 + n] = x.to(b["data"].dtype)
@@ -390,37 +389,32 @@ def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: tor
     fresh = None
     if p0 > S and n > 1 and a is not None and firsts:   # (rows whose real tokens so far all sit in the sink)
         fresh = fresh_rows(a[..., S:], p0 - S, n, geo.batch)
-    x_in = x
-    if fill is not None and a is not None:   # the tokens `append` copies into the sink: pads in their own slots
-        kept = moved_out(a[..., p0:p0 + n].expand(geo.batch, n), fill[1], fill[2])
-        x = neutralized(kept, x)[0]
     first = max(S - p0, 0)   # statistics skip the exact sink tokens when there are others
     first = first if n > first else 0
     alone = None   # rows with fewer than 2 real tokens past the chunk's sink part: statistics over all of them
-    if first and a is not None and firsts:   # (p0 = 0: a later chunk at p0 < S widens, above)
+    if first and a is not None and firsts:
         stat_tokens, alone = statistics_tokens(a[..., p0:p0 + n].expand(geo.batch, n), first)
-    elif fresh is not None and fill is not None:   # (p0 > S) a fresh row's tokens moved into the sink count there,
-        real = a[..., p0:p0 + n].expand(geo.batch, n)   # not past it, as one piece seats them
-        stat_tokens, alone = statistics_tokens(real, kept | ~real.any(-1, keepdim=True))
-    alone = alone if alone is not None and bool(alone.any()) else None
+        alone = alone if bool(alone.any()) else None
     body = x[:, :, first:]
     rows = None if p0 == 0 else fresh
     if (p0 == 0 or fresh is not None) and "norm" in b:
-        norm = ref.key_norm(body)   # (a fresh row's: its moved tokens and its pads copies of the others, above)
+        norm = ref.key_norm(body)
         if alone is not None:
-            norm = torch.where(alone[:, None, None, None], ref.key_norm(x_in), norm)
+            norm = torch.where(alone[:, None, None, None], ref.key_norm(x), norm)
         _set_rows(b["norm"], norm, rows)
     if (p0 == 0 or fresh is not None) and static:
         # over the real tokens: a pad holds a copy of one (`neutralized`), which would weigh in a percentile
         valid = None if a is None else a[..., p0 + first:p0 + n][:, None, :, None]
-        if alone is not None or (fresh is not None and fill is not None):
-            body = x_in   # the whole chunk, its sink part (or its moved tokens) counted for the rows alone
+        if alone is not None:   # the whole chunk, its sink part counted for those rows alone
+            body = x
             valid = stat_tokens[:, None, :, None]
         scaled = body.float() / b["norm"] if "norm" in b else body
         c, h = ref.static_channel_range(scaled, q, dt, cfg.eta_for(q), valid)
         if "center" in b:
             _set_rows(b["center"], c, rows)
         _set_rows(b["half"], h, rows)
+    if fill is not None and a is not None:   # the tokens `append` copies into the sink: pads in their own slots
+        x = neutralized(moved_out(a[..., p0:p0 + n].expand(geo.batch, n), fill[1], fill[2]), x)[0]
     q_old, q_new = code_boundary(p0, S, R, G), code_boundary(p0 + n, S, R, G)
     if q_new > q_old:
         parts = []
