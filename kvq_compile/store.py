@@ -519,12 +519,12 @@ def append(bufs: dict, cfg: KVQConfig, spec: LayerSpec, geo: Geometry, key: torc
            p0: int, cos=None, sin=None, slots: torch.Tensor | None = None) -> None:
     """Reference quantize-on-append for one layer. Keys arrive already un-rotated when stored before RoPE.
     slots: `append_side`'s (the chunk's attended slots, `kvq::append_chunk`'s `attended`)."""
+    n = key.shape[2]
     if cos is not None and "rope.cos" in bufs:
-        n = key.shape[2]
         cos, sin = (c[:, 0] if c.dim() == 4 else c for c in (cos, sin))  # [B|1, 1, n, D] -> [B|1, n, D]
         bufs["rope.cos"][:, p0:p0 + n] = cos.to(bufs["rope.cos"].dtype).expand(geo.batch, n, geo.head_dim)
         bufs["rope.sin"][:, p0:p0 + n] = sin.to(bufs["rope.sin"].dtype).expand(geo.batch, n, geo.head_dim)
-    fill = sink_fill(slots, p0, key.shape[2], cfg.sink, geo.batch)
+    fill = sink_fill(slots, p0, n, cfg.sink, geo.batch)
     append_side(_side(bufs, "k"), spec.key, cfg, geo, key, p0, True, slots, fill)
     append_side(_side(bufs, "v"), spec.value, cfg, geo, value, p0, False, slots, fill)
     if fill is not None:   # pad slots of the sink take the chunk's first real tokens past it (`seat_fresh_rows`)
@@ -534,7 +534,6 @@ def append(bufs: dict, cfg: KVQConfig, spec: LayerSpec, geo: Geometry, key: torc
         if cos is not None and "rope.cos" in bufs:
             for name, c in (("rope.cos", cos), ("rope.sin", sin)):
                 _fill_rows(bufs[name][:, None], c.expand(geo.batch, -1, -1)[:, None], *fill)
-    n = key.shape[2]
     if slots is not None and slots.shape[-1] >= p0 + n and n > 1:
         keep = slots[..., :p0 + n].expand(geo.batch, p0 + n)
         keep = keep if fill is None else filled_mask(keep, p0, fill)
