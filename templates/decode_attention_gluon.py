@@ -101,6 +101,14 @@ Math (one program = one KV head of one sequence and one slice of the quantized r
     comes from one more mma per tile (z as its A rows, `_zero_rows`) into a [16, 8] accumulator added to the rows of
     acc^T once per slice: 785 -> 739 SASS instructions per 32-token tile at 2 bits (TMA build), 1.2-2.6% faster at
     batch x context >= 64k (H200, bench/RESULTS.md session 27). fp16 keeps the `add`: its -1024 s overflows from s = 64.
+    KZA (InnerQ's Keys in bf16, `INNER_KEY_ZERO_APART`): the Key registers hold s code from one `fma` each ((M + code)
+    s - M s, as VZ: no `add`), the offsets' share q . z = sum_g z[t, g] sum_g(q) comes from one more small mma
+    per 16 tokens into the logits' initial accumulator: A [BT, 16] the token's four group offsets (each lane holds
+    its group's, `_inner_zrows`), B [16, 8] the query's per-group sums as a rounded bf16 and its remainder
+    (`_inner_qsum_rows`, once per program): innerq-2's tile loops 855 / 870 -> 806 / 822 SASS instructions (offline
+    sm_90), 1.4-4.2% less time at batch x context >= 64k (H200, bench/RESULTS.md session 53). The same for its
+    Values (per channel: z_c sum(p) by 16 more HMMA a tile) saved 8 more instructions but took 133 registers, 12
+    programs per SM instead of 16 (offline; not kept).
     VF (KIVI's 4-, 2- and 1-bit Values in bf16 through the ring, `VALUE_FOLD`): each group's scale goes into p instead,
         p @ v = sum_c (p' * half_c) @ (a 2^-VF_E e_c) + p @ z,   p' = p 2^VF_E,
     per Value group c (32 channels: a 16-byte chunk of a token's codes) one mma, its A operand the group's codes
@@ -212,7 +220,7 @@ def _code_mask(bits: int) -> str:
     return f"0x{m:04X}{m:04X}"
 
 
-def _key_asm(bits: int, bf16: bool, tokenwise: bool = False) -> str:
+def _key_asm(bits: int, bf16: bool, tokenwise: bool = False, zero_apart: bool = False) -> str:
     """The codes of one word (16 at 1 or 2 bits, 8 at 4 bits) -> registers of (value 2i, value 2i+1). Operands:
     P = codes per block, $0..$(P/2 - 1) out, then P copies of the word, P/2 scale pairs, P/2 offset pairs
     (channels 2i, 2i+1). `lop3` puts a code into the mantissa of the magic number M (1024 fp16, 128 bf16):
@@ -224,7 +232,12 @@ def _key_asm(bits: int, bf16: bool, tokenwise: bool = False) -> str:
     word >> 1, so codes (2m, 2m+1) sit at bit 2m of the halves; y >> 2 steps to the next pair.
     tokenwise (InnerQ's Keys: one scale per token and 32-channel group, the same for both halves of a register):
     2 bits as 4 bits, byte i of the word beside byte i of word >> 2 (codes 4i, 4i + 1 at bit 0), y >> 4 brings
-    codes 4i + 2, 4i + 3 down; no scale divided by 4 (one more `shr` per word)."""
+    codes 4i + 2, 4i + 3 down; no scale divided by 4 (one more `shr` per word).
+    zero_apart (InnerQ's Keys in bf16, `_kivi_decode_kernel` KZA): s * code alone, the offset left to a small mma;
+    the offset operands hold -M * s, so one `fma` (M + code) * s - M * s gives s * code exactly before its one
+    rounding: no `add` (as `_value_asm` zero_apart: -128 s exact for 2^-126 <= |s| < 2^121, not checked at run
+    time)."""
+    assert not zero_apart or (bf16 and tokenwise), "zero_apart: InnerQ's bf16 Keys"
     ty = "bf16x2" if bf16 else "f16x2"
     magic, neg = _magic(bf16)
     P = 8 if bits == 4 else 16
@@ -233,8 +246,11 @@ def _key_asm(bits: int, bf16: bool, tokenwise: bool = False) -> str:
     lines = ["{ .reg .b32 y, x, n;" if paired else "{ .reg .b32 y, x, n, h;", f"mov.b32 n, {neg};"]
 
     def value(r: int, mask: str):
-        lines.append(f"lop3.b32 x, y, {mask}, {magic}, 0xea; add.rn.{ty} x, x, n; "
-                     f"fma.rn.{ty} ${r}, x, ${sc + r}, ${of + r};")
+        if zero_apart:
+            lines.append(f"lop3.b32 x, y, {mask}, {magic}, 0xea; fma.rn.{ty} ${r}, x, ${sc + r}, ${of + r};")
+        else:
+            lines.append(f"lop3.b32 x, y, {mask}, {magic}, 0xea; add.rn.{ty} x, x, n; "
+                         f"fma.rn.{ty} ${r}, x, ${sc + r}, ${of + r};")
 
     if paired:
         for i in range(4):
@@ -595,6 +611,8 @@ _ASM = {(side, bits, bf): (_key_asm if side == "k" else _value_asm)(bits, bf)
 # InnerQ's layout: Keys with statistics per token ("kt"), Values with statistics per channel ("vc")
 _ASM.update({(side, bits, bf): _key_asm(bits, bf, tokenwise=True) if side == "kt" else _value_asm(bits, bf, True)
              for side in ("kt", "vc") for bits in BITS for bf in (False, True)})
+# InnerQ's Keys without their offset ("ktz", bf16 only: `KZA`)
+_ASM.update({("ktz", bits, True): _key_asm(bits, True, tokenwise=True, zero_apart=True) for bits in BITS})
 # KIVI's Values without their offset ("vz", bf16 only: `VZ`)
 _ASM.update({("vz", bits, True): _value_asm(bits, True, zero_apart=True) for bits in BITS})
 _STATS = {bf: _stats_asm(bf) for bf in (False, True)}
@@ -1016,6 +1034,30 @@ if HAVE_GLUON:
         offsets its Value registers were dequantized with, so no data moves."""
         zt = z.permute([1, 0])
         return gl.convert_layout(gl.join(zt, zt).permute([2, 0, 1]).reshape([16, BT]), a_l)
+
+    @gluon.jit
+    def _inner_qsum_rows(qT, b_l: gl.constexpr):
+        """InnerQ's Keys with their offsets apart (`_kivi_decode_kernel` KZA): q^T [128, 8] (the Key mma's reduction
+        order, group g = (k >> 1) & 3, `_key_channel`) -> the B operand [16, 8] of the offsets' mma, row
+        8 j + 2 g + i: sum_g(q) as a bf16 pair (i = 0 the rounded sum, i = 1 its remainder) for j = 0, zero for j = 1.
+        Lane b of the B fragment holds group b's 32 channels, so the sums stay in a lane."""
+        qs = gl.sum(gl.sum(gl.sum(qT.to(gl.float32).reshape([8, 2, 4, 2, 8]), 3), 1), 0)          # [4 (g), 8]
+        hi = qs.to(qT.dtype)
+        lo = (qs - hi.to(gl.float32)).to(qT.dtype)
+        x = gl.join(hi, lo)                                                                         # [4, 8, 2 (i)]
+        y = gl.join(x, gl.full(x.shape, 0.0, x.dtype, x.type.layout))                               # [4, 8, 2, 2 (j)]
+        return gl.convert_layout(y.permute([3, 0, 2, 1]).reshape([16, 8]), b_l)
+
+    @gluon.jit
+    def _inner_zrows(kz, a_l: gl.constexpr, BT: gl.constexpr):
+        """InnerQ's Key offsets [4 (g), BT] (one per token and 32-channel group) -> the A operand [BT, 16] of the
+        offsets' mma, A[t, 8 j + 2 g + i] = z[g, t]: with `_inner_qsum_rows` row t of the product is
+        sum_g z[g, t] sum_g(q), each term's two bf16 parts exact in fp32. Lane b + 4 (t % 8) holds z[b, t] in the
+        Key layout and in the A fragment alike."""
+        zt = kz.permute([1, 0])                                                                     # [BT, 4]
+        x = gl.join(zt, zt)                                                                         # [BT, 4, 2 (i)]
+        y = gl.join(x, x)                                                                           # [BT, 4, 2, 2 (j)]
+        return gl.convert_layout(y.permute([0, 3, 1, 2]).reshape([BT, 16]), a_l)
 
     @gluon.jit
     def _rows128(c, mma: gl.constexpr):
@@ -1682,7 +1724,7 @@ if HAVE_GLUON:
             QZROWS: gl.constexpr = False, QZ_N: gl.constexpr = 8, VZ: gl.constexpr = False,
             WL: gl.constexpr = True, WT: gl.constexpr = False, TPS: gl.constexpr = 1, PAIR: gl.constexpr = False,
             KSUB: gl.constexpr = False, VF: gl.constexpr = False, KSW: gl.constexpr = 7, MOK: gl.constexpr = 0,
-            TRB=None, TRACE: gl.constexpr = False):
+            KZA: gl.constexpr = False, TRB=None, TRACE: gl.constexpr = False):
         """KIVI's layout, or with INNER InnerQ's (Keys per token in groups of 32 channels, Values per channel in
         groups of 32 tokens: the same packed words, the statistics the other way round, the codes alone through the
         ring where TMA). NG_K: the
@@ -1899,6 +1941,10 @@ if HAVE_GLUON:
         if NORM:  # InnerQ's Key normalization: k = k~ * norm, so q . k = (q * norm) . k~
             nrm = gl.load(KNORM + bh.to(gl.int64) * D + tchan)
             qT = (qT.to(gl.float32) * gl.expand_dims(nrm, 1)).to(dt)
+        if KZA:  # InnerQ's bf16 Keys with their offsets apart: q . z by one small mma per tile (`_inner_qsum_rows`)
+            gl.static_assert(INNER and IS_BF16, "KZA: InnerQ's Keys in bf16")
+            qzB = _inner_qsum_rows(qT, b_l)
+            knegm = gl.full([4, BT], -128.0, dt, KT)   # -M: bf16's magic number (`_key_asm` zero_apart)
         if KPOST:  # q a 2^(E - b): a the level spacing, b the code's bit in its register (`post_positions`)
             gl.static_assert(not INNER, "post-scaled Keys: KIVI's layout")
             gl.static_assert(IS_BF16 or not KSUB, "KSUB: bf16 subnormal Keys (fp16's are subnormal anyway)")
@@ -2072,10 +2118,16 @@ if HAVE_GLUON:
                                                        gl.full(kh.shape, KA_LO, dt, kh.type.layout), IS_BF16)
                             wb, _ = gl.broadcast(gl.expand_dims(kwords, 2), kdummy)                  # [NA, 4, KP, BT]
                             wb, ks4 = gl.broadcast(wb, gl.expand_dims(gl.expand_dims(ks, 0), 2))
-                            wb, kz4 = gl.broadcast(wb, gl.expand_dims(gl.expand_dims(kz, 0), 2))
-                            kv = _unpack(wb, ks4, kz4, "kt", KBITS, KP, IS_BF16)
-                            s = mma_v2(gl.convert_layout(_kred_t(kv, KP, BT), a_l), qT,
-                                       gl.zeros([BT, 8], gl.float32, mma)) * qscale
+                            if KZA:   # s * code in the registers (the addend -M s), z . sum(q) by the small mma
+                                kneg = _mul(ks, knegm, IS_BF16)
+                                wb, kz4 = gl.broadcast(wb, gl.expand_dims(gl.expand_dims(kneg, 0), 2))
+                                kv = _unpack(wb, ks4, kz4, "ktz", KBITS, KP, IS_BF16)
+                                s0 = mma_v2(_inner_zrows(kz, a_l, BT), qzB, gl.zeros([BT, 8], gl.float32, mma))
+                            else:
+                                wb, kz4 = gl.broadcast(wb, gl.expand_dims(gl.expand_dims(kz, 0), 2))
+                                kv = _unpack(wb, ks4, kz4, "kt", KBITS, KP, IS_BF16)
+                                s0 = gl.zeros([BT, 8], gl.float32, mma)
+                            s = mma_v2(gl.convert_layout(_kred_t(kv, KP, BT), a_l), qT, s0) * qscale
                         elif KPOST:
                             s = _post_logits(kwords, kh, zrows.index(grel) if QZROWS else kcen, qT, qaT, negm, kdummy,
                                              sscale, cinv, a_l, b_l, mma, BT, KBITS, KP, IS_BF16, QZROWS, KSUB, KSW)
@@ -2845,6 +2897,8 @@ INNER_TMA = True  # InnerQ's launch reads its codes through the TMA ring (where 
                   # plain loads: innerq-2 6.8-10.2% faster at batch x context >= 64k (bool mask; slices sized for the
                   # plain build), 1.1-1.8% less GPU time per decode step end to end (H100, bench/RESULTS.md session
                   # 24); session 15's ring with the statistics too was 0-3% slower than plain loads
+INNER_KEY_ZERO_APART = True  # InnerQ's Keys in bf16: s * code in the registers, the offsets by one small mma per tile
+                             # (`_kivi_decode_kernel` KZA: no `add` per register)
 POST_TMA = True   # calibquant's launches take the TMA path too (where `USE_TMA` does): 2.73 against 2.75-2.76 ms per
                   # decode step at (32, 4096) end to end; the kernel 0.4-3.5% faster at four of the six shapes of
                   # batch x context >= 64k, 1.1% / 4.8% slower at (8, 65536) / (1, 65536) (means of two runs; H100,
@@ -2981,6 +3035,7 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
             H=H, REP=rep, S=sink, R=recent, TPG_K=1, TPG_V=32, MASK_KIND=mask_kind, IS_BF16=bf16, BT=KIVI_BT,
             KBITS=kbits, VBITS=vbits, KA_HI=ka_hi, KA_LO=ka_lo, VA_HI=va_hi, VA_LO=va_lo, NWIN=nwin, TMA=tma_on,
             NST=NSTAGES, PDL=pdl, INNER=True, KHYB=khyb, VHYB=vhyb, NORM=norm, WL=WIDEN_IN_LANES,
+            KZA=INNER_KEY_ZERO_APART and bf16,
             WT=WHOLE_TILES and whole_tiles(recent, 1, 32, KIVI_BT), MOK=MASK_SLICE if mask_kind == 1 else 0,
             **_trace_kw(trace), num_warps=1)
     ka_hi, ka_lo = split_scale(2.0 / (2 ** kbits - 1), bf16)

@@ -141,3 +141,26 @@ def kivi_ring_build(kbits: int, vbits: int, tps: int, vf: bool) -> tuple[dict, d
               WT=dag.WHOLE_TILES, TPS=tps, KSUB=dag.BF16_SUBNORMAL_KEYS, KSW=dag.SUB_WINDOW,
               **dag.pair_flags(tps, True, dag.WHOLE_TILES, 128, dag.QZ_ROWS))
     return sig, cx
+
+
+def inner_ring_build() -> tuple[dict, dict]:
+    """(argument types, constexprs) of `_kivi_decode_kernel`'s TMA-ring build for innerq-2 (2-bit hybrid groups on
+    both sides, the Key norm, a sink of 32 and a recent window of 96) with a bf16 cache and HF's bool mask, as `_plan`
+    builds it but for MOK and KZA, the caller's to set. Its pointers: indices 0, 4, 5, 7, 8, 12, 13, 14."""
+    import torch
+    from triton.runtime.jit import mangle_type
+
+    from kvq_compile.templates import decode_attention_gluon as dag
+
+    kc, vc = map(mangle_type, dag.row_descriptors(dict(codes=torch.zeros(2, 2, 64, 8, dtype=torch.int32)),
+                                                  dict(codes=torch.zeros(2, 2, 64, 8, dtype=torch.int32)), 8,
+                                                  dag.KIVI_BT, 8))
+    ty = "*bf16"
+    sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC=kc, KCEN=ty, KHALF=ty, VC=vc, VCEN=ty, VHALF=ty,
+               POS="*i64", AMASK="*i1", stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32", OUT_ACC="*fp32",
+               scale="fp32", T="i32", NG_K="i32", NSPLIT="i32", KNORM="*fp32", KHROWS=ty, KCROWS=ty)
+    a = dag.split_scale(2 / 2, True)   # hybrid 2-bit groups: spacing 2 / (2^2 - 2)
+    cx = dict(H=8, REP=4, S=32, R=96, TPG_K=1, TPG_V=32, MASK_KIND=1, IS_BF16=True, BT=32, KBITS=2, VBITS=2,
+              KA_HI=a[0], KA_LO=a[1], VA_HI=a[0], VA_LO=a[1], NWIN=3, TMA=True, NST=dag.NSTAGES, PDL=True,
+              INNER=True, KHYB=True, VHYB=True, NORM=True, WL=dag.WIDEN_IN_LANES, WT=dag.WHOLE_TILES, TPS=1)
+    return sig, cx

@@ -634,10 +634,8 @@ def test_folded_values_compile_for_sm90(bits):
 
 
 MOK_SCRIPT = textwrap.dedent('''
-    import torch
-    from triton.runtime.jit import mangle_type
     from kvq_compile.templates import decode_attention_gluon as dag
-    from sm90_sass import compile_sm90, kivi_ring_build, tile_loops
+    from sm90_sass import compile_sm90, inner_ring_build, kivi_ring_build, tile_loops
 
     out = []
     for bits in (2, 4):   # kivi-2 (PAIR), kivi-4: the ring builds as `_plan` builds them (bf16, bool mask)
@@ -649,19 +647,10 @@ MOK_SCRIPT = textwrap.dedent('''
             b = compile_sm90(dag._kivi_decode_kernel, sig, dict(cx, MOK=mok), (0, 12, 13, 14, 20, 21))
             out.append((f"kivi-{bits}", mok, b.regs, b.stack + b.local, dag.programs_per_sm(b.regs, b.shared, (9, 0)),
                         tile_loops(b.sass)))
-    kc, vc = map(mangle_type, dag.row_descriptors(dict(codes=torch.zeros(2, 2, 64, 8, dtype=torch.int32)),
-                                                  dict(codes=torch.zeros(2, 2, 64, 8, dtype=torch.int32)), 8,
-                                                  dag.KIVI_BT, 8))
-    ty = "*bf16"
-    sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC=kc, KCEN=ty, KHALF=ty, VC=vc, VCEN=ty, VHALF=ty,
-               POS="*i64", AMASK="*i1", stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32", OUT_ACC="*fp32",
-               scale="fp32", T="i32", NG_K="i32", NSPLIT="i32", KNORM="*fp32", KHROWS=ty, KCROWS=ty)
-    a = dag.split_scale(2 / 2, True)   # innerq-2: hybrid 2-bit groups, spacing 2 / (2^2 - 2)
-    cx = dict(H=8, REP=4, S=32, R=96, TPG_K=1, TPG_V=32, MASK_KIND=1, IS_BF16=True, BT=32, KBITS=2, VBITS=2,
-              KA_HI=a[0], KA_LO=a[1], VA_HI=a[0], VA_LO=a[1], NWIN=3, TMA=True, NST=dag.NSTAGES, PDL=True,
-              INNER=True, KHYB=True, VHYB=True, NORM=True, WL=dag.WIDEN_IN_LANES, WT=dag.WHOLE_TILES, TPS=1)
+    sig, cx = inner_ring_build()   # innerq-2
     for mok in (0, dag.MASK_SLICE):
-        b = compile_sm90(dag._kivi_decode_kernel, sig, dict(cx, MOK=mok), (0, 4, 5, 7, 8, 12, 13, 14))
+        b = compile_sm90(dag._kivi_decode_kernel, sig, dict(cx, MOK=mok, KZA=dag.INNER_KEY_ZERO_APART),
+                         (0, 4, 5, 7, 8, 12, 13, 14))
         out.append(("innerq-2", mok, b.regs, b.stack + b.local, dag.programs_per_sm(b.regs, b.shared, (9, 0)),
                     tile_loops(b.sass)))
     print(out)
@@ -684,6 +673,37 @@ def test_maskless_loop_copy_compiles_for_sm90():
         assert len(one[5]) == 1 and len(two[5]) == 2, (one, two)
         assert two[5][0] < two[5][1] and abs(two[5][1] - one[5][0]) <= 0.06 * one[5][0], (one, two)
         assert two[4] >= one[4], (one, two)
+
+
+KZA_SCRIPT = textwrap.dedent('''
+    from kvq_compile.templates import decode_attention_gluon as dag
+    from sm90_sass import compile_sm90, inner_ring_build, main_loop, tile_loops
+
+    sig, cx = inner_ring_build()
+    cx["MOK"] = dag.MASK_SLICE
+    out = []
+    for kza in (False, True):
+        b = compile_sm90(dag._kivi_decode_kernel, sig, dict(cx, KZA=kza), (0, 4, 5, 7, 8, 12, 13, 14))
+        out.append((kza, b.regs, b.stack + b.local, dag.programs_per_sm(b.regs, b.shared, (9, 0)),
+                    tile_loops(b.sass), main_loop(b.sass).get("HADD2", 0), main_loop(b.sass).get("HMMA", 0)))
+    print(out)
+''')
+
+
+@pytest.mark.skipif(not dag.HAVE_GLUON or not dag.HAVE_TMA, reason="triton without Gluon's TMA")
+def test_innerq_keys_with_offsets_apart_compile_for_sm90():
+    """`INNER_KEY_ZERO_APART` (KZA): innerq-2's bf16 ring build (bool mask, both loop copies) drops the `add` of each
+    Key register (HADD2) for two more HMMA a tile (the offsets' mma): each tile loop at least 32 instructions shorter
+    (855 / 870 -> 806 / 822, session 53), no spills, the same programs per SM (offline sm_90)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__)] + [p for p in [env.get("PYTHONPATH")] if p])
+    r = subprocess.run([sys.executable, "-c", KZA_SCRIPT], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    off, on = eval(r.stdout.strip().splitlines()[-1])  # noqa: S307
+    assert off[2] == on[2] == 0 and on[3] == off[3], (off, on)
+    assert len(on[4]) == len(off[4]) == 2 and all(b <= a - 32 for a, b in zip(off[4], on[4])), (off, on)
+    assert on[5] < off[5] and on[6] > off[6], (off, on)
+    assert dag.INNER_KEY_ZERO_APART
 
 
 PDL_SCRIPT = textwrap.dedent('''
@@ -1207,6 +1227,36 @@ def test_value_blocks_without_offsets_give_scale_times_code(bits):
                 want = _pair(*(_exact(code(words[t] >> shift, j) * s[t], True) + 0.0 for t in (0, 1)), True)
                 assert out[f"${j}"] == want, (trial, shift, j, hex(out[f"${j}"]), hex(want))
                 assert plain[f"${j}"] & 0x7FFF7FFF == want & 0x7FFF7FFF, (trial, shift, j)
+
+
+@pytest.mark.parametrize("bits", dag.BITS)
+def test_innerq_key_blocks_without_offsets_give_scale_times_code(bits):
+    """InnerQ's bf16 Key blocks with the offsets left to the mma (`_key_asm` zero_apart, the kernel's KZA): with
+    -128 s as the addend, every register holds s * code of its two channels rounded once (one scale a register:
+    the token's group), for random words and scales from 1e-30 to 1e30 of either sign; against the "kt" block with
+    zero offsets, which computes the same product through one more `add`."""
+    from ptx_emulator import run
+
+    P = dag.key_pack(bits)
+    gen = torch.Generator().manual_seed(200 + bits)
+    code = lambda w, j: (w >> bits * j) & ((1 << bits) - 1)  # noqa: E731
+    for trial in range(60):
+        word = int(torch.randint(-2**31, 2**31 - 1, (1,), generator=gen)) & 0xFFFFFFFF
+        mag = 10.0 ** float(torch.empty(()).uniform_(-30, 30, generator=gen))
+        s = [_exact(float(x) * mag * (-1) ** (trial + i), True)
+             for i, x in enumerate(torch.rand(P // 2, generator=gen) + 0.05)]
+        for shift in ((0, 16) if bits == 1 else (0,)):
+            w = word >> shift
+            ops = {P // 2 + i: w for i in range(P)}
+            ops.update({3 * P // 2 + i: _pair(s[i], s[i], True) for i in range(P // 2)})
+            ops.update({2 * P + i: _pair(-128 * s[i], -128 * s[i], True) for i in range(P // 2)})
+            out = run(dag._ASM[("ktz", bits, True)], ops)
+            ops.update({2 * P + i: 0 for i in range(P // 2)})
+            plain = run(dag._ASM[("kt", bits, True)], ops)
+            for i in range(P // 2):   # (a code 0 of a negative scale: the block's +0 against the product's -0)
+                want = _pair(*(_exact(code(w, c) * s[i], True) + 0.0 for c in (2 * i, 2 * i + 1)), True)
+                assert out[f"${i}"] == want, (trial, shift, i, hex(out[f"${i}"]), hex(want))
+                assert plain[f"${i}"] & 0x7FFF7FFF == want & 0x7FFF7FFF, (trial, shift, i)
 
 
 @pytest.mark.parametrize("bits", dag.BITS)
