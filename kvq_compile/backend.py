@@ -23,6 +23,7 @@ from . import compat, lowering
 from . import reference as ref
 from . import store as st
 from .config import KVQConfig
+from .passes import grouped_linear
 from .passes.graph_slice import slice_graph
 from .passes.kv_cache_attention import RewriteReport, find_attention, rewrite
 
@@ -58,7 +59,7 @@ class KVQBackend:
     packed stores its graphs write, in compile order."""
 
     def __init__(self, cfg: KVQConfig, release_fp16_cache: bool = True, compile_with_inductor: bool = True,
-                 append_beside: bool | None = None):
+                 append_beside: bool | None = None, group_linears: bool | None = None):
         if not isinstance(cfg, KVQConfig):
             raise TypeError(f"kvq_backend needs a KVQConfig, got {type(cfg).__name__}; "
                             "use KVQConfig.preset('kivi-2') or build one")
@@ -66,6 +67,7 @@ class KVQBackend:
         self.release_fp16_cache = release_fp16_cache
         self.compile_with_inductor = compile_with_inductor
         self.append_beside = append_beside
+        self.group_linears = grouped_linear.ENABLED if group_linears is None else group_linears
         self.reports: list[RewriteReport] = []
         self._stores: list[weakref.ref] = []   # weak: a store lives as long as the graphs (and cache) that use it
 
@@ -116,6 +118,10 @@ class KVQBackend:
         if runner is not None:   # the fp16 caches the rewrite left unread are no inputs of the compiled graph
             gm, keep = _without_inputs(gm, [n for m in matches for n in (m.k_cache, m.v_cache)])
             example_inputs = [example_inputs[i] for i in keep]
+        if self.group_linears:   # a decode step's same-input projections in one launch (`passes/grouped_linear.py`)
+            grouped = grouped_linear.group_linears(gm)
+            if grouped:
+                compat.bump_counter("kvq", "grouped_linear", grouped)
         if self.compile_with_inductor:
             if runner is not None:
                 lowering.register()
@@ -286,11 +292,14 @@ def _without_inputs(gm: torch.fx.GraphModule, caches) -> tuple[torch.fx.GraphMod
 
 
 def kvq_backend(cfg: KVQConfig | str, *, release_fp16_cache: bool = True,
-                append_beside: bool | None = None) -> KVQBackend:
-    """A torch.compile backend for `cfg` (a KVQConfig or a preset name). append_beside: `KVQBackend.beside`."""
+                append_beside: bool | None = None, group_linears: bool | None = None) -> KVQBackend:
+    """A torch.compile backend for `cfg` (a KVQConfig or a preset name). append_beside: `KVQBackend.beside`;
+    group_linears: a decode graph's same-input projections as one `kvq::grouped_linear` (`passes/grouped_linear.py`;
+    default on, KVQ_GROUP_LINEARS=0 turns the default off)."""
     if isinstance(cfg, str):
         cfg = KVQConfig.preset(cfg)
-    return KVQBackend(cfg, release_fp16_cache=release_fp16_cache, append_beside=append_beside)
+    return KVQBackend(cfg, release_fp16_cache=release_fp16_cache, append_beside=append_beside,
+                      group_linears=group_linears)
 
 
 def explain(target, *args, cfg: KVQConfig | str | None = None, **kwargs) -> str:

@@ -23,6 +23,9 @@ of these same ops.
         chunk's seating for configs with a sink, and a later chunk's for rows whose sink holds pads (their
         sink, `store.seat_first_chunk`, `store.seat_fresh_rows`): once per chunk graph of the rewrite, once per
         layer in KVQCache's compiled chunks.
+    kvq::grouped_linear(x [..., K], weights [W_g [N_g, K]]) -> [y_g [..., N_g]]: same-input projections without
+        bias (torch's linear of each weight), on CUDA in one launch for decode steps (`templates/grouped_linear.py`;
+        the backend's `passes/grouped_linear.py` groups them).
     kvq::append_attend(query [B,Hq,1,D], store!, key, value, positions [1], attn_mask?, scale, is_causal, layout)
         -> [B,Hq,1,D]: one decode step of a layer, kvq::append then kvq::attend, as one op so that its CUDA kernel
         may launch the append beside the attention (`decode_attention`'s append) where the attention reads
@@ -370,6 +373,29 @@ def decode_append_function(cfg, spec, geo, name: str, options: dict | None):
     return run if options is None else torch.compile(run, fullgraph=True, dynamic=False, options=options)
 
 
+@torch.library.custom_op("kvq::grouped_linear", mutates_args=())
+def grouped_linear(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """[x @ W^T for W in weights] (torch's linear without bias): the reference, one linear per weight."""
+    return [torch.nn.functional.linear(x, w) for w in weights]
+
+
+@grouped_linear.register_fake
+def _grouped_linear_fake(x, weights):
+    return [x.new_empty((*x.shape[:-1], w.shape[0])) for w in weights]
+
+
+def grouped_launch_fits(x: torch.Tensor, weights) -> bool:
+    """Whether `templates/grouped_linear.py` takes these (else one linear per weight): a decode step's few rows,
+    fp16 or bf16 throughout, the weights contiguous and x unit-stride along K, one device."""
+    from .templates import grouped_linear as gt
+
+    rows = x.numel() // max(x.shape[-1], 1)
+    return (0 < rows <= gt.MAX_ROWS and 1 <= len(weights) <= gt.MAX_GROUP
+            and x.dtype in (torch.float16, torch.bfloat16) and x.stride(-1) == 1
+            and all(w.dtype == x.dtype and w.dim() == 2 and w.is_contiguous() and w.shape[1] == x.shape[-1]
+                    and w.device == x.device for w in weights))
+
+
 def _register_gpu_kernels() -> None:
     """On CUDA, decode steps (one query token) run the decode template, chunks over a stored prefix the fused
     prefill template or SDPA over the dequantized prefix (`_prefill_choice`), first chunks SDPA (the function
@@ -391,6 +417,17 @@ def _register_gpu_kernels() -> None:
     except Exception as e:  # noqa: BLE001  (only the opt-in prefill path is lost)
         warnings.warn(f"kvq: Triton prefill attention unavailable ({type(e).__name__}: {e}); chunks run SDPA")
         prefill_attention = None
+
+    @grouped_linear.register_kernel("cuda")
+    def _grouped_linear_cuda(x, weights):
+        if not grouped_launch_fits(x, weights):
+            return [torch.nn.functional.linear(x, w) for w in weights]
+        from .templates import grouped_linear as gt
+
+        x2 = x.reshape(-1, x.shape[-1])
+        outs = [x.new_empty((x2.shape[0], w.shape[0])) for w in weights]
+        gt.launch(x2, weights, outs)
+        return [y.view(*x.shape[:-1], y.shape[1]) for y in outs]
 
     @append.register_kernel("cuda")
     def _append_cuda(store, key, value, positions, cos, sin, layout):

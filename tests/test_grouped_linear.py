@@ -1,0 +1,195 @@
+"""`kvq::grouped_linear` (a decode step's same-input projections in one launch): its Triton kernel against torch's
+linear (under TRITON_INTERPRET=1 on the CPU, at small odd shapes; on CUDA at a Llama-3-8B layer's), the pass that
+groups a traced model's linears, and what it leaves alone."""
+import operator
+
+import pytest
+import torch
+
+from kvq_compile import kvq_backend, ops
+from kvq_compile.passes import grouped_linear as gp
+from kvq_compile.templates import grouped_linear as gt
+from models import compile_config, hf_model, small_windows
+
+CUDA = torch.cuda.is_available()
+
+
+def _case(M, K, ns, dtype, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).to(device, dtype)
+    ws = [(torch.randn(n, K, generator=g) / K ** 0.5).to(device, dtype) for n in ns]
+    return x, ws
+
+
+def _check(x, ws, outs):
+    for w, y in zip(ws, outs):
+        ref = x.double() @ w.double().T
+        err = (y.double() - ref).abs().max().item()
+        tol = (2 ** -8 if y.dtype == torch.bfloat16 else 2 ** -11) * ref.abs().max().item() * 2 + 1e-6
+        assert y.shape == ref.shape and err <= tol, (tuple(w.shape), err, tol)
+
+
+@pytest.mark.parametrize("M,K,ns,tiles", [
+    (5, 80, (48, 17, 33), dict(BN=16, BK=32)),          # odd rows, a partial K tile, partial weight tiles
+    (1, 96, (16,), dict(BN=16, BK=32)),                  # one row, one weight
+    (64, 64, (20, 20, 20, 9), dict(BN=16, BK=64)),       # the most rows and weights a launch takes
+    (3, 48, (40, 8), dict(BN=32, BK=16)),                # a weight smaller than one tile
+])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kernel_matches_linear(M, K, ns, tiles, dtype):
+    """Each output against x @ W^T in float64, within two roundings of the output (fp32 accumulation); every
+    weight's rows land in its own output (equal row counts too: a swapped pointer would fail)."""
+    x, ws = _case(M, K, ns, dtype, "cpu", seed=M * 7 + K)
+    outs = [torch.full((M, n), float("nan"), dtype=dtype) for n in ns]
+    gt.launch(x, ws, outs, **tiles)
+    _check(x, ws, outs)
+
+
+def test_kernel_rows_of_a_strided_input():
+    """x with a row stride larger than K (a slice of a wider tensor): the launch reads rows at its stride."""
+    x, ws = _case(6, 64, (32, 16), torch.float16, "cpu", seed=3)
+    wide = torch.zeros(6, 100, dtype=torch.float16)
+    wide[:, 10:74] = x
+    outs = [torch.empty(6, n, dtype=torch.float16) for n in (32, 16)]
+    gt.launch(wide[:, 10:74], ws, outs, BN=16, BK=32)
+    _check(x, ws, outs)
+
+
+def test_launch_fits_only_decode_shapes():
+    """`ops.grouped_launch_fits`: few rows, fp16 / bf16 throughout, contiguous weights of the input's K."""
+    x, ws = _case(4, 32, (16, 8), torch.bfloat16, "cpu", seed=1)
+    assert ops.grouped_launch_fits(x, ws)
+    assert ops.grouped_launch_fits(x.view(2, 2, 32), ws)
+    assert not ops.grouped_launch_fits(torch.zeros(gt.MAX_ROWS + 1, 32, dtype=torch.bfloat16), ws)
+    assert not ops.grouped_launch_fits(x.float(), [w.float() for w in ws])
+    assert not ops.grouped_launch_fits(x, [ws[0], ws[1].half()])
+    assert not ops.grouped_launch_fits(x, [ws[0].T.contiguous().T])
+    assert not ops.grouped_launch_fits(x, [torch.zeros(8, 31, dtype=torch.bfloat16)])
+    assert not ops.grouped_launch_fits(x, ws * 3)
+
+
+def test_op_is_the_linears():
+    """The op's reference kernel is one linear per weight (bit for bit), and it passes torch's op checks."""
+    x, ws = _case(3, 24, (8, 5), torch.float32, "cpu", seed=2)
+    x = x.view(3, 1, 24)
+    outs = torch.ops.kvq.grouped_linear(x, ws)
+    for w, y in zip(ws, outs):
+        assert torch.equal(y, torch.nn.functional.linear(x, w))
+    torch.library.opcheck(torch.ops.kvq.grouped_linear.default, (x, ws))
+
+
+def _graph(fn, *args):
+    gm = torch.fx.symbolic_trace(fn)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    FakeTensorProp(gm, FakeTensorMode(allow_non_fake_inputs=True)).propagate(*args)
+    for n in gm.graph.nodes:
+        n.meta["example_value"] = n.meta.get("val")
+    return gm
+
+
+def test_pass_groups_same_input_linears_and_leaves_the_rest():
+    """Three projections of one input become one op (its outputs in their places); a linear with a bias, one of
+    another input and one whose input has more rows than a launch takes stay linears."""
+    F = torch.nn.functional
+
+    def fn(x, big, wq, wk, wv, wo, b):
+        q, k, v = F.linear(x, wq), F.linear(x, wk), F.linear(x, wv)
+        o = F.linear(q + 1, wo)
+        return q, k * 2, v, o, F.linear(x, wk, b), F.linear(big, wq), F.linear(big, wk)
+
+    args = (torch.randn(2, 1, 16), torch.randn(4, 20, 16), torch.randn(16, 16), torch.randn(8, 16),
+            torch.randn(8, 16), torch.randn(16, 16), torch.randn(8))
+    want = fn(*args)
+    gm = _graph(fn, *args)
+    assert gp.group_linears(gm) == 1
+    grouped = [n for n in gm.graph.nodes if n.target == torch.ops.kvq.grouped_linear.default]
+    assert len(grouped) == 1 and len(grouped[0].args[1]) == 3
+    assert len([n for n in gm.graph.nodes if n.target is operator.getitem]) == 3
+    assert len([n for n in gm.graph.nodes if n.target in gp.LINEAR]) == 4   # o, the biased one, the two of `big`
+    for a, b in zip(gm(*args), want):
+        assert torch.equal(a, b)
+
+
+def test_pass_leaves_a_weight_computed_inside_the_group():
+    """A weight computed after the group's first linear (here from that linear's output) is not grouped; the
+    others still are, where two are left."""
+    F = torch.nn.functional
+
+    def fn(x, w1, w2, w3):
+        a = F.linear(x, w1)
+        b = F.linear(x, w2)
+        w4 = w3 * a.sum()
+        return a, b, F.linear(x, w4)
+
+    args = (torch.randn(3, 8), torch.randn(4, 8), torch.randn(5, 8), torch.randn(6, 8))
+    want = fn(*args)
+    gm = _graph(fn, *args)
+    assert gp.group_linears(gm) == 1
+    grouped = [n for n in gm.graph.nodes if n.target == torch.ops.kvq.grouped_linear.default]
+    assert len(grouped[0].args[1]) == 2
+    for a, b in zip(gm(*args), want):
+        torch.testing.assert_close(a, b)
+
+
+def test_backend_groups_every_layer_and_keeps_the_tokens():
+    """kvq_backend on a 2-layer Llama: q / k / v and gate / up of each layer grouped in the decode graph (the op's
+    CPU kernel: the same logits as without grouping, bit for bit); `group_linears=False` groups nothing."""
+    from torch._dynamo.utils import counters
+
+    model = hf_model(layers=2)
+    ids = torch.randint(3, 90, (2, 20), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for group in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        be = kvq_backend(small_windows("kivi-2"), group_linears=group)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
+                             cache_implementation="static", compile_config=compile_config(be),
+                             output_logits=True, return_dict_in_generate=True)
+        logits[group] = torch.stack(out.logits)
+        assert counters["kvq"]["grouped_linear"] == (4 * 2 if group else 0), dict(counters["kvq"])
+    assert torch.equal(logits[True], logits[False])
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("M", [1, 8, 32, 64])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_llama_projections_on_gpu(M, dtype):
+    """A Llama-3-8B layer's q / k / v (4096, 1024, 1024 rows) and gate / up (14336 each) through the CUDA kernel
+    against float64, and against cuBLAS within one output rounding more."""
+    for ns in ((4096, 1024, 1024), (14336, 14336)):
+        x, ws = _case(M, 4096, ns, dtype, "cuda", seed=M)
+        outs = torch.ops.kvq.grouped_linear(x, ws)
+        _check(x, ws, outs)
+        for w, y in zip(ws, outs):
+            ref = torch.nn.functional.linear(x, w)
+            assert (y.float() - ref.float()).abs().max() <= 2 * 2 ** -7 * ref.float().abs().max()
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+def test_compiled_generate_with_grouped_linears_on_gpu():
+    """A bf16 Llama (head_dim 128, 4 layers) compiled by kvq_backend with CUDA graphs: grouped and ungrouped decode
+    steps give the same greedy tokens and logits within bf16 noise, with no cudagraph skip."""
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
+
+    from models import prompts
+
+    model = hf_model("llama", kv_heads=2, gqa=4, head_dim=128, layers=4, dtype=torch.bfloat16).cuda()
+    ids, mask = prompts(3, 37, pad=(0, 5, 2))
+    ids, mask = ids.cuda(), mask.cuda()
+    outs = {}
+    for group in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        be = kvq_backend(small_windows("kivi-2"), group_linears=group)
+        cc = CompileConfig(backend=be, fullgraph=True, mode="reduce-overhead")
+        outs[group] = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                                     cache_implementation="static", compile_config=cc, output_logits=True,
+                                     return_dict_in_generate=True)
+        assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+        assert (counters["kvq"]["grouped_linear"] > 0) == group
+    a, b = torch.stack(outs[True].logits).float(), torch.stack(outs[False].logits).float()
+    assert (a - b).abs().max() <= 0.05 * b.abs().max(), (a - b).abs().max()
