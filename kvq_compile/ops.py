@@ -384,6 +384,28 @@ def _grouped_linear_fake(x, weights):
     return [x.new_empty((*x.shape[:-1], w.shape[0])) for w in weights]
 
 
+def _grouped_linear_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], *inputs[1])
+
+
+def _grouped_linear_backward(ctx, grads):
+    """The linears' backward: dx = sum_g dy_g W_g, dW_g = dy_g^T x (over the leading dimensions)."""
+    x, *weights = ctx.saved_tensors
+    dx = None
+    dws = []
+    for w, dy in zip(weights, grads):
+        if dy is None:
+            dws.append(None)
+            continue
+        part = dy @ w
+        dx = part if dx is None else dx + part
+        dws.append(dy.reshape(-1, dy.shape[-1]).T @ x.reshape(-1, x.shape[-1]))
+    return (torch.zeros_like(x) if dx is None else dx), dws
+
+
+grouped_linear.register_autograd(_grouped_linear_backward, setup_context=_grouped_linear_setup)
+
+
 def grouped_launch_fits(x: torch.Tensor, weights) -> bool:
     """Whether `templates/grouped_linear.py` takes these (else one linear per weight): a decode step's few rows,
     fp16 or bf16 throughout, the weights contiguous and x unit-stride along K, one device."""
@@ -391,6 +413,7 @@ def grouped_launch_fits(x: torch.Tensor, weights) -> bool:
 
     rows = x.numel() // max(x.shape[-1], 1)
     return (0 < rows <= gt.MAX_ROWS and 1 <= len(weights) <= gt.MAX_GROUP
+            and all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in (x, *weights))
             and x.dtype in (torch.float16, torch.bfloat16) and x.stride(-1) == 1
             and all(w.dtype == x.dtype and w.dim() == 2 and w.is_contiguous() and w.shape[1] == x.shape[-1]
                     and w.device == x.device for w in weights))

@@ -6,8 +6,10 @@ split-K GEMMs with a reduction kernel each. Matched: `torch._C._nn.linear` / `F.
 same input node, their weights 2-D graph inputs (or nodes defined before the group's first call), the input's rows
 (the product of its leading dimensions) static and at most `templates.grouped_linear.MAX_ROWS`. Left unchanged, with
 the reason logged: a bias, a symbolic or larger row count (a prefill chunk: cuBLAS does better there), a weight
-computed inside the group. The op's CPU kernel is one linear per weight (the same values); on CUDA it falls back
-to that where its launch does not fit (`ops.grouped_launch_fits`: dtype, strides).
+computed inside the group, a weight or input that is a tensor subclass (a quantized weight: its linear is its own),
+and every linear of a graph with an autocast region (the op would not be cast as the linears are). The op's CPU
+kernel is one linear per weight (the same values); on CUDA it falls back to that where its launch does not fit
+(`ops.grouped_launch_fits`: dtype, strides); its backward is the linears' (`ops._grouped_linear_backward`).
 """
 from __future__ import annotations
 
@@ -34,10 +36,20 @@ def _linear_args(n: fx.Node):
     return n.kwargs.get("input", args[0]), n.kwargs.get("weight", args[1]), n.kwargs.get("bias", args[2])
 
 
+def _plain(v) -> bool:
+    """A plain tensor's fake (or the tensor itself), not a subclass that brings its own linear."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return type(v) in (FakeTensor, torch.Tensor, torch.nn.Parameter)
+
+
 def group_linears(gm: fx.GraphModule) -> int:
     """Rewrite gm in place; the number of `kvq::grouped_linear` nodes inserted."""
     from ..templates.grouped_linear import MAX_GROUP, MAX_ROWS
 
+    if any(n.op == "call_function" and "autocast" in getattr(n.target, "__name__", "") for n in gm.graph.nodes):
+        log.info("kvq: linears left ungrouped: the graph has an autocast region")
+        return 0
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     groups: dict[fx.Node, list[fx.Node]] = {}
     for n in gm.graph.nodes:
@@ -49,6 +61,9 @@ def group_linears(gm: fx.GraphModule) -> int:
             log.info("kvq: %s left alone: it has a bias", n.name)
         elif not isinstance(xv, torch.Tensor) or not isinstance(wv, torch.Tensor) or wv.dim() != 2:
             log.info("kvq: %s left alone: no tensor metadata for its input or a 2-D weight", n.name)
+        elif not (_plain(xv) and _plain(wv)):
+            log.info("kvq: %s left alone: its input or weight is a tensor subclass (%s, %s)", n.name,
+                     type(xv).__name__, type(wv).__name__)
         elif not all(isinstance(s, int) for s in xv.shape) or xv.numel() // max(xv.shape[-1], 1) > MAX_ROWS:
             log.debug("kvq: %s left alone: %s rows (symbolic or more than %d)", n.name, tuple(xv.shape[:-1]),
                       MAX_ROWS)

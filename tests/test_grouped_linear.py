@@ -12,6 +12,7 @@ from kvq_compile.templates import grouped_linear as gt
 from models import compile_config, hf_model, small_windows
 
 CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"   # the kernel tests: compiled on a GPU, under TRITON_INTERPRET=1 on the CPU
 
 
 def _case(M, K, ns, dtype, device, seed):
@@ -39,18 +40,18 @@ def _check(x, ws, outs):
 def test_kernel_matches_linear(M, K, ns, tiles, dtype):
     """Each output against x @ W^T in float64, within two roundings of the output (fp32 accumulation); every
     weight's rows land in its own output (equal row counts too: a swapped pointer would fail)."""
-    x, ws = _case(M, K, ns, dtype, "cpu", seed=M * 7 + K)
-    outs = [torch.full((M, n), float("nan"), dtype=dtype) for n in ns]
+    x, ws = _case(M, K, ns, dtype, DEVICE, seed=M * 7 + K)
+    outs = [torch.full((M, n), float("nan"), dtype=dtype, device=DEVICE) for n in ns]
     gt.launch(x, ws, outs, **tiles)
     _check(x, ws, outs)
 
 
 def test_kernel_rows_of_a_strided_input():
     """x with a row stride larger than K (a slice of a wider tensor): the launch reads rows at its stride."""
-    x, ws = _case(6, 64, (32, 16), torch.float16, "cpu", seed=3)
-    wide = torch.zeros(6, 100, dtype=torch.float16)
+    x, ws = _case(6, 64, (32, 16), torch.float16, DEVICE, seed=3)
+    wide = torch.zeros(6, 100, dtype=torch.float16, device=DEVICE)
     wide[:, 10:74] = x
-    outs = [torch.empty(6, n, dtype=torch.float16) for n in (32, 16)]
+    outs = [torch.empty(6, n, dtype=torch.float16, device=DEVICE) for n in (32, 16)]
     gt.launch(wide[:, 10:74], ws, outs, BN=16, BK=32)
     _check(x, ws, outs)
 
@@ -76,6 +77,27 @@ def test_op_is_the_linears():
     for w, y in zip(ws, outs):
         assert torch.equal(y, torch.nn.functional.linear(x, w))
     torch.library.opcheck(torch.ops.kvq.grouped_linear.default, (x, ws))
+
+
+def test_op_backward_is_the_linears():
+    """The op's backward (its `register_autograd`): gradients of x and of every weight, float64 gradcheck, one
+    output unused."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 1, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    ws = [torch.randn(n, 8, generator=g, dtype=torch.float64, requires_grad=True) for n in (5, 4)]
+    assert torch.autograd.gradcheck(lambda x, a, b: tuple(torch.ops.kvq.grouped_linear(x, [a, b])), (x, *ws))
+    assert torch.autograd.gradcheck(lambda x, a, b: torch.ops.kvq.grouped_linear(x, [a, b])[1].sum(), (x, *ws))
+
+
+def test_launch_leaves_tensor_subclasses_to_their_own_linear():
+    """A weight of a tensor subclass (a quantized weight brings its own linear) never takes the launch."""
+    class Sub(torch.Tensor):
+        pass
+
+    x, ws = _case(4, 32, (16,), torch.bfloat16, "cpu", seed=5)
+    assert ops.grouped_launch_fits(x, ws)
+    assert not ops.grouped_launch_fits(x, [torch.Tensor._make_subclass(Sub, ws[0])])
+    assert not gp._plain(torch.Tensor._make_subclass(Sub, ws[0])) and gp._plain(ws[0])
 
 
 def _graph(fn, *args):
@@ -110,6 +132,25 @@ def test_pass_groups_same_input_linears_and_leaves_the_rest():
     assert len([n for n in gm.graph.nodes if n.target in gp.LINEAR]) == 4   # o, the biased one, the two of `big`
     for a, b in zip(gm(*args), want):
         assert torch.equal(a, b)
+
+
+def test_pass_leaves_graphs_with_autocast_alone():
+    """Linears inside an autocast region run in its dtype; the op would not be cast: a Dynamo graph with an
+    autocast region keeps every linear."""
+    seen = {}
+
+    def backend(gm, example_inputs):
+        seen["grouped"] = gp.group_linears(gm)
+        seen["linears"] = sum(n.target in gp.LINEAR for n in gm.graph.nodes)
+        return gm.forward
+
+    def fn(x, w1, w2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return torch.nn.functional.linear(x, w1), torch.nn.functional.linear(x, w2)
+
+    args = (torch.randn(2, 8), torch.randn(4, 8), torch.randn(3, 8))
+    out = torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    assert seen == {"grouped": 0, "linears": 2} and out[0].dtype == torch.bfloat16
 
 
 def test_pass_leaves_a_weight_computed_inside_the_group():
