@@ -111,7 +111,13 @@ def _graph(fn, *args):
     return gm
 
 
-def test_pass_groups_same_input_linears_and_leaves_the_rest():
+@pytest.fixture
+def cpu_groups(monkeypatch):
+    """The pass groups CPU linears too (by default CUDA's alone: on the CPU the op is the linears again)."""
+    monkeypatch.setattr(gp, "DEVICES", ("cuda", "cpu"))
+
+
+def test_pass_groups_same_input_linears_and_leaves_the_rest(cpu_groups):
     """Three projections of one input become one op (its outputs in their places); a linear with a bias, one of
     another input and one whose input has more rows than a launch takes stay linears."""
     F = torch.nn.functional
@@ -134,7 +140,7 @@ def test_pass_groups_same_input_linears_and_leaves_the_rest():
         assert torch.equal(a, b)
 
 
-def test_pass_leaves_graphs_with_autocast_alone():
+def test_pass_leaves_graphs_with_autocast_alone(cpu_groups):
     """Linears inside an autocast region run in its dtype; the op would not be cast: a Dynamo graph with an
     autocast region keeps every linear."""
     seen = {}
@@ -153,7 +159,114 @@ def test_pass_leaves_graphs_with_autocast_alone():
     assert seen == {"grouped": 0, "linears": 2} and out[0].dtype == torch.bfloat16
 
 
-def test_pass_leaves_a_weight_computed_inside_the_group():
+def _compiled(fn, args, **kw):
+    """fn compiled by a backend that runs the pass; (outputs, groups inserted, linears left)."""
+    seen = {}
+
+    def backend(gm, example_inputs):
+        seen["grouped"] = gp.group_linears(gm)
+        seen["linears"] = sum(n.target in gp.LINEAR for n in gm.graph.nodes)
+        return gm.forward
+
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend=backend, fullgraph=True)(*args, **kw)
+    return out, seen["grouped"], seen["linears"]
+
+
+def test_pass_groups_nothing_on_the_cpu_by_default():
+    F = torch.nn.functional
+    _, grouped, linears = _compiled(lambda x, a, b: (F.linear(x, a), F.linear(x, b)),
+                                    (torch.randn(2, 8), torch.randn(4, 8), torch.randn(3, 8)))
+    assert (grouped, linears) == (0, 2)
+
+
+def test_pass_keeps_order_across_grad_mode_and_in_place_writes(cpu_groups):
+    """A later linear is not moved above a grad-mode switch (its output would lose its gradient) or an in-place write
+    to its input (it would read the old values); linears on either side of one still group among themselves."""
+    F = torch.nn.functional
+
+    def grad_switch(x, w1, w2, w3):
+        with torch.no_grad():
+            a = F.linear(x, w1)
+        return a, F.linear(x, w2), F.linear(x, w3)
+
+    x = torch.randn(2, 8)
+    ws = [torch.randn(n, 8, requires_grad=True) for n in (4, 3, 5)]
+    out, grouped, linears = _compiled(grad_switch, (x, *ws))
+    assert (grouped, linears) == (1, 1)
+    assert not out[0].requires_grad and out[1].requires_grad and out[2].requires_grad
+
+    def mutate(x, w1, w2, w3):
+        a = F.linear(x, w1)
+        x.mul_(2)
+        return a, F.linear(x, w2), F.linear(x, w3)
+
+    args = (torch.randn(2, 8), torch.randn(4, 8), torch.randn(3, 8), torch.randn(5, 8))
+    want = mutate(args[0].clone(), *args[1:])
+    out, grouped, linears = _compiled(mutate, (args[0].clone(), *args[1:]))
+    assert (grouped, linears) == (1, 1)
+    for a, b in zip(out, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_pass_regroups_on_the_graph_it_rewrote(cpu_groups):
+    """Grouped outputs that feed further groups (as input, or as another group's weight), more members than one
+    launch takes, and linear's keyword form: every group built on the graph the last rewrite left."""
+    F = torch.nn.functional
+
+    def chain(h, w1, w2, w3, w4):
+        a = F.linear(h, w1)
+        b = F.linear(h, w2)
+        return F.linear(a, w3), F.linear(a, w4), b
+
+    args = (torch.randn(2, 8), torch.randn(6, 8), torch.randn(5, 8), torch.randn(4, 6), torch.randn(3, 6))
+    out, grouped, linears = _compiled(chain, args)
+    assert (grouped, linears) == (2, 0)
+    for a, b in zip(out, chain(*args)):
+        torch.testing.assert_close(a, b)
+
+    def as_weight(x, y, w1, w2, w3):
+        a = F.linear(x, w1)
+        b = F.linear(x, w2)
+        return F.linear(y, a), F.linear(y, w3), b
+
+    args = (torch.randn(4, 6), torch.randn(3, 8), torch.randn(8, 6), torch.randn(2, 6), torch.randn(5, 8))
+    out, grouped, linears = _compiled(as_weight, args)
+    assert grouped == 2 and linears == 0
+    for a, b in zip(out, as_weight(*args)):
+        torch.testing.assert_close(a, b)
+
+    def many(x, *ws):
+        return [F.linear(input=x, weight=w) for w in ws]
+
+    args = (torch.randn(3, 8), *[torch.randn(n + 2, 8) for n in range(gt.MAX_GROUP + 2)])
+    out, grouped, linears = _compiled(many, args)
+    assert (grouped, linears) == (2, 0)
+    for a, b in zip(out, many(*args)):
+        torch.testing.assert_close(a, b)
+
+
+def test_pass_leaves_a_graph_traced_under_autocast(cpu_groups):
+    """A compiled call made under autocast (no autocast node in its graph): the linears stay, so they are cast."""
+    F = torch.nn.functional
+    args = (torch.randn(2, 8), torch.randn(4, 8), torch.randn(3, 8))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, grouped, linears = _compiled(lambda x, a, b: (F.linear(x, a), F.linear(x, b)), args)
+    assert (grouped, linears) == (0, 2) and out[0].dtype == torch.bfloat16
+
+
+def test_pass_without_triton_groups_nothing(cpu_groups, monkeypatch):
+    """Without Triton (the template's import fails) the pass leaves every linear and the compile still works."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "kvq_compile.templates.grouped_linear", None)
+    F = torch.nn.functional
+    _, grouped, linears = _compiled(lambda x, a, b: (F.linear(x, a), F.linear(x, b)),
+                                    (torch.randn(2, 8), torch.randn(4, 8), torch.randn(3, 8)))
+    assert (grouped, linears) == (0, 2)
+
+
+def test_pass_leaves_a_weight_computed_inside_the_group(cpu_groups):
     """A weight computed after the group's first linear (here from that linear's output) is not grouped; the
     others still are, where two are left."""
     F = torch.nn.functional
@@ -174,7 +287,7 @@ def test_pass_leaves_a_weight_computed_inside_the_group():
         torch.testing.assert_close(a, b)
 
 
-def test_backend_groups_every_layer_and_keeps_the_tokens():
+def test_backend_groups_every_layer_and_keeps_the_tokens(cpu_groups):
     """kvq_backend on a 2-layer Llama: q / k / v and gate / up of each layer grouped in the decode graph (the op's
     CPU kernel: the same logits as without grouping, bit for bit); `group_linears=False` groups nothing."""
     from torch._dynamo.utils import counters
@@ -195,18 +308,24 @@ def test_backend_groups_every_layer_and_keeps_the_tokens():
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
-@pytest.mark.parametrize("M", [1, 8, 32, 64])
+@pytest.mark.parametrize("M", [1, 8, 32, 33, 64])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_llama_projections_on_gpu(M, dtype):
+def test_llama_projections_on_gpu(M, dtype, monkeypatch):
     """A Llama-3-8B layer's q / k / v (4096, 1024, 1024 rows) and gate / up (14336 each) through the CUDA kernel
-    against float64, and against cuBLAS within one output rounding more."""
+    (its launch counted: not the linears' fallback) against float64, and against cuBLAS within one output rounding
+    more; x as [M, 1, K] (a decode step's hidden states) for M > 32."""
+    launches = []
+    launch = gt.launch
+    monkeypatch.setattr(gt, "launch", lambda *a, **k: launches.append(1) or launch(*a, **k))
     for ns in ((4096, 1024, 1024), (14336, 14336)):
         x, ws = _case(M, 4096, ns, dtype, "cuda", seed=M)
-        outs = torch.ops.kvq.grouped_linear(x, ws)
+        outs = torch.ops.kvq.grouped_linear(x.view(M, 1, 4096) if M > 32 else x, ws)
+        outs = [y.view(M, -1) for y in outs]
         _check(x, ws, outs)
         for w, y in zip(ws, outs):
             ref = torch.nn.functional.linear(x, w)
             assert (y.float() - ref.float()).abs().max() <= 2 * 2 ** -7 * ref.float().abs().max()
+    assert len(launches) == 2
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
