@@ -157,7 +157,7 @@ def gpu_ms_per_step(model, ids, steps: int = 8, new: int | None = None, **kw) ->
 
 
 KERNEL_GROUPS = (   # (group, name pattern) of a decode step's CUDA kernels, first match wins (`kernel_groups`)
-    ("GEMMs", r"nvjet|gemm|cublas|cutlass|splitK|sm90_xmma|ampere_"),
+    ("GEMMs", r"nvjet|gemm|cublas|cutlass|splitK|sm90_xmma|ampere_|_grouped_linear_kernel"),
     ("decode attention", r"_kivi_decode_kernel|_post_decode_kernel|_lut_decode_kernel|_sym8_decode_kernel|"
                          r"_decode_kernel|_combine_kernel|_temperature_kernel|flash|attention"),
     ("append", r"_append_kernel"),

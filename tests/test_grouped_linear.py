@@ -219,31 +219,23 @@ def test_pass_regroups_on_the_graph_it_rewrote(cpu_groups):
         b = F.linear(h, w2)
         return F.linear(a, w3), F.linear(a, w4), b
 
-    args = (torch.randn(2, 8), torch.randn(6, 8), torch.randn(5, 8), torch.randn(4, 6), torch.randn(3, 6))
-    out, grouped, linears = _compiled(chain, args)
-    assert (grouped, linears) == (2, 0)
-    for a, b in zip(out, chain(*args)):
-        torch.testing.assert_close(a, b)
-
     def as_weight(x, y, w1, w2, w3):
         a = F.linear(x, w1)
         b = F.linear(x, w2)
         return F.linear(y, a), F.linear(y, w3), b
 
-    args = (torch.randn(4, 6), torch.randn(3, 8), torch.randn(8, 6), torch.randn(2, 6), torch.randn(5, 8))
-    out, grouped, linears = _compiled(as_weight, args)
-    assert grouped == 2 and linears == 0
-    for a, b in zip(out, as_weight(*args)):
-        torch.testing.assert_close(a, b)
-
     def many(x, *ws):
         return [F.linear(input=x, weight=w) for w in ws]
 
-    args = (torch.randn(3, 8), *[torch.randn(n + 2, 8) for n in range(gt.MAX_GROUP + 2)])
-    out, grouped, linears = _compiled(many, args)
-    assert (grouped, linears) == (2, 0)
-    for a, b in zip(out, many(*args)):
-        torch.testing.assert_close(a, b)
+    for fn, args in ((chain, (torch.randn(2, 8), torch.randn(6, 8), torch.randn(5, 8), torch.randn(4, 6),
+                              torch.randn(3, 6))),
+                     (as_weight, (torch.randn(4, 6), torch.randn(3, 8), torch.randn(8, 6), torch.randn(2, 6),
+                                  torch.randn(5, 8))),
+                     (many, (torch.randn(3, 8), *[torch.randn(n + 2, 8) for n in range(gt.MAX_GROUP + 2)]))):
+        out, grouped, linears = _compiled(fn, args)
+        assert (grouped, linears) == (2, 0), fn.__name__
+        for a, b in zip(out, fn(*args)):
+            torch.testing.assert_close(a, b)
 
 
 def test_pass_leaves_a_graph_traced_under_autocast(cpu_groups):
