@@ -19,6 +19,7 @@ rows of W_g (columns of y_g), BN / BM / BK the tile sizes, P_g the first program
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import triton
@@ -74,6 +75,19 @@ def config(M: int, K: int, N: int = 1 << 30) -> dict:
     return cfg
 
 
+@functools.lru_cache(maxsize=None)
+def _shared_limit(device: int) -> int:
+    """The shared memory a program may take on this GPU (Triton's own limit)."""
+    return triton.runtime.driver.active.utils.get_device_properties(device)["max_shared_mem"]
+
+
+def fit_stages(stages: int, bn: int, bk: int, bm: int, elem: int, limit: int) -> int:
+    """The pipeline depth cut to what the GPU's shared memory holds: each stage keeps a [bn, bk] weight tile and a
+    [bk, bm] x tile (the offline sm_90 build at BN 64, BK 128, BM 32, 6 stages took 6 x 24 KiB = 147456 bytes;
+    an A100 holds 6 stages only up to BM 32, a consumer GPU's 99 KiB 3 to 4)."""
+    return max(1, min(stages, limit // ((bn * bk + bk * bm) * elem)))
+
+
 def launch(x2, weights, outs, BN: int | None = None, BK: int | None = None, num_stages: int | None = None,
            num_warps: int | None = None) -> None:
     """y_g = x2 @ W_g^T into outs[g] (contiguous [M, N_g]) for x2 [M, K] (unit stride along K) and contiguous W_g
@@ -87,6 +101,9 @@ def launch(x2, weights, outs, BN: int | None = None, BK: int | None = None, num_
                 if v is not None})
     bn = cfg.pop("BN")
     BM = max(16, triton.next_power_of_2(M))
+    if x2.is_cuda:
+        cfg["num_stages"] = fit_stages(cfg["num_stages"], bn, cfg["BK"], BM, x2.element_size(),
+                                       _shared_limit(x2.device.index if x2.device.index is not None else 0))
     ns = [w.shape[0] for w in weights] + [0] * (MAX_GROUP - G)
     ps, total = [], 0
     for n in ns:

@@ -56,6 +56,16 @@ def test_kernel_rows_of_a_strided_input():
     _check(x, ws, outs)
 
 
+def test_pipeline_depth_fits_the_shared_memory():
+    """`fit_stages`: the measured configurations keep their depth on an H100 / H200 (227 KiB a program), and fewer
+    stages where a GPU holds less (A100 163 KiB, consumer 99 KiB), never below one."""
+    h100, a100, small = 232448, 166912, 101376
+    assert gt.fit_stages(6, 64, 128, 32, 2, h100) == 6 and gt.fit_stages(6, 64, 128, 64, 2, h100) == 6
+    assert gt.fit_stages(4, 64, 256, 16, 2, h100) == 4
+    assert gt.fit_stages(6, 64, 128, 64, 2, a100) == 5 and gt.fit_stages(6, 64, 128, 32, 2, a100) == 6
+    assert gt.fit_stages(6, 64, 128, 64, 2, small) == 3 and gt.fit_stages(6, 64, 128, 64, 2, 1000) == 1
+
+
 def test_launch_fits_only_decode_shapes():
     """`ops.grouped_launch_fits`: few rows, fp16 / bf16 throughout, contiguous weights of the input's K."""
     x, ws = _case(4, 32, (16, 8), torch.bfloat16, "cpu", seed=1)
