@@ -26,6 +26,7 @@ log = logging.getLogger("kvq_compile")
 
 ENABLED = os.environ.get("KVQ_GROUP_LINEARS", "1") != "0"   # the backend's default (`kvq_backend(group_linears=)`)
 DEVICES = ("cuda",)    # the devices whose linears are grouped (tests add "cpu": the op's reference kernel there)
+DTYPES = (torch.float16, torch.bfloat16)   # the launch's dtypes (others would fall back to the linears at run time)
 LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
 _INPLACE_OPERATORS = (operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
                       operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
@@ -50,10 +51,10 @@ def _plain(v) -> bool:
 
 
 def _barrier(n: fx.Node) -> bool:
-    """A node that a later linear must not be moved above: a grad-mode switch, an autocast boundary, an in-place
-    write (a method or function named with a trailing underscore, an in-place operator, an op whose schema
-    mutates), a module call."""
-    if n.op == "call_module":
+    """A node that a later linear must not be moved above: a grad-mode or inference-mode switch, an autocast
+    boundary, an in-place write (a method or function named with a trailing underscore, an in-place operator, an
+    `out=` argument, an op whose schema mutates, overload or packet), a module call."""
+    if n.op == "call_module" or "out" in n.kwargs:
         return True
     name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
     if n.op == "call_method":
@@ -62,7 +63,10 @@ def _barrier(n: fx.Node) -> bool:
         return False
     if isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable:
         return True
-    return (n.target in _INPLACE_OPERATORS or "grad_enabled" in name or "autocast" in name
+    if isinstance(n.target, torch._ops.OpOverloadPacket) and any(
+            getattr(n.target, o)._schema.is_mutable for o in n.target.overloads()):
+        return True
+    return (n.target in _INPLACE_OPERATORS or any(k in name for k in ("grad_enabled", "inference_mode", "autocast"))
             or (name.endswith("_") and not name.startswith("__")))
 
 
@@ -88,6 +92,8 @@ def _eligible(n: fx.Node, max_rows: int) -> str | None:
         return f"its input or weight is a tensor subclass ({type(xv).__name__}, {type(wv).__name__})"
     if xv.device.type not in DEVICES:
         return f"its input is on {xv.device.type}"
+    if xv.dtype not in DTYPES or wv.dtype != xv.dtype:
+        return f"dtypes {xv.dtype}, {wv.dtype} (the launch takes {DTYPES} alike)"
     if not all(isinstance(s, int) for s in xv.shape) or xv.numel() // max(xv.shape[-1], 1) > max_rows:
         return f"{tuple(xv.shape[:-1])} rows (symbolic or more than {max_rows})"
     return None

@@ -1040,7 +1040,7 @@ if HAVE_GLUON:
         """InnerQ's Keys with their offsets apart (`_kivi_decode_kernel` KZA): q^T [128, 8] (the Key mma's reduction
         order, group g = (k >> 1) & 3, `_key_channel`) -> the B operand [16, 8] of the offsets' mma, row
         8 j + 2 g + i: sum_g(q) as a bf16 pair (i = 0 the rounded sum, i = 1 its remainder) for j = 0, zero for j = 1.
-        Lane b of the B fragment holds group b's 32 channels, so the sums stay in a lane."""
+        The lanes l with l % 4 = b hold group b's 32 channels in the B fragment, so the sums stay in a lane."""
         qs = gl.sum(gl.sum(gl.sum(qT.to(gl.float32).reshape([8, 2, 4, 2, 8]), 3), 1), 0)          # [4 (g), 8]
         hi = qs.to(qT.dtype)
         lo = (qs - hi.to(gl.float32)).to(qT.dtype)
@@ -1052,8 +1052,8 @@ if HAVE_GLUON:
     def _inner_zrows(kz, a_l: gl.constexpr, BT: gl.constexpr):
         """InnerQ's Key offsets [4 (g), BT] (one per token and 32-channel group) -> the A operand [BT, 16] of the
         offsets' mma, A[t, 8 j + 2 g + i] = z[g, t]: with `_inner_qsum_rows` row t of the product is
-        sum_g z[g, t] sum_g(q), each term's two bf16 parts exact in fp32. Lane b + 4 (t % 8) holds z[b, t] in the
-        Key layout and in the A fragment alike."""
+        sum_g z[g, t] (hi_g + lo_g), each product exact in fp32 (hi + lo is the fp32 group sum to about 2^-17).
+        Lane b + 4 (t % 8) holds z[b, t] in the Key layout and in the A fragment alike."""
         zt = kz.permute([1, 0])                                                                     # [BT, 4]
         x = gl.join(zt, zt)                                                                         # [BT, 4, 2 (i)]
         y = gl.join(x, x)                                                                           # [BT, 4, 2, 2 (j)]

@@ -64,13 +64,13 @@ def _grouped_linear_kernel(X, W0, W1, W2, W3, Y0, Y1, Y2, Y3, M, K, N0, N1, N2, 
     tl.store(out, acc.to(y.dtype.element_ty), mask=(rm[None, :] < M) & (rn[:, None] < n_rows))
 
 
-def config(M: int, K: int, N: int = 1 << 30) -> dict:
+def config(M: int, K: int, N: tuple = (1 << 30,)) -> dict:
     """Tile sizes and pipeline depth: the fastest of 36 configurations at M = 32 and 8 for a Llama-3-8B layer's
     q / k / v (N = 6144 rows in all, K 4096: 96 programs of BN 64) on an H200 (`bench/debug/skinny_gemm.py`,
-    session 53 call 3); for fewer weight rows (a small model) BN halves until there are 64 programs or BN is 16 (a
+    session 53 call 3); for fewer weight rows N (a small model) BN halves until there are 64 programs or BN is 16 (a
     guess, not measured: one program a column block and no split of K leave SMs idle below that)."""
     cfg = dict(BN=64, BK=256, num_stages=4, num_warps=4) if M <= 16 else dict(BN=64, BK=128, num_stages=6, num_warps=4)
-    while cfg["BN"] > 16 and -(-N // cfg["BN"]) < 64:
+    while cfg["BN"] > 16 and sum(-(-n // cfg["BN"]) for n in N) < 64:
         cfg["BN"] //= 2
     return cfg
 
@@ -96,7 +96,7 @@ def launch(x2, weights, outs, BN: int | None = None, BK: int | None = None, num_
     G = len(weights)
     if not 1 <= G <= MAX_GROUP:
         raise ValueError(f"grouped_linear takes 1 to {MAX_GROUP} weights, got {G}")
-    cfg = config(M, K, sum(w.shape[0] for w in weights))
+    cfg = config(M, K, tuple(w.shape[0] for w in weights))
     cfg.update({k: v for k, v in dict(BN=BN, BK=BK, num_stages=num_stages, num_warps=num_warps).items()
                 if v is not None})
     bn = cfg.pop("BN")

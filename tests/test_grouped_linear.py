@@ -123,8 +123,10 @@ def _graph(fn, *args):
 
 @pytest.fixture
 def cpu_groups(monkeypatch):
-    """The pass groups CPU linears too (by default CUDA's alone: on the CPU the op is the linears again)."""
+    """The pass groups CPU and float32 linears too (by default CUDA's fp16 / bf16 alone: on the CPU the op is the
+    linears again, and the launch takes no float32)."""
     monkeypatch.setattr(gp, "DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(gp, "DTYPES", (torch.float16, torch.bfloat16, torch.float32))
 
 
 def test_pass_groups_same_input_linears_and_leaves_the_rest(cpu_groups):
@@ -217,6 +219,55 @@ def test_pass_keeps_order_across_grad_mode_and_in_place_writes(cpu_groups):
     assert (grouped, linears) == (1, 1)
     for a, b in zip(out, want):
         torch.testing.assert_close(a, b)
+
+
+@torch.library.custom_op("kvq_test::scale_", mutates_args=("x",))
+def _scale_in_place(x: torch.Tensor) -> None:
+    x.mul_(3)
+
+
+@_scale_in_place.register_fake
+def _(x):
+    return None
+
+
+def test_pass_keeps_order_across_other_writes(cpu_groups):
+    """Writes a linear must not be moved above, in the forms Dynamo emits: an `out=` argument, a mutating custom op
+    (a packet in the graph), an inference-mode block's exit; and no float32 group (the launch takes fp16 / bf16)."""
+    F = torch.nn.functional
+
+    def out_arg(x, w1, w2):
+        p = F.linear(x, w1)
+        torch.mul(x, 3, out=x)
+        return p, F.linear(x, w2)
+
+    def custom_op(x, w1, w2):
+        p = F.linear(x, w1)
+        torch.ops.kvq_test.scale_(x)
+        return p, F.linear(x, w2)
+
+    for fn in (out_arg, custom_op):
+        args = (torch.ones(2, 8), torch.ones(4, 8), torch.ones(3, 8))
+        want = fn(args[0].clone(), *args[1:])
+        out, grouped, linears = _compiled(fn, (args[0].clone(), *args[1:]))
+        assert (grouped, linears) == (0, 2), fn.__name__
+        for a, b in zip(out, want):
+            torch.testing.assert_close(a, b)
+
+    def inference(x, w1, w2):
+        with torch.inference_mode():
+            a = F.linear(x, w1)
+        return a, F.linear(x, w2)
+
+    ws = [torch.randn(n, 8, requires_grad=True) for n in (4, 3)]
+    out, grouped, linears = _compiled(inference, (torch.randn(2, 8), *ws))
+    assert (grouped, linears) == (0, 2) and out[1].requires_grad and not out[1].is_inference()
+
+    gp.DTYPES = (torch.float16, torch.bfloat16)   # (restored by the fixture's monkeypatch)
+    args = (torch.randn(2, 8), torch.randn(4, 8), torch.randn(3, 8))
+    for dtype, groups in ((torch.float32, 0), (torch.bfloat16, 1)):
+        _, grouped, _ = _compiled(lambda x, a, b: (F.linear(x, a), F.linear(x, b)), [a.to(dtype) for a in args])
+        assert grouped == groups, dtype
 
 
 def test_pass_regroups_on_the_graph_it_rewrote(cpu_groups):
