@@ -441,12 +441,12 @@ def _register_gpu_kernels() -> None:
         warnings.warn(f"kvq: Triton prefill attention unavailable ({type(e).__name__}: {e}); chunks run SDPA")
         prefill_attention = None
 
+    from .templates import grouped_linear as gt
+
     @grouped_linear.register_kernel("cuda")
     def _grouped_linear_cuda(x, weights):
         if not grouped_launch_fits(x, weights):
             return [torch.nn.functional.linear(x, w) for w in weights]
-        from .templates import grouped_linear as gt
-
         x2 = x.reshape(-1, x.shape[-1])
         outs = [x.new_empty((x2.shape[0], w.shape[0])) for w in weights]
         gt.launch(x2, weights, outs)

@@ -22,6 +22,8 @@ import os
 import torch
 import torch.fx as fx
 
+from .kv_cache_attention import _val as _value
+
 log = logging.getLogger("kvq_compile")
 
 ENABLED = os.environ.get("KVQ_GROUP_LINEARS", "1") != "0"   # the backend's default (`kvq_backend(group_linears=)`)
@@ -31,10 +33,6 @@ LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
 _INPLACE_OPERATORS = (operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
                       operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
                       operator.ilshift, operator.irshift, operator.imatmul)
-
-
-def _value(n):
-    return n.meta.get("example_value", n.meta.get("val")) if isinstance(n, fx.Node) else None
 
 
 def _linear_args(n: fx.Node):
