@@ -12,6 +12,10 @@ input that is a tensor subclass (a quantized weight: its linear is its own), and
 under autocast or with an autocast region (the op would not be cast as the linears are), or without Triton. The
 op's CUDA kernel falls back to the linears where its launch does not fit (`ops.grouped_launch_fits`: dtype,
 strides); its backward is the linears' (`ops._grouped_linear_backward`).
+
+Lone linears (o_proj, down_proj, lm_head) stay cuBLAS's unless `singles=True` (`KVQ_SINGLE_LINEARS=1`): as one-weight
+launches they were 0.2 points of roofline faster end to end at (32, 4096), within the spread of the measure, and
+slower than cuBLAS in isolation at 32 rows for o_proj and down_proj (bench/RESULTS.md, session 54).
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from .kv_cache_attention import _val as _value
 log = logging.getLogger("kvq_compile")
 
 ENABLED = os.environ.get("KVQ_GROUP_LINEARS", "1") != "0"   # the backend's default (`kvq_backend(group_linears=)`)
+SINGLES = os.environ.get("KVQ_SINGLE_LINEARS", "0") == "1"   # lone linears too (o_proj, down_proj, lm_head): an A/B
 DEVICES = ("cuda",)    # the devices whose linears are grouped (tests add "cpu": the op's reference kernel there)
 DTYPES = (torch.float16, torch.bfloat16)   # the launch's dtypes (others would fall back to the linears at run time)
 LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
@@ -117,8 +122,10 @@ def _runs(members: list[fx.Node], nodes: list[fx.Node], order: dict) -> list[lis
     return out
 
 
-def group_linears(gm: fx.GraphModule) -> int:
-    """Rewrite gm in place; the number of `kvq::grouped_linear` nodes inserted."""
+def group_linears(gm: fx.GraphModule, singles: bool | None = None) -> int:
+    """Rewrite gm in place; the number of `kvq::grouped_linear` nodes inserted. singles: a lone eligible linear
+    becomes a one-weight launch too (default `SINGLES`)."""
+    least = 1 if (SINGLES if singles is None else singles) else 2
     try:
         from ..templates.grouped_linear import MAX_GROUP, MAX_ROWS
     except ImportError as e:   # no Triton: no launch to group for
@@ -144,7 +151,7 @@ def group_linears(gm: fx.GraphModule) -> int:
                 log.debug("kvq: %s left alone: %s", n.name, why or "its weight is no graph node")
         part = None
         for members in by_input.values():
-            part = next((run[:MAX_GROUP] for run in _runs(members, nodes, order) if len(run) >= 2), None)
+            part = next((run[:MAX_GROUP] for run in _runs(members, nodes, order) if len(run) >= least), None)
             if part is not None:
                 break
             done.update(members)

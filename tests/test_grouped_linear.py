@@ -152,6 +152,28 @@ def test_pass_groups_same_input_linears_and_leaves_the_rest(cpu_groups):
         assert torch.equal(a, b)
 
 
+def test_pass_takes_lone_linears_only_when_asked(cpu_groups):
+    """`singles=True` (KVQ_SINGLE_LINEARS=1, an A/B switch, off by default) makes a lone eligible linear (o_proj's
+    place) a one-weight launch; a biased linear and rows above the launch's stay linears either way."""
+    F = torch.nn.functional
+
+    def fn(x, big, wq, wk, wo, b):
+        q, k = F.linear(x, wq), F.linear(x, wk)
+        return q, k, F.linear(q - 1, wo), F.linear(q, wo, b), F.linear(big, wo)
+
+    args = (torch.randn(3, 1, 24), torch.randn(2, 40, 24), torch.randn(24, 24), torch.randn(8, 24),
+            torch.randn(24, 24), torch.randn(24))
+    want = fn(*args)
+    for singles, sizes in ((False, [2]), (True, [2, 1])):
+        gm = _graph(fn, *args)
+        assert gp.group_linears(gm, singles=singles) == len(sizes)
+        got = [len(n.args[1]) for n in gm.graph.nodes if n.target == torch.ops.kvq.grouped_linear.default]
+        assert got == sizes
+        assert len([n for n in gm.graph.nodes if n.target in gp.LINEAR]) == 5 - sum(sizes)
+        for a, b in zip(gm(*args), want):
+            assert torch.equal(a, b)
+
+
 def test_pass_leaves_graphs_with_autocast_alone(cpu_groups):
     """Linears inside an autocast region run in its dtype; the op would not be cast: a Dynamo graph with an
     autocast region keeps every linear."""
