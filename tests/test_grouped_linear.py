@@ -152,7 +152,7 @@ def test_pass_groups_same_input_linears_and_leaves_the_rest(cpu_groups):
         assert torch.equal(a, b)
 
 
-def test_pass_takes_lone_linears_only_when_asked(cpu_groups):
+def test_pass_takes_lone_linears_only_when_asked(cpu_groups, monkeypatch):
     """`singles=True` (KVQ_SINGLE_LINEARS=1, an A/B switch, off by default) makes a lone eligible linear (o_proj's
     place) a one-weight launch; a biased linear and rows above the launch's stay linears either way."""
     F = torch.nn.functional
@@ -172,6 +172,8 @@ def test_pass_takes_lone_linears_only_when_asked(cpu_groups):
         assert len([n for n in gm.graph.nodes if n.target in gp.LINEAR]) == 5 - sum(sizes)
         for a, b in zip(gm(*args), want):
             assert torch.equal(a, b)
+    monkeypatch.setattr(gp, "SINGLES", True)   # the switch's default (KVQ_SINGLE_LINEARS=1)
+    assert gp.group_linears(_graph(fn, *args)) == 2
 
 
 def test_pass_leaves_graphs_with_autocast_alone(cpu_groups):

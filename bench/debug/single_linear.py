@@ -1,7 +1,8 @@
 """A decode step's lone projections (o_proj, down_proj, lm_head) as one-weight `kvq::grouped_linear` launches against
 cuBLAS (`F.linear`), bf16, CUDA-graph timed, at Llama-3-8B shapes (debug). Sweeps the launch's tile sizes through
-`templates.grouped_linear.launch`'s overrides and prints the default configuration's time beside the best, so that
-the pass takes a lone linear only where the launch was measured to win (bench/RESULTS.md, session 54).
+`templates.grouped_linear.launch`'s overrides and prints the default configuration's time beside the best (the stages
+as run: `fit_stages` may cut them), to decide whether the pass should take lone linears (`singles=`; bench/RESULTS.md,
+session 54). L2 is not flushed between replays: a weight that fits in L2 (o_proj's 33.5 MB on an H200) may read high.
 
     python bench/debug/single_linear.py [M,...]       e.g. 1,8,32
 """
@@ -50,7 +51,12 @@ def main():
                     print(f"  {name} M={M} {cfg}: {type(e).__name__} {str(e)[:80]}")
                     continue
                 if best is None or t < best[0]:
-                    best = (t, cfg)
+                    stages = gl.fit_stages(cfg["num_stages"], cfg["BN"], cfg["BK"], max(16, 1 << (M - 1).bit_length()),
+                                           2, gl._shared_limit(torch.cuda.current_device()))
+                    best = (t, dict(cfg, num_stages=stages))
+            if best is None:
+                print(f"M={M:3d} {name:10s}: no configuration ran")
+                continue
             print(f"M={M:3d} {name:10s} N={N:6d} K={K:6d} cuBLAS {t_cu:7.2f} us ({nbytes / (t_cu * 1e-6) / bw:5.1%})  "
                   f"default {gl.config(M, K, (N,))} {t_def:7.2f} us ({nbytes / (t_def * 1e-6) / bw:5.1%}, max diff "
                   f"{err:.3g})  best {best[1]} {best[0]:7.2f} us ({nbytes / (best[0] * 1e-6) / bw:5.1%})", flush=True)
