@@ -13,9 +13,12 @@ under autocast or with an autocast region (the op would not be cast as the linea
 op's CUDA kernel falls back to the linears where its launch does not fit (`ops.grouped_launch_fits`: dtype,
 strides); its backward is the linears' (`ops._grouped_linear_backward`).
 
-Lone linears (o_proj, down_proj, lm_head) stay cuBLAS's unless `singles=True` (`KVQ_SINGLE_LINEARS=1`): as one-weight
-launches they were 0.2 points of roofline faster end to end at (32, 4096), within the spread of the measure, and
-slower than cuBLAS in isolation at 32 rows for o_proj and down_proj (bench/RESULTS.md, session 54).
+Lone linears (o_proj, down_proj, lm_head) become one-weight launches where their input has at most `SINGLE_ROWS`
+(8) rows (`singles="auto"`, the default): in isolation on an H200 the launch beat cuBLAS at 1 row for all three
+(o_proj 11.03 -> 9.62 us, down_proj 32.22 -> 31.63, lm_head 250.66 -> 241.17) and at 8 rows for down_proj and lm_head
+(o_proj within 0.1 us), but lost at 32 rows for o_proj and down_proj, where end to end it was within the measure's
+spread (bench/RESULTS.md, session 54). `singles=True` / `KVQ_SINGLE_LINEARS=1` takes every eligible lone linear,
+`False` / `0` none.
 """
 from __future__ import annotations
 
@@ -31,7 +34,8 @@ from .kv_cache_attention import _val as _value
 log = logging.getLogger("kvq_compile")
 
 ENABLED = os.environ.get("KVQ_GROUP_LINEARS", "1") != "0"   # the backend's default (`kvq_backend(group_linears=)`)
-SINGLES = os.environ.get("KVQ_SINGLE_LINEARS", "0") == "1"   # lone linears too (o_proj, down_proj, lm_head): an A/B
+SINGLES = {"0": False, "1": True}.get(os.environ.get("KVQ_SINGLE_LINEARS", ""), "auto")   # lone linears (see above)
+SINGLE_ROWS = 8   # "auto": a lone linear whose input has at most this many rows becomes a one-weight launch
 DEVICES = ("cuda",)    # the devices whose linears are grouped (tests add "cpu": the op's reference kernel there)
 DTYPES = (torch.float16, torch.bfloat16)   # the launch's dtypes (others would fall back to the linears at run time)
 LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
@@ -97,9 +101,15 @@ def _eligible(n: fx.Node, max_rows: int) -> str | None:
         return f"its input is on {xv.device.type}"
     if xv.dtype not in DTYPES or wv.dtype != xv.dtype:
         return f"dtypes {xv.dtype}, {wv.dtype} (the launch takes {DTYPES} alike)"
-    if not all(isinstance(s, int) for s in xv.shape) or xv.numel() // max(xv.shape[-1], 1) > max_rows:
+    if not all(isinstance(s, int) for s in xv.shape) or _rows(x) > max_rows:
         return f"{tuple(xv.shape[:-1])} rows (symbolic or more than {max_rows})"
     return None
+
+
+def _rows(x: fx.Node) -> int:
+    """The rows of an eligible linear's input (the product of its static leading dimensions)."""
+    xv = _value(x)
+    return xv.numel() // max(xv.shape[-1], 1)
 
 
 def _runs(members: list[fx.Node], nodes: list[fx.Node], order: dict) -> list[list[fx.Node]]:
@@ -122,10 +132,17 @@ def _runs(members: list[fx.Node], nodes: list[fx.Node], order: dict) -> list[lis
     return out
 
 
-def group_linears(gm: fx.GraphModule, singles: bool | None = None) -> int:
-    """Rewrite gm in place; the number of `kvq::grouped_linear` nodes inserted. singles: a lone eligible linear
-    becomes a one-weight launch too (default `SINGLES`)."""
-    least = 1 if (SINGLES if singles is None else singles) else 2
+def group_linears(gm: fx.GraphModule, singles: bool | str | None = None) -> int:
+    """Rewrite gm in place; the number of `kvq::grouped_linear` nodes inserted. singles: whether a lone eligible
+    linear becomes a one-weight launch too: True, False, or "auto" (at most `SINGLE_ROWS` rows); None: `SINGLES`."""
+    singles = SINGLES if singles is None else singles
+    if singles not in (True, False, "auto"):
+        raise ValueError(f"singles must be True, False or 'auto', not {singles!r}")
+
+    def takes(run: list[fx.Node]) -> bool:
+        if len(run) >= 2 or singles is True:
+            return True
+        return singles == "auto" and _rows(_linear_args(run[0])[0]) <= SINGLE_ROWS
     try:
         from ..templates.grouped_linear import MAX_GROUP, MAX_ROWS
     except ImportError as e:   # no Triton: no launch to group for
@@ -151,7 +168,7 @@ def group_linears(gm: fx.GraphModule, singles: bool | None = None) -> int:
                 log.debug("kvq: %s left alone: %s", n.name, why or "its weight is no graph node")
         part = None
         for members in by_input.values():
-            part = next((run[:MAX_GROUP] for run in _runs(members, nodes, order) if len(run) >= least), None)
+            part = next((run[:MAX_GROUP] for run in _runs(members, nodes, order) if run and takes(run)), None)
             if part is not None:
                 break
             done.update(members)

@@ -127,6 +127,7 @@ def cpu_groups(monkeypatch):
     linears again, and the launch takes no float32)."""
     monkeypatch.setattr(gp, "DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(gp, "DTYPES", (torch.float16, torch.bfloat16, torch.float32))
+    monkeypatch.setattr(gp, "SINGLES", False)   # groups alone (lone linears: test_pass_takes_lone_linears_of_few_rows)
 
 
 def test_pass_groups_same_input_linears_and_leaves_the_rest(cpu_groups):
@@ -152,28 +153,34 @@ def test_pass_groups_same_input_linears_and_leaves_the_rest(cpu_groups):
         assert torch.equal(a, b)
 
 
-def test_pass_takes_lone_linears_only_when_asked(cpu_groups, monkeypatch):
-    """`singles=True` (KVQ_SINGLE_LINEARS=1, an A/B switch, off by default) makes a lone eligible linear (o_proj's
-    place) a one-weight launch; a biased linear and rows above the launch's stay linears either way."""
+def test_pass_takes_lone_linears_of_few_rows(cpu_groups, monkeypatch):
+    """A lone eligible linear (o_proj's place) becomes a one-weight launch where its input has at most SINGLE_ROWS
+    rows ("auto", the default), always (True) or never (False); a biased linear and rows above the launch's stay
+    linears either way."""
     F = torch.nn.functional
 
     def fn(x, big, wq, wk, wo, b):
         q, k = F.linear(x, wq), F.linear(x, wk)
         return q, k, F.linear(q - 1, wo), F.linear(q, wo, b), F.linear(big, wo)
 
-    args = (torch.randn(3, 1, 24), torch.randn(2, 40, 24), torch.randn(24, 24), torch.randn(8, 24),
-            torch.randn(24, 24), torch.randn(24))
-    want = fn(*args)
-    for singles, sizes in ((False, [2]), (True, [2, 1])):
-        gm = _graph(fn, *args)
+    def args(rows):
+        return (torch.randn(rows, 1, 24), torch.randn(2, 40, 24), torch.randn(24, 24), torch.randn(8, 24),
+                torch.randn(24, 24), torch.randn(24))
+
+    few, more = args(gp.SINGLE_ROWS), args(gp.SINGLE_ROWS + 1)
+    for singles, x, sizes in ((False, few, [2]), (True, more, [2, 1]), ("auto", few, [2, 1]), ("auto", more, [2])):
+        want = fn(*x)
+        gm = _graph(fn, *x)
         assert gp.group_linears(gm, singles=singles) == len(sizes)
         got = [len(n.args[1]) for n in gm.graph.nodes if n.target == torch.ops.kvq.grouped_linear.default]
-        assert got == sizes
+        assert got == sizes, (singles, got)
         assert len([n for n in gm.graph.nodes if n.target in gp.LINEAR]) == 5 - sum(sizes)
-        for a, b in zip(gm(*args), want):
+        for a, b in zip(gm(*x), want):
             assert torch.equal(a, b)
-    monkeypatch.setattr(gp, "SINGLES", True)   # the switch's default (KVQ_SINGLE_LINEARS=1)
-    assert gp.group_linears(_graph(fn, *args)) == 2
+    monkeypatch.setattr(gp, "SINGLES", "auto")   # the default (KVQ_SINGLE_LINEARS unset)
+    assert gp.group_linears(_graph(fn, *few)) == 2
+    with pytest.raises(ValueError, match="singles"):
+        gp.group_linears(_graph(fn, *few), singles="yes")
 
 
 def test_pass_leaves_graphs_with_autocast_alone(cpu_groups):
