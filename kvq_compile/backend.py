@@ -118,7 +118,8 @@ class KVQBackend:
         if runner is not None:   # the fp16 caches the rewrite left unread are no inputs of the compiled graph
             gm, keep = _without_inputs(gm, [n for m in matches for n in (m.k_cache, m.v_cache)])
             example_inputs = [example_inputs[i] for i in keep]
-        if self.group_linears:   # a decode step's same-input projections in one launch (`passes/grouped_linear.py`)
+        if self.group_linears:   # a decode step's same-input projections in one launch, lone ones of <= 8 rows alone
+            # (`passes/grouped_linear.py`)
             grouped = grouped_linear.group_linears(gm)
             if grouped:
                 compat.bump_counter("kvq", "grouped_linear", grouped)
@@ -294,8 +295,9 @@ def _without_inputs(gm: torch.fx.GraphModule, caches) -> tuple[torch.fx.GraphMod
 def kvq_backend(cfg: KVQConfig | str, *, release_fp16_cache: bool = True,
                 append_beside: bool | None = None, group_linears: bool | None = None) -> KVQBackend:
     """A torch.compile backend for `cfg` (a KVQConfig or a preset name). append_beside: `KVQBackend.beside`;
-    group_linears: a decode graph's same-input projections as one `kvq::grouped_linear` (`passes/grouped_linear.py`;
-    default on, KVQ_GROUP_LINEARS=0 turns the default off)."""
+    group_linears: a decode graph's same-input projections as one `kvq::grouped_linear`, and its lone projections of
+    at most 8 rows as one-weight launches (`passes/grouped_linear.py`; default on, KVQ_GROUP_LINEARS=0 turns the
+    default off; KVQ_SINGLE_LINEARS=0 / 1 takes no lone projection / every one of at most 64 rows)."""
     if isinstance(cfg, str):
         cfg = KVQConfig.preset(cfg)
     return KVQBackend(cfg, release_fp16_cache=release_fp16_cache, append_beside=append_beside,

@@ -136,7 +136,7 @@ def group_linears(gm: fx.GraphModule, singles: bool | str | None = None) -> int:
     """Rewrite gm in place; the number of `kvq::grouped_linear` nodes inserted. singles: whether a lone eligible
     linear becomes a one-weight launch too: True, False, or "auto" (at most `SINGLE_ROWS` rows); None: `SINGLES`."""
     singles = SINGLES if singles is None else singles
-    if singles not in (True, False, "auto"):
+    if not (isinstance(singles, bool) or singles == "auto"):
         raise ValueError(f"singles must be True, False or 'auto', not {singles!r}")
 
     def takes(run: list[fx.Node]) -> bool:
