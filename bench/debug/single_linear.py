@@ -11,21 +11,16 @@ from __future__ import annotations
 import sys
 
 import torch
-from triton.testing import do_bench_cudagraph
+import triton
+from skinny_gemm import copy_bandwidth, graph_us   # (this folder: the script's own)
 
 from kvq_compile.templates import grouped_linear as gl
-
-
-def graph_us(fn, reps=50):
-    return do_bench_cudagraph(fn, rep=reps) * 1e3
 
 
 def main():
     Ms = [int(m) for m in (sys.argv[1] if len(sys.argv) > 1 else "1,8,32").split(",")]
     dev = "cuda"
-    buf = torch.empty(1 << 28, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(buf)
-    bw = 2 * buf.numel() / (graph_us(lambda: dst.copy_(buf)) * 1e-6)
+    bw = copy_bandwidth(dev)
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} copy {bw / 1e12:.2f} TB/s", flush=True)
     shapes = {"o": (4096, 4096), "down": (4096, 14336), "lm_head": (128256, 4096), "qkv-as-one": (6144, 4096)}
     configs = [dict(BN=bn, BK=bk, num_stages=st, num_warps=4) for bn in (16, 32, 64) for bk in (128, 256)
@@ -51,7 +46,7 @@ def main():
                     print(f"  {name} M={M} {cfg}: {type(e).__name__} {str(e)[:80]}")
                     continue
                 if best is None or t < best[0]:
-                    stages = gl.fit_stages(cfg["num_stages"], cfg["BN"], cfg["BK"], max(16, 1 << (M - 1).bit_length()),
+                    stages = gl.fit_stages(cfg["num_stages"], cfg["BN"], cfg["BK"], max(16, triton.next_power_of_2(M)),
                                            2, gl._shared_limit(torch.cuda.current_device()))
                     best = (t, dict(cfg, num_stages=stages))
             if best is None:

@@ -52,13 +52,17 @@ def graph_us(fn, reps=50):
     return do_bench_cudagraph(fn, rep=reps) * 1e3
 
 
+def copy_bandwidth(dev="cuda") -> float:
+    """Bytes per second of a 256 MiB device copy (read and written), CUDA-graph timed."""
+    buf = torch.empty(1 << 28, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(buf)
+    return 2 * buf.numel() / (graph_us(lambda: dst.copy_(buf)) * 1e-6)
+
+
 def main():
     Ms = [int(m) for m in (sys.argv[1] if len(sys.argv) > 1 else "32,8").split(",")]
     dev = "cuda"
-    bw_buf = torch.empty(1 << 28, dtype=torch.uint8, device=dev)
-    bw_dst = torch.empty_like(bw_buf)
-    t = graph_us(lambda: bw_dst.copy_(bw_buf))
-    bw = 2 * bw_buf.numel() / (t * 1e-6)
+    bw = copy_bandwidth(dev)
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__} copy {bw / 1e12:.2f} TB/s")
     shapes = {"k/v": (1024, 4096), "q/o": (4096, 4096), "qkv": (6144, 4096), "gate/up": (14336, 4096),
               "down": (4096, 14336)}
