@@ -126,6 +126,8 @@ class KVQBackend:
         if self.compile_with_inductor:
             if runner is not None:
                 lowering.register()
+                # the rewrite's calls of `store` helpers, cacheable by AOTAutograd under the sources' hash
+                compat.mark_cacheable_calls(gm, patches["post_grad_custom_post_pass"].uuid(), __package__)
             compiled = compat.compile_fx(gm, example_inputs, patches)
         else:
             compiled = gm.forward

@@ -52,6 +52,24 @@ def eager_numerics_options() -> dict:
     return {name: value for name, value in wanted.items() if name in known}
 
 
+def mark_cacheable_calls(gm: fx.GraphModule, digest: str | None, package: str) -> int:
+    """Let AOTAutograd's cache take a graph that calls Python functions of `package` (the pass's `store` helpers
+    on a chunk's pads and seats): it bypasses any call_function target outside torch, unless the node carries
+    fx.wrap's `is_wrapped` and a `user_cache_hash`. digest must change whenever those functions do: the package's
+    source hash (`lowering.cache_key_pass`'s uuid, which the cache key also takes through Inductor's config).
+    Without a digest (a user's post-grad pass without uuid: Inductor skips its caches) nothing is marked. Returns
+    how many nodes were marked; a torch without the marker bypasses the cache as before."""
+    if not digest:
+        return 0
+    marked = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "__module__", "").startswith(package + "."):
+            node.meta["is_wrapped"] = True
+            node.meta["user_cache_hash"] = digest
+            marked += 1
+    return marked
+
+
 def compile_fx(gm: fx.GraphModule, example_inputs, config_patches: dict):
     from torch._inductor.compile_fx import compile_fx as _compile_fx
 

@@ -200,6 +200,35 @@ def test_cache_key_pass_hashes_sources_and_chains(tmp_path):
     assert any(f.endswith("decode_attention.py") for f in lowering.source_files())
 
 
+def test_mark_cacheable_calls_marks_the_package_s_functions_only():
+    """AOTAutograd's cache bypasses a graph with a call_function target outside torch unless the node carries a
+    user_cache_hash: the package's helpers get the sources' hash, torch's functions and ops nothing, and without
+    a hash (a user's pass without uuid: Inductor skips its caches) nothing is marked."""
+    from kvq_compile import store as st
+
+    def f(mask, x):
+        return torch.ops.aten.mul(torch.sin(x), 2), st.attended_slots(mask)
+
+    def graph():
+        g = torch.fx.Graph()
+        mask, x = g.placeholder("mask"), g.placeholder("x")
+        g.output((g.call_function(torch.ops.aten.mul.Tensor, (g.call_function(torch.sin, (x,)), 2)),
+                  g.call_function(st.attended_slots, (mask,))))
+        return torch.fx.GraphModule(torch.nn.Module(), g)
+
+    gm = graph()
+    assert compat.mark_cacheable_calls(gm, None, "kvq_compile") == 0
+    assert compat.mark_cacheable_calls(gm, "abc", "kvq_compile") == 1
+    marked = {n.target: n.meta.get("user_cache_hash") for n in gm.graph.nodes if n.op == "call_function"}
+    assert marked == {torch.sin: None, torch.ops.aten.mul.Tensor: None, st.attended_slots: "abc"}
+    assert next(n for n in gm.graph.nodes if n.target is st.attended_slots).meta["is_wrapped"]
+    mask = torch.zeros(2, 1, 3, 5, dtype=torch.bool)
+    mask[0, 0, -1, 2:] = True
+    x = torch.randn(4)
+    for a, b in zip(gm(mask, x), f(mask, x)):   # the marked graph computes what it did
+        assert torch.equal(a, b)
+
+
 def test_backend_and_kvqcache_install_the_cache_key_pass(monkeypatch):
     before = lowering.cache_key_pass().uuid()
     monkeypatch.setattr(lowering, "DEVICES", {"cuda", "cpu"})
