@@ -41,9 +41,24 @@ except ImportError:  # pragma: no cover
     Cache, CacheLayerMixin = object, object
 
 
+class _Slot:
+    """What an attention module knows of the KVQCache layer bound to it (`_bind`), held strongly by the module: a
+    weak reference to the layer (a module does not keep a dropped cache alive) and `pending`, the positions of the
+    chunk that the layer's `update` announced to the attention function of the same forward (None: attend through
+    SDPA). `kvq_attention` reads `pending` here and follows the weak reference only when it is set (the layer is
+    then the one this forward updates, alive). Read through the weak reference (before session 55), a forward
+    compiled for another cache guarded on the dropped layer's `pending`; a layer freed by the cyclic collector
+    while that graph compiled failed the guard's creation (once in a CPU test run)."""
+
+    def __init__(self):
+        self.layer: weakref.ref | None = None
+        self.pending: torch.Tensor | None = None
+
+
 class KVQLayer(CacheLayerMixin):
     """One attention layer's view of the store. `pending` carries the positions of the chunk that
-    `update` announced to the attention function of the same forward."""
+    `update` announced to the attention function of the same forward (kept in the attention module's `_Slot`
+    once bound)."""
 
     is_compileable = True
     is_sliding = False
@@ -57,7 +72,7 @@ class KVQLayer(CacheLayerMixin):
         # Keys are stored after RoPE (the op appends the rotated key; `ops._append_attend_layout`)
         self.append_beside = append_beside and rotary is None and st.attention_independent(layer.cfg)
         self.cumulative_length = torch.zeros((), dtype=torch.int64, device=device)
-        self.pending: torch.Tensor | None = None
+        self.slot = _Slot()   # its attention module's, once bound (`_bind`)
         # the store's [B, T] slot -> mask column buffer (`ModelStore.seats`, shared by the layers, one address: CUDA
         # graphs keep it), read by later masks once an eager first chunk with masked tokens seated its rows
         # (`seat_rows`) or a later chunk filled a row's sink where it held pads (`store.seat_fresh_rows`)
@@ -73,6 +88,14 @@ class KVQLayer(CacheLayerMixin):
         if not torch.compiler.is_compiling():
             for t in (*self.attend_tensors, self.cumulative_length):
                 torch._dynamo.mark_static_address(t)
+
+    @property
+    def pending(self) -> torch.Tensor | None:
+        return self.slot.pending
+
+    @pending.setter
+    def pending(self, positions: torch.Tensor | None) -> None:
+        self.slot.pending = positions
 
     def lazy_initialization(self, key_states, value_states) -> None:  # allocated up front
         return None
@@ -272,9 +295,9 @@ for _name, _what in (("reorder_cache", "beam search (reorder_cache)"), ("crop", 
 def kvq_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The "kvq" attention implementation: append + attend through the store when a KVQCache announced
     this chunk, plain SDPA otherwise (another cache, or no cache)."""
-    handle = module.__dict__.get("_kvq_layer")   # a weak reference: a module does not keep a dropped cache alive
-    layer = None if handle is None else handle()
-    if layer is None or layer.pending is None:
+    slot = module.__dict__.get("_kvq_slot")   # (`_Slot`: the weak reference followed only with a chunk pending)
+    layer = None if slot is None or slot.pending is None else slot.layer()
+    if layer is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -308,11 +331,14 @@ def _bind(model, cache: KVQCache) -> None:
         raise ValueError(f"KVQCache found {len(modules)} attention modules with a layer_idx, expected "
                          f"{len(cache.layers)}")
     for module in modules:
-        previous = module.__dict__.get("_kvq_layer")
-        previous = None if previous is None else previous()
-        if previous is not None and previous is not cache.layers[module.layer_idx]:
+        layer = cache.layers[module.layer_idx]
+        slot = module.__dict__.setdefault("_kvq_slot", _Slot())
+        previous = None if slot.layer is None else slot.layer()
+        if previous is not None and previous is not layer:
             previous.bound = False   # an older cache of this model: its update now raises, not falls back
-        module.__dict__["_kvq_layer"] = weakref.ref(cache.layers[module.layer_idx])
+            previous.slot = _Slot()  # (and its reset leaves this module's slot alone)
+        slot.layer, slot.pending = weakref.ref(layer), None
+        layer.slot = slot
     for conf in {id(c): c for c in (model.config, getattr(model.config, "get_text_config", lambda: None)())
                  if c is not None}.values():
         conf._attn_implementation = ATTN_NAME
