@@ -56,9 +56,10 @@ class _Slot:
 
 
 class KVQLayer(CacheLayerMixin):
-    """One attention layer's view of the store. `pending` carries the positions of the chunk that
-    `update` announced to the attention function of the same forward (kept in the attention module's `_Slot`
-    once bound)."""
+    """One attention layer's view of the store. `slot.pending` carries the positions of the chunk that `update`
+    announced to the attention function of the same forward (`_Slot`: its attention module's, once bound; a plain
+    attribute of the slot, not a property of the layer: torch 2.11's Dynamo did not carry a property's store to
+    the slot, and compiled KVQCache forwards attended through SDPA, session 55)."""
 
     is_compileable = True
     is_sliding = False
@@ -89,14 +90,6 @@ class KVQLayer(CacheLayerMixin):
             for t in (*self.attend_tensors, self.cumulative_length):
                 torch._dynamo.mark_static_address(t)
 
-    @property
-    def pending(self) -> torch.Tensor | None:
-        return self.slot.pending
-
-    @pending.setter
-    def pending(self, positions: torch.Tensor | None) -> None:
-        self.slot.pending = positions
-
     def lazy_initialization(self, key_states, value_states) -> None:  # allocated up front
         return None
 
@@ -126,7 +119,7 @@ class KVQLayer(CacheLayerMixin):
             torch._assert_async(self.cumulative_length + n <= self.max_cache_len,
                                 f"KVQCache holds {self.max_cache_len} positions: cannot append {n} more; size "
                                 "max_cache_len for the prompt plus max_new_tokens")
-        self.pending = torch.arange(n, device=key_states.device) + self.cumulative_length
+        self.slot.pending = torch.arange(n, device=key_states.device) + self.cumulative_length
         self.cumulative_length.add_(n)
         return key_states, value_states
 
@@ -144,7 +137,7 @@ class KVQLayer(CacheLayerMixin):
             if not name.endswith("levels"):  # codebooks are configuration, not state
                 t.zero_()
         self.cumulative_length.zero_()
-        self.pending = None
+        self.slot.pending = None
         self.seats = None
         if self.seat_buffer is not None:   # the identity again: a compiled later chunk reads masks through it
             self.seat_buffer.copy_(torch.arange(self.seat_buffer.shape[1], device=self.seat_buffer.device))
@@ -169,7 +162,7 @@ class KVQLayer(CacheLayerMixin):
 
     def append_and_attend(self, query, key, value, attention_mask, scale, is_causal, position_ids):
         """attention_mask: as the model made it (slot order); read through `seats` here."""
-        positions, self.pending = self.pending, None
+        positions, self.slot.pending = self.slot.pending, None
         cos = sin = None
         stored_key = key
         if self.rotary is not None:
