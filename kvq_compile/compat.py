@@ -54,16 +54,19 @@ def eager_numerics_options() -> dict:
 
 def mark_cacheable_calls(gm: fx.GraphModule, digest: str | None, package: str) -> int:
     """Let AOTAutograd's cache take a graph that calls Python functions of `package` (the pass's `store` helpers
-    on a chunk's pads and seats): it bypasses any call_function target outside torch, unless the node carries
-    fx.wrap's `is_wrapped` and a `user_cache_hash`. digest must change whenever those functions do: the package's
-    source hash (`lowering.cache_key_pass`'s uuid, which the cache key also takes through Inductor's config).
-    Without a digest (a user's post-grad pass without uuid: Inductor skips its caches) nothing is marked. Returns
-    how many nodes were marked; a torch without the marker bypasses the cache as before."""
+    on a chunk's pads and seats): it bypasses a call_function target it does not know (torch's public functions,
+    ops and builtins it knows), unless the node carries fx.wrap's `is_wrapped` and a `user_cache_hash`. The hash
+    only lets the node through; what keys the functions' code is Inductor's config in the cache key, whose
+    post-grad pass is `lowering.cache_key_pass` (its uuid hashes the package's sources; `digest` is that uuid).
+    So every marked function must be a pure tensor function of its arguments (the graph's code, constants
+    included, and its inputs' metadata are keyed). Without a digest (a user's post-grad pass without uuid: Inductor
+    skips its caches) nothing is marked. Returns how many nodes were marked; a torch without the marker bypasses
+    the cache as before."""
     if not digest:
         return 0
     marked = 0
     for node in gm.graph.nodes:
-        if node.op == "call_function" and getattr(node.target, "__module__", "").startswith(package + "."):
+        if node.op == "call_function" and (getattr(node.target, "__module__", None) or "").startswith(package + "."):
             node.meta["is_wrapped"] = True
             node.meta["user_cache_hash"] = digest
             marked += 1

@@ -45,14 +45,20 @@ class _Slot:
     """What an attention module knows of the KVQCache layer bound to it (`_bind`), held strongly by the module: a
     weak reference to the layer (a module does not keep a dropped cache alive) and `pending`, the positions of the
     chunk that the layer's `update` announced to the attention function of the same forward (None: attend through
-    SDPA). `kvq_attention` reads `pending` here and follows the weak reference only when it is set (the layer is
-    then the one this forward updates, alive). Read through the weak reference (before session 55), a forward
+    SDPA). `kvq_attention` takes `pending` off the slot first and follows the weak reference only when it was set
+    (the layer is then the one this forward updated, alive; a dead one falls back to SDPA). Read through the weak reference (before session 55), a forward
     compiled for another cache guarded on the dropped layer's `pending`; a layer freed by the cyclic collector
     while that graph compiled failed the guard's creation (once in a CPU test run)."""
 
     def __init__(self):
         self.layer: weakref.ref | None = None
         self.pending: torch.Tensor | None = None
+
+    def __deepcopy__(self, memo):   # a copied model's modules share the slot, as they shared the weak reference
+        return self
+
+    def __copy__(self):
+        return self
 
 
 class KVQLayer(CacheLayerMixin):
@@ -160,9 +166,9 @@ class KVQLayer(CacheLayerMixin):
         # keys stored before RoPE: each slot's table row goes with its token
         return st.seated_chunk(keep, seats, key, value, cos, sin, neutralize)
 
-    def append_and_attend(self, query, key, value, attention_mask, scale, is_causal, position_ids):
-        """attention_mask: as the model made it (slot order); read through `seats` here."""
-        positions, self.slot.pending = self.slot.pending, None
+    def append_and_attend(self, query, key, value, positions, attention_mask, scale, is_causal, position_ids):
+        """positions: what `update` announced (`kvq_attention` took them off the slot); attention_mask: as the model
+        made it (slot order); read through `seats` here."""
         cos = sin = None
         stored_key = key
         if self.rotary is not None:
@@ -289,7 +295,10 @@ def kvq_attention(module, query, key, value, attention_mask, scaling=None, dropo
     """The "kvq" attention implementation: append + attend through the store when a KVQCache announced
     this chunk, plain SDPA otherwise (another cache, or no cache)."""
     slot = module.__dict__.get("_kvq_slot")   # (`_Slot`: the weak reference followed only with a chunk pending)
-    layer = None if slot is None or slot.pending is None else slot.layer()
+    positions = None if slot is None else slot.pending
+    if positions is not None:   # taken off first: a check below that raises leaves no stale announcement behind
+        slot.pending = None
+    layer = None if positions is None else slot.layer()
     if layer is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -303,7 +312,7 @@ def kvq_attention(module, query, key, value, attention_mask, scaling=None, dropo
     n = query.shape[2]
     is_causal = attention_mask is None and n > 1 and getattr(module, "is_causal", True)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = layer.append_and_attend(query, key, value, attention_mask, float(scale), bool(is_causal),
+    out = layer.append_and_attend(query, key, value, positions, attention_mask, float(scale), bool(is_causal),
                                   kwargs.get("position_ids"))
     return out.transpose(1, 2).contiguous(), None
 

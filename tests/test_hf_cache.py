@@ -189,8 +189,10 @@ def test_chunked_prefill(name):
     compiled = model.generate(ids, attention_mask=mask, max_new_tokens=4, cache_implementation="static",
                               prefill_chunk_size=8, compile_config=compile_config(kvq_backend(cfg)), **GEN)
     # AOTAutograd's cache takes the chunk graphs too (the pass's `store` helpers marked under the sources' hash:
-    # `compat.mark_cacheable_calls`), so a later compile of the same graph is a cache hit
-    assert counters["aot_autograd"]["total"] >= 3 and not counters["aot_autograd"]["autograd_cache_bypass"]
+    # `compat.mark_cacheable_calls`): each compile is a hit or a miss (then saved), none bypasses it
+    aot = counters["aot_autograd"]
+    assert aot["total"] >= 3 and not aot["autograd_cache_bypass"]
+    assert aot["autograd_cache_hit"] + aot["autograd_cache_miss"] == aot["total"]
     for a, b, c in zip(ref.logits, eager.logits, compiled.logits):
         torch.testing.assert_close(c, b, atol=1e-4, rtol=1e-4)
         if name == "fp16":
@@ -211,8 +213,9 @@ def test_pads_stay_out_of_the_statistics(name):
     ids, mask = prompts(2, 21, pad=(0, 5))
     other = ids.clone()
     other[1, :5] = (ids[1, :5] + 7) % 90 + 3   # other pad tokens, the same text
-    # both in one batch (every statistic is a row's own: rows 2 and 3 repeat rows 0 and 1 with other pads, so a
-    # pad that reached a statistic, its own row's or a neighbour's, would set rows i and i + 2 apart)
+    # both in one batch: rows 2 and 3 repeat rows 0 and 1 with other pads, so a pad that reached its row's
+    # statistics, or a neighbour's through a wrong offset, sets rows i and i + 2 apart. (A statistic pooled over the
+    # batch would not; none is, and tests/test_store.py compares every row's reads with the per-row reference.)
     x, mask = torch.cat([ids, other]), torch.cat([mask, mask])
     runs = [model.generate(x, attention_mask=mask, max_new_tokens=6, **GEN,
                            past_key_values=KVQCache(model, cfg, batch_size=4, max_cache_len=32))]
@@ -900,6 +903,35 @@ def test_a_forward_without_a_kvqcache_never_follows_the_weak_reference():
         for a, b, c in zip(want, got, again):
             torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(c, a, atol=1e-5, rtol=1e-5)
+
+
+def test_a_failed_kvq_forward_leaves_no_announcement_and_copies_share_the_slot():
+    """`kvq_attention` takes the announced positions off the slot before its checks: a KVQCache forward that raises
+    there (attention dropout in training) leaves nothing pending, so the next forward with another cache attends
+    through SDPA (before: through the still-held KVQCache's layer, with stale positions). A deep-copied model's
+    modules share their slots (as they shared the weak reference before session 55) and are served by the cache
+    bound to the original."""
+    import copy
+
+    model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=2, attention_dropout=0.5)
+    ids, mask = prompts(2, 9, pad=(0, 3))
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=3, cache_implementation="static", **GEN).logits
+    exact = model.generate(ids, attention_mask=mask, max_new_tokens=3, **GEN,
+                           past_key_values=KVQCache(model, "fp16", batch_size=2, max_cache_len=16)).logits
+    cache = KVQCache(model, "fp16", batch_size=2, max_cache_len=16)
+    model.train()
+    with pytest.raises(ValueError, match="serves inference"):
+        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    model.eval()
+    again = model.generate(ids, attention_mask=mask, max_new_tokens=3, cache_implementation="static", **GEN).logits
+    copied = copy.deepcopy(model)
+    fresh = KVQCache(model, "fp16", batch_size=2, max_cache_len=16)
+    served = copied.generate(ids, attention_mask=mask, max_new_tokens=3, past_key_values=fresh, **GEN).logits
+    assert int(fresh.get_seq_length()) == 11   # the copy's forwards went through the cache bound to the original
+    for a, b, c, d in zip(want, exact, again, served):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(c, a, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(d, a, atol=1e-5, rtol=1e-5)
 
 
 def test_sliding_window_wider_than_the_cache_is_served():

@@ -201,9 +201,10 @@ def test_cache_key_pass_hashes_sources_and_chains(tmp_path):
 
 
 def test_mark_cacheable_calls_marks_the_package_s_functions_only():
-    """AOTAutograd's cache bypasses a graph with a call_function target outside torch unless the node carries a
-    user_cache_hash: the package's helpers get the sources' hash, torch's functions and ops nothing, and without
-    a hash (a user's pass without uuid: Inductor skips its caches) nothing is marked."""
+    """AOTAutograd's cache bypasses a graph with a call_function target it does not know unless the node carries
+    `is_wrapped` and a `user_cache_hash`: the package's helpers get both, torch's functions and ops nothing, and
+    without a hash (a user's pass without uuid: Inductor skips its caches) nothing is marked. The marked graph,
+    recompiled (its code then registers the wrapped function, as fx.wrap's does), computes what it did."""
     from kvq_compile import store as st
 
     def f(mask, x):
@@ -222,6 +223,7 @@ def test_mark_cacheable_calls_marks_the_package_s_functions_only():
     marked = {n.target: n.meta.get("user_cache_hash") for n in gm.graph.nodes if n.op == "call_function"}
     assert marked == {torch.sin: None, torch.ops.aten.mul.Tensor: None, st.attended_slots: "abc"}
     assert next(n for n in gm.graph.nodes if n.target is st.attended_slots).meta["is_wrapped"]
+    gm.recompile()
     mask = torch.zeros(2, 1, 3, 5, dtype=torch.bool)
     mask[0, 0, -1, 2:] = True
     x = torch.randn(4)
