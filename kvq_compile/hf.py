@@ -46,9 +46,10 @@ class _Slot:
     weak reference to the layer (a module does not keep a dropped cache alive) and `pending`, the positions of the
     chunk that the layer's `update` announced to the attention function of the same forward (None: attend through
     SDPA). `kvq_attention` takes `pending` off the slot first and follows the weak reference only when it was set
-    (the layer is then the one this forward updated, alive; a dead one falls back to SDPA). Read through the weak reference (before session 55), a forward
-    compiled for another cache guarded on the dropped layer's `pending`; a layer freed by the cyclic collector
-    while that graph compiled failed the guard's creation (once in a CPU test run)."""
+    (the layer is then the one this forward updated, alive; a dead one falls back to SDPA). Read through the weak
+    reference (before session 55), a forward compiled for another cache guarded on the dropped layer's `pending`;
+    a layer freed by the cyclic collector while that graph compiled failed the guard's creation (once in a CPU
+    test run)."""
 
     def __init__(self):
         self.layer: weakref.ref | None = None
