@@ -32,7 +32,7 @@ def main():
     lut = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KCEN=ty, KHALF=ty, KLEV="*fp32", KOIDX="*u8",
                KOVAL=ty, VC="*i32", VCEN=ty, VHALF=ty, VLEV="*fp32", VOIDX="*u8", VOVAL=ty, COS=ty, SIN=ty,
                POS="*i64", AMASK="*i1", stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32", OUT_ACC="*fp32",
-               scale="fp32", T="i32", NSPLIT="i32", NB="i32", NSM="i32")
+               scale="fp32", T="i32", NSPLIT="i32")
     for bt, cap, nout in ((16, dag.LUT_MAXNREG, 0), (16, None, 0), (32, dag.LUT_MAXNREG, 0), (32, None, 0),
                           (16, dag.LUT_MAXNREG, 1)):
         cx = dict(H=8, REP=4, S=1, R=0, MASK_KIND=1, IS_BF16=False, BT=bt, ROPE=True, KNOUT=nout, VNOUT=nout, NWIN=2,

@@ -2478,11 +2478,10 @@ if HAVE_GLUON:
     @gluon.jit
     def _lut_decode_kernel(
             Q, stride_qb, stride_qh, KC, KCEN, KHALF, KLEV, KOIDX, KOVAL, VC, VCEN, VHALF, VLEV, VOIDX, VOVAL, COS, SIN,
-            POS, AMASK, stride_mb, OUT_M, OUT_L, OUT_ACC, scale, T, NSPLIT, NB, NSM,
+            POS, AMASK, stride_mb, OUT_M, OUT_L, OUT_ACC, scale, T, NSPLIT,
             H: gl.constexpr, REP: gl.constexpr, S: gl.constexpr, R: gl.constexpr, MASK_KIND: gl.constexpr,
             IS_BF16: gl.constexpr, BT: gl.constexpr, ROPE: gl.constexpr, KNOUT: gl.constexpr, VNOUT: gl.constexpr,
-            NWIN: gl.constexpr, PDL: gl.constexpr, TMA: gl.constexpr = False, NST: gl.constexpr = 2,
-            COH: gl.constexpr = 0):
+            NWIN: gl.constexpr, PDL: gl.constexpr, TMA: gl.constexpr = False, NST: gl.constexpr = 2):
         """Decode over kvquant's layout: 4-bit codebook Keys with one static range per channel (optionally stored
         before RoPE) and 4-bit codebook Values with one range per token, each with KNOUT / VNOUT dense-and-sparse
         outliers per token (exact values at stored channel indices; kvquant-4, kvquant-4-1%):
@@ -2496,28 +2495,11 @@ if HAVE_GLUON:
         TMA: KC and VC are TMA descriptors of the codes as [rows, 16 words]: a ring of NST tiles in shared memory,
         each tile's Key and Value rows copied NST tiles ahead (rows past the slice are read as they are: their
         logits are masked, their Values' statistics load as 0). The statistics, the outliers and the RoPE table's
-        rows take plain loads.
-        COH > 0 (`LUT_COHEADS`, a one-dimensional grid of `coheads_grid` programs): program c runs head
-        COH (u % (H / COH)) + r % COH of unit u = c % NSM + NSM (r // COH), r = c // NSM, the units being
-        (row, slice, head group) in that order; programs c = j mod NSM, dispatched to the same SM where the GPU
-        hands the first wave out round robin, then share a row and a slice (COH heads of it): the RoPE table's rows
-        they all read come from that SM's L1 instead of L2. Programs past the last unit end at once."""
-        if COH > 0:
-            c = gl.program_id(0)
-            r = c // NSM
-            u = c % NSM + NSM * (r // COH)
-            g = u // (H // COH)
-            b = g // NSPLIT
-            if b >= NB:
-                return
-            split = g % NSPLIT
-            h = (u % (H // COH)) * COH + r % COH
-            bh = b * H + h
-        else:
-            bh = gl.program_id(0)
-            split = gl.program_id(1)
-            b = bh // H
-            h = bh % H
+        rows take plain loads."""
+        bh = gl.program_id(0)
+        split = gl.program_id(1)
+        b = bh // H
+        h = bh % H
         dt: gl.constexpr = gl.bfloat16 if IS_BF16 else gl.float16
         D: gl.constexpr = D_
         start, stop, n_iter = _slice(POS, split, NSPLIT, S, R, 1, 1, BT, PDL, 0, 0)
@@ -2781,7 +2763,6 @@ LUT_NO_MASK_AS_BOOL = True   # without a mask and without outliers, run the bool
                    # load predicated off): ptxas schedules the no-mask build of `_lut_decode_kernel` slower (kvquant-4
                    # 177.2 against 138.9 us at (32, 4096), bit-equal output; with outliers (kvquant-4-1%) the two
                    # are within 3%, the no-mask build ahead; H100, bench/RESULTS.md session 19)
-LUT_COHEADS = 0    # experiment: the most heads of one (row, slice) `_lut_decode_kernel` places on one SM (`coheads`)
 LUT_MAXNREG = 168  # its register cap: 12 programs per SM instead of 8 (176 registers uncapped with RoPE), 8 bytes of
                    # stack (64 at 32-token tiles; sm_90 compile of session 17, `bench/sass_gluon.py`); 1.26-1.35x
                    # faster than uncapped at batch >= 8 on an H100, even at batch 1 (session 12, before the logits
@@ -2989,45 +2970,10 @@ def _ring_device(query, use_tma: bool | None) -> bool:
     return bool(use_tma and HAVE_TMA and torch.cuda.get_device_capability(query.device) >= (9, 0))
 
 
-def _sm_count(device) -> int:
-    import torch
-
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
-
-def coheads(B: int, H: int, nsplit: int, nsm: int, resident: int) -> int:
-    """Heads of one (row, slice) that `_lut_decode_kernel` places on one SM (`LUT_COHEADS`; 0: off): the largest
-    of 8, 4, 2 that divides H and with which no SM is handed more programs than it holds at once (units of
-    B nsplit H / COH, COH programs each, dealt round robin over nsm SMs), else 0."""
-    if not LUT_COHEADS:
-        return 0
-    for coh in (8, 4, 2):
-        if coh <= LUT_COHEADS and H % coh == 0 and -(-B * nsplit * (H // coh) // nsm) * coh <= resident:
-            return coh
-    return 0
-
-
-def coheads_program(c: int, B: int, H: int, nsplit: int, nsm: int, coh: int) -> tuple[int, int, int] | None:
-    """(row, head, slice) of program c of `_lut_decode_kernel` with COH = coh > 0 (its arithmetic, in Python),
-    None for a program past the last unit."""
-    r, j = divmod(c, nsm)
-    u = j + nsm * (r // coh)
-    g = u // (H // coh)
-    if g // nsplit >= B:
-        return None
-    return g // nsplit, (u % (H // coh)) * coh + r % coh, g % nsplit
-
-
-def coheads_grid(B: int, H: int, nsplit: int, nsm: int, coh: int) -> int:
-    """The one-dimensional grid of `_lut_decode_kernel` with COH > 0: nsm COH programs per round of units."""
-    return nsm * coh * -(-B * nsplit * (H // coh) // nsm)
-
-
 def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int, m_buf, l_buf, acc_buf,
           scale: float, T: int, ng_k: int, nsplit: int, nwin: int, H: int, rep: int, sink: int, recent: int,
           tpg_v: int, kbits: int, vbits: int, kind: str, use_tma: bool | None, phase: int, temp, rope,
-          nout: tuple = (0, 0), pdl: bool = False, logits=None, exact=None, ranges=None, trace=None,
-          coheads: int = 0):
+          nout: tuple = (0, 0), pdl: bool = False, logits=None, exact=None, ranges=None, trace=None):
     """(kernel, arguments, keywords) of the quantized-region launch (see `launch`)."""
     import torch
 
@@ -3048,11 +2994,10 @@ def _plan(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int,
             side[0], side[len(_LUT_BUFFERS)] = row_descriptors(kp, vp, 16, LUT_BT)
         return _lut_decode_kernel, (
             query, query.stride(0), query.stride(1), *side, cos, sin,
-            positions, amask, smb, m_buf, l_buf, acc_buf, float(scale), T, nsplit, query.shape[0],
-            _sm_count(query.device)), dict(
+            positions, amask, smb, m_buf, l_buf, acc_buf, float(scale), T, nsplit), dict(
             H=H, REP=rep, S=sink, R=recent, MASK_KIND=mask_kind, IS_BF16=bf16, BT=LUT_BT, ROPE=rope is not None,
             KNOUT=nout[0], VNOUT=nout[1], NWIN=nwin, PDL=pdl, TMA=tma_on, NST=NSTAGES,
-            COH=coheads, num_warps=1, maxnreg=LUT_MAXNREG)
+            num_warps=1, maxnreg=LUT_MAXNREG)
     if kind == "post":  # calibquant: 4 words per token and side, no per-tile statistics
         if phase and logits is None:
             raise ValueError("calibquant's Gluon launch needs the logits buffer in calibrated-softmax phases 1 and 2")
@@ -3194,19 +3139,11 @@ def launch(query, kp: dict, vp: dict, positions, amask, smb: int, mask_kind: int
         raise ValueError("calibquant's attention pass with the windows inside needs the range pass's results (ranges)")
     if trace is not None and kind not in ("kivi", "inner"):
         raise ValueError(f"TRACE records come from the KIVI-layout kernel only, not layout {kind!r}")
-    coh = 0
-    if kind == "lut" and LUT_COHEADS:
-        nsm = _sm_count(query.device)
-        coh = coheads(query.shape[0], H, nsplit, nsm, resident_programs(
-            query, kp, vp, positions, amask, smb, mask_kind, T, ng_k, nwin, H, rep, sink, recent, tpg_v, kbits,
-            vbits, kind=kind, use_tma=use_tma, rope=rope, nout=nout, pdl=pdl))
     fn, args, kw = _plan(query, kp, vp, positions, amask, smb, mask_kind, m_buf, l_buf, acc_buf, scale, T, ng_k,
                          nsplit, nwin, H, rep, sink, recent, tpg_v, kbits, vbits, kind, use_tma, phase, temp, rope,
-                         nout, pdl, logits, exact, ranges, trace, coh)
+                         nout, pdl, logits, exact, ranges, trace)
     if kind == "post" and phase == 2 and exact is not None and pdl:
         kw = dict(kw, launch_pdl=True)
-    if coh:
-        return fn[(coheads_grid(query.shape[0], H, nsplit, nsm, coh),)](*args, **kw)
     return fn[(query.shape[0] * H, nsplit)](*args, **kw)
 
 

@@ -323,33 +323,6 @@ def test_reduction_launches_early_beside_a_capped_kivi_launch(monkeypatch, prese
     assert window["TRIGGER"] is False and window["ONE_WAIT"] is False and "launch_pdl" not in window
 
 
-@pytest.mark.parametrize("B,H,nsplit,nsm", [(1, 8, 198, 132), (32, 8, 6, 132), (8, 8, 24, 132), (3, 4, 5, 7),
-                                              (2, 2, 3, 5), (5, 8, 1, 16)])
-def test_coheads_programs_cover_every_slice_once(B, H, nsplit, nsm, monkeypatch):
-    """`LUT_COHEADS`: the one-dimensional grid runs every (row, head, slice) exactly once; programs dealt round
-    robin (c mod nsm) to one SM share a row and a slice in runs of COH heads, and no SM is handed more programs than
-    it holds at once (`coheads` picks a smaller COH, or none, where it would)."""
-    resident = 12
-    monkeypatch.setattr(dag, "LUT_COHEADS", 8)
-    coh = dag.coheads(B, H, nsplit, nsm, resident)
-    assert coh in (0, 2, 4, 8)
-    if not coh:
-        assert all(-(-B * nsplit * (H // c) // nsm) * c > resident for c in (2, 4, 8) if H % c == 0)
-        return
-    n = dag.coheads_grid(B, H, nsplit, nsm, coh)
-    got = [dag.coheads_program(c, B, H, nsplit, nsm, coh) for c in range(n)]
-    work = [w for w in got if w is not None]
-    assert sorted(work) == [(b, h, s) for b in range(B) for h in range(H) for s in range(nsplit)]
-    for j in range(nsm):
-        mine = [w for w in got[j::nsm] if w is not None]
-        assert len(got[j::nsm]) <= resident
-        for k in range(0, len(mine), coh):   # runs of COH heads of one row and slice
-            run = mine[k:k + coh]
-            assert len({(b, s) for b, _, s in run}) == 1 and len({h for _, h, _ in run}) == len(run)
-    monkeypatch.setattr(dag, "LUT_COHEADS", 0)
-    assert dag.coheads(B, H, nsplit, nsm, resident) == 0
-
-
 def test_programs_per_sm_follows_the_occupancy_rules():
     """The Gluon launch's slice count rests on this: one-warp programs per SM from registers, shared memory and the
     blocks-per-SM limit, as Nsight Compute reported them on an H100 (bench/RESULTS.md, session 11: 157 and 168
@@ -439,7 +412,7 @@ SCRIPT = textwrap.dedent('''
         sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC=kc, KCEN=ty, KHALF=ty, KLEV="*fp32", KOIDX="*u8",
                    KOVAL=ty, VC=vc, VCEN=ty, VHALF=ty, VLEV="*fp32", VOIDX="*u8", VOVAL=ty, COS=ty, SIN=ty,
                    POS="*i64", AMASK="*i1" if mask == 1 else ty, stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32",
-                   OUT_ACC="*fp32", scale="fp32", T="i32", NSPLIT="i32", NB="i32", NSM="i32")
+                   OUT_ACC="*fp32", scale="fp32", T="i32", NSPLIT="i32")
         cx = dict(H=8, REP=4, S=1, R=0, MASK_KIND=mask, IS_BF16=bf16, BT=dag.LUT_BT, ROPE=rope, KNOUT=nout,
                   VNOUT=nout, NWIN=2, PDL=True, TMA=tma, NST=dag.NSTAGES)
         b = compile_sm90(dag._lut_decode_kernel, sig, cx, [i for i in range(0, 17) if i not in (1, 2)
@@ -905,32 +878,6 @@ def test_trace_is_refused_for_other_layouts():
     with pytest.raises(ValueError, match="TRACE"):
         dag.launch(q, {}, {}, None, None, 0, 0, None, None, None, 1.0, 8, 1, 1, 1, 1, 8, 0, 0, 1, 4, 4, kind="lut",
                    trace=torch.zeros(8, 8, dtype=torch.int64))
-
-
-@pytest.mark.skipif(not CUDA, reason="needs a GPU")
-@pytest.mark.parametrize("layout", ["kvquant-4", "kvquant-4-1%"])
-@pytest.mark.parametrize("case", [(1, 8, 4, 8192, 8000), (5, 8, 4, 2048, 2001), (3, 2, 3, 1100, 1031)])
-def test_coheads_launch_is_bit_equal_on_gpu(layout, case, monkeypatch):
-    """kvquant's launch with the heads of a (row, slice) placed on one SM (`LUT_COHEADS`) runs the same slices, so
-    its output equals the default grid's bit for bit, with and without the TMA ring and at another split count."""
-    B, H, rep, T, n0 = case
-    cfg, ms, lay, k, v, p = _store(layout, B, H, T, n0, torch.bfloat16, "cuda", seed=B + n0)
-    names, tensors = lay.attend_tensors()
-    bufs = dict(zip(names, tensors))
-    q = torch.randn(B, H * rep, 1, 128, device="cuda").to(torch.bfloat16)
-    am = random_mask("bool", B, T, n0, torch.bfloat16, "cuda")
-    used = []
-    for tma, ns in ((None, None), (False, None), (True, 5)):
-        monkeypatch.setattr(dag, "USE_TMA", tma)
-        outs = []
-        for coh in (0, 8):
-            monkeypatch.setattr(dag, "LUT_COHEADS", coh)
-            outs.append(da.decode_attention(q, bufs, k, v, p, am, 128 ** -0.5, False, cfg, lay.spec, ms.geo,
-                                            gluon=True, num_splits=ns))
-            assert "_lut_decode_kernel" in str(getattr(da.LAST_KERNELS["main"], "name", da.LAST_KERNELS["main"]))
-        used.append(dag.coheads(B, H, da.LAST_KERNELS["splits"], dag._sm_count(q.device), 12))
-        assert torch.equal(outs[0], outs[1]), (tma, ns)
-    assert any(used), used
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")

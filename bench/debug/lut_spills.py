@@ -21,7 +21,7 @@ def main():
         sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC="*i32", KCEN=ty, KHALF=ty, KLEV="*fp32", KOIDX="*u8",
                    KOVAL=ty, VC="*i32", VCEN=ty, VHALF=ty, VLEV="*fp32", VOIDX="*u8", VOVAL=ty, COS=ty, SIN=ty,
                    POS="*i64", AMASK="*i1" if mask == 1 else ty, stride_mb="i32", OUT_M="*fp32", OUT_L="*fp32",
-                   OUT_ACC="*fp32", scale="fp32", T="i32", NSPLIT="i32", NB="i32", NSM="i32")
+                   OUT_ACC="*fp32", scale="fp32", T="i32", NSPLIT="i32")
         cx = dict(H=8, REP=4, S=1, R=128, MASK_KIND=mask, IS_BF16=True, BT=dag.LUT_BT, ROPE=True, KNOUT=0, VNOUT=0,
                   NWIN=2, PDL=True)
         b = compile_sm90(dag._lut_decode_kernel, sig, cx, [i for i in range(0, 17) if i not in (1, 2)],

@@ -19,7 +19,7 @@ for bf16, mask in ((True, 1), (False, 1), (True, 3)):
             sig = dict(Q=ty, stride_qb="i32", stride_qh="i32", KC=kc, KCEN=ty, KHALF=ty, KLEV="*fp32", KOIDX="*u8",
                        KOVAL=ty, VC=vc, VCEN=ty, VHALF=ty, VLEV="*fp32", VOIDX="*u8", VOVAL=ty, COS=ty, SIN=ty,
                        POS="*i64", AMASK="*i1" if mask in (1, 3) else ty, stride_mb="i32", OUT_M="*fp32",
-                       OUT_L="*fp32", OUT_ACC="*fp32", scale="fp32", T="i32", NSPLIT="i32", NB="i32", NSM="i32")
+                       OUT_L="*fp32", OUT_ACC="*fp32", scale="fp32", T="i32", NSPLIT="i32")
             cx = dict(H=8, REP=4, S=1, R=0, MASK_KIND=mask, IS_BF16=bf16, BT=dag.LUT_BT, ROPE=True, KNOUT=0,
                       VNOUT=0, NWIN=2, PDL=True, TMA=tma, NST=dag.NSTAGES)
             ptrs = [i for i in range(0, 17) if i not in (1, 2) and not (tma and i in (3, 9))]
