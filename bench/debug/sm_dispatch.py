@@ -1,7 +1,7 @@
 """Which SM runs each program of a one-dimensional grid of one-warp programs (the first wave), on this GPU: does
 program c land on the SM of program c mod (number of SMs)? Session 56's LUT_COHEADS (`lut_coheads_tried.patch`)
-relied on it to place the heads of one (row, slice) on one SM; on an H200 it does not (bench/RESULTS.md). Each program records %smid and spins about 20 us
-(so that the wave stays resident), under the register use of a given kernel (a dummy array of live values).
+relied on it to place the heads of one (row, slice) on one SM; on an H200 it does not (bench/RESULTS.md). Each
+program records %smid and spins about 20 us, so that the wave stays resident (168-register cap, as kvquant's).
 
     python bench/debug/sm_dispatch.py [programs per SM ...]
 """
