@@ -5,6 +5,11 @@ import torch
 
 if not torch.cuda.is_available():  # Triton kernels run on CPU tensors through the interpreter (set before import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # Inductor's CPU kernels for the model's own ops (embeddings, norms, RoPE, MLP activations: the kvq ops stay
+    # opaque calls on the CPU) built scalar instead of vectorized: faster C++ builds for the compile-bound tests
+    # (one test cold 57.2 -> 45.6 s, session 55). Which ISA Inductor picks is the machine's (a CPU without AVX2 gets
+    # scalar code anyway), and what these tests check, the pass, the store and the ops, is the same under either.
+    os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
     # `-n N` (the README's `-n 2` on 2 cores): one intra-op thread a worker. torch's default, a thread per core in
@@ -13,6 +18,53 @@ if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ
     # 54's whole-suite comparison that reverted this most likely mixed warm and cold compile caches)
     os.environ["OMP_NUM_THREADS"] = "1"   # (Inductor's compile workers, started later, inherit it)
     torch.set_num_threads(1)
+
+
+def _interpreter_patches_language_once_a_launch():
+    """Triton 3.6's interpreter patches `triton.language` (inspect.getmembers over tl, tl.tensor, tl.math: about 0.2
+    ms) again on every call of a @triton.jit helper inside a kernel, though the launch (`GridExecutor`) has patched
+    those same module objects for its whole run and restores them after it: a tenth or more of an interpreted
+    template's time (test_append_template.py, session 56). A helper call inside a launch now patches only when its
+    module sees a language module the launch's kernel did not (then as before). Outside Triton 3.6.0 nothing
+    changes."""
+    import inspect
+
+    import triton
+    from triton.runtime import interpreter as ti
+
+    if triton.__version__ != "3.6.0" or not all(hasattr(ti, n) for n in (
+            "GridExecutor", "InterpretedFunction", "InterpreterError", "_patch_lang")):
+        return
+    import triton.language as tl
+
+    def langs(fn):
+        return {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+
+    patched = []   # per nested launch: ids of the language modules it patched
+    launch = ti.GridExecutor.__call__
+
+    def grid_call(self, *args, **kwargs):
+        patched.append(langs(self.fn))
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    def device_call(self, *args, **kwargs):
+        if not patched or not langs(self.fn) <= patched[-1]:
+            ti._patch_lang(self.fn)
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise ti.InterpreterError(repr(e)) from e
+
+    ti.GridExecutor.__call__ = grid_call
+    ti.InterpretedFunction.__call__ = device_call
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _interpreter_patches_language_once_a_launch()
 
 
 @pytest.fixture(autouse=True)
