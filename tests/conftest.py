@@ -5,10 +5,11 @@ import torch
 
 if not torch.cuda.is_available():  # Triton kernels run on CPU tensors through the interpreter (set before import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    # Inductor's CPU kernels for the model's own ops (embeddings, norms, RoPE, MLP activations: the kvq ops stay
-    # opaque calls on the CPU) built scalar instead of vectorized: faster C++ builds for the compile-bound tests
-    # (one test cold 57.2 -> 45.6 s, session 55). Which ISA Inductor picks is the machine's (a CPU without AVX2 gets
-    # scalar code anyway), and what these tests check, the pass, the store and the ops, is the same under either.
+    # Inductor's CPU kernels built scalar instead of vectorized: faster C++ builds for the compile-bound tests (one
+    # test cold 57.2 -> 45.6 s, session 55). They are the model's own ops (embeddings, norms, RoPE, activations;
+    # the kvq ops stay opaque calls on the CPU), and in test_store.py's compiled-append tests the Inductor-compiled
+    # append, a GPU path there checked in scalar C++. Which ISA Inductor picks is the machine's (a CPU without AVX2
+    # gets scalar code anyway).
     os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
@@ -52,7 +53,9 @@ def _interpreter_patches_language_once_a_launch():
 
     def device_call(self, *args, **kwargs):
         if not patched or not langs(self.fn) <= patched[-1]:
-            ti._patch_lang(self.fn)
+            ti._patch_lang(self.fn)   # (as before: a helper's patches are never restored, so they hold to the end)
+            if patched:
+                patched[-1] |= langs(self.fn)
         fn = self.rewrite()
         try:
             return fn(*args, **kwargs)
