@@ -7,9 +7,9 @@ if not torch.cuda.is_available():  # Triton kernels run on CPU tensors through t
     os.environ.setdefault("TRITON_INTERPRET", "1")
     # Inductor's CPU kernels built scalar instead of vectorized: faster C++ builds for the compile-bound tests (one
     # test cold 57.2 -> 45.6 s, session 55). They are the model's own ops (embeddings, norms, RoPE, activations;
-    # the kvq ops stay opaque calls on the CPU), and in test_store.py's compiled-append tests the Inductor-compiled
-    # append, a GPU path there checked in scalar C++. Which ISA Inductor picks is the machine's (a CPU without AVX2
-    # gets scalar code anyway).
+    # the kvq ops stay opaque calls on the CPU) and, in test_store.py's compiled-append tests, the kvq append itself
+    # compiled by Inductor (a GPU path, checked there in scalar C++). Which ISA Inductor picks is the machine's (a
+    # CPU without AVX2 gets scalar code anyway).
     os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
@@ -26,8 +26,8 @@ def _interpreter_patches_language_once_a_launch():
     ms) again on every call of a @triton.jit helper inside a kernel, though the launch (`GridExecutor`) has patched
     those same module objects for its whole run and restores them after it: a tenth or more of an interpreted
     template's time (test_append_template.py, session 56). A helper call inside a launch now patches only when its
-    module sees a language module the launch's kernel did not (then as before). Outside Triton 3.6.0 nothing
-    changes."""
+    module sees a language module that neither the launch's kernel nor an earlier helper of the launch saw (then
+    as before). Outside Triton 3.6.0 nothing changes."""
     import inspect
 
     import triton

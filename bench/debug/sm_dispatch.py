@@ -36,8 +36,9 @@ def main():
         same = (sm.view(per_sm, nsm)[1:] == first[None]).float().mean().item()   # (row 0 matches by definition)
         load = torch.bincount(sm.long(), minlength=nsm)
         print(f"{nsm} SMs, {per_sm} programs per SM ({n}): share of programs c on the SM of c mod {nsm}: "
-              f"{same:.3f} (programs c >= {nsm}); distinct SMs in the first {nsm}: {first.unique().numel()}; programs per SM "
-              f"{load.min().item()}-{load.max().item()}; first 16 SM ids {first[:16].tolist()}", flush=True)
+              f"{same:.3f} (programs c >= {nsm}); distinct SMs in the first {nsm}: {first.unique().numel()}; "
+              f"programs per SM {load.min().item()}-{load.max().item()}; first 16 SM ids {first[:16].tolist()}",
+              flush=True)
 
 
 if __name__ == "__main__":
