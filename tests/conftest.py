@@ -52,10 +52,11 @@ def _interpreter_patches_language_once_a_launch():
             patched.pop()
 
     def device_call(self, *args, **kwargs):
-        if not patched or not langs(self.fn) <= patched[-1]:
+        seen = langs(self.fn)
+        if not patched or not seen <= patched[-1]:
             ti._patch_lang(self.fn)   # (as before: a helper's patches are never restored, so they hold to the end)
             if patched:
-                patched[-1] |= langs(self.fn)
+                patched[-1] |= seen
         fn = self.rewrite()
         try:
             return fn(*args, **kwargs)
