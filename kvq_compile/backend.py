@@ -29,6 +29,13 @@ from .passes.kv_cache_attention import RewriteReport, find_attention, rewrite
 
 log = logging.getLogger("kvq_compile")
 
+# What runs the rewritten graph (`kvq_backend`'s compiler): Inductor (the product: fused code, the kvq ops' lowerings,
+# `mode` / `options` honored); "aot_eager": AOTAutograd's functionalized graph run op by op, no code generated (a
+# debugging aid, and the CPU suite's way to check the pass and the store without Inductor's codegen and C++ builds);
+# "eager": the rewritten graph as it is (`explain`). Under aot_eager a kvq op that mutates the store runs on copies of
+# the buffers it writes (AOTAutograd's auto_functionalized), copied back after it: the same values, more traffic.
+COMPILERS = ("inductor", "aot_eager", "eager")
+
 # id(fp16 cache tensor) -> (weak reference to it, its store). Tensors compare elementwise, so no WeakKeyDictionary.
 _STORES: dict[int, tuple[weakref.ref, st.ModelStore]] = {}
 
@@ -58,14 +65,17 @@ class KVQBackend:
     """The backend object. `reports` keeps one `RewriteReport` per compiled graph (see `explain`); `stores()` the
     packed stores its graphs write, in compile order."""
 
-    def __init__(self, cfg: KVQConfig, release_fp16_cache: bool = True, compile_with_inductor: bool = True,
+    def __init__(self, cfg: KVQConfig, release_fp16_cache: bool = True, compiler: str = "inductor",
                  append_beside: bool | None = None, group_linears: bool | None = None):
         if not isinstance(cfg, KVQConfig):
             raise TypeError(f"kvq_backend needs a KVQConfig, got {type(cfg).__name__}; "
                             "use KVQConfig.preset('kivi-2') or build one")
+        if compiler not in COMPILERS:
+            raise ValueError(f"kvq_backend: compiler must be one of {', '.join(map(repr, COMPILERS))}, "
+                             f"got {compiler!r}")
         self.cfg = cfg
         self.release_fp16_cache = release_fp16_cache
-        self.compile_with_inductor = compile_with_inductor
+        self.compiler = compiler
         self.append_beside = append_beside
         self.group_linears = grouped_linear.ENABLED if group_linears is None else group_linears
         self.reports: list[RewriteReport] = []
@@ -108,8 +118,8 @@ class KVQBackend:
         index = {n: i for i, n in enumerate(placeholders)}
         matches = find_attention(gm, self.cfg.keys_before_rope, report)
         runner = None
-        patches = compat.inductor_config_patches(mode, options, lowering.cache_key_pass) \
-            if self.compile_with_inductor else {}
+        inductor = self.compiler == "inductor"
+        patches = compat.inductor_config_patches(mode, options, lowering.cache_key_pass) if inductor else {}
         if matches:
             runner = self._prepare(gm, example_inputs, matches, index, report, patches)
         if runner is not None:
@@ -123,12 +133,14 @@ class KVQBackend:
             grouped = grouped_linear.group_linears(gm)
             if grouped:
                 compat.bump_counter("kvq", "grouped_linear", grouped)
-        if self.compile_with_inductor:
+        if inductor:
             if runner is not None:
                 lowering.register()
                 # the rewrite's calls of `store` helpers, cacheable by AOTAutograd under the sources' hash
                 compat.mark_cacheable_calls(gm, patches["post_grad_custom_post_pass"].uuid(), __package__)
             compiled = compat.compile_fx(gm, example_inputs, patches)
+        elif self.compiler == "aot_eager":
+            compiled = compat.aot_eager(gm, example_inputs)
         else:
             compiled = gm.forward
         if runner is None:
@@ -294,15 +306,17 @@ def _without_inputs(gm: torch.fx.GraphModule, caches) -> tuple[torch.fx.GraphMod
     return inner, [i for i in range(len(placeholders)) if i not in dead]
 
 
-def kvq_backend(cfg: KVQConfig | str, *, release_fp16_cache: bool = True,
-                append_beside: bool | None = None, group_linears: bool | None = None) -> KVQBackend:
-    """A torch.compile backend for `cfg` (a KVQConfig or a preset name). append_beside: `KVQBackend.beside`;
+def kvq_backend(cfg: KVQConfig | str, *, release_fp16_cache: bool = True, append_beside: bool | None = None,
+                group_linears: bool | None = None, compiler: str = "inductor") -> KVQBackend:
+    """A torch.compile backend for `cfg` (a KVQConfig or a preset name). compiler: what runs the rewritten graph,
+    "inductor" (the default: fused code) or, to debug, "aot_eager" or "eager" (`COMPILERS`; same pass, same kvq
+    ops, nothing generated). append_beside: `KVQBackend.beside`;
     group_linears: a decode graph's same-input projections as one `kvq::grouped_linear`, and its lone projections of
     at most 8 rows as one-weight launches (`passes/grouped_linear.py`; default on, KVQ_GROUP_LINEARS=0 turns the
     default off; KVQ_SINGLE_LINEARS=0 / 1 takes no lone projection / every one of at most 64 rows)."""
     if isinstance(cfg, str):
         cfg = KVQConfig.preset(cfg)
-    return KVQBackend(cfg, release_fp16_cache=release_fp16_cache, append_beside=append_beside,
+    return KVQBackend(cfg, release_fp16_cache=release_fp16_cache, compiler=compiler, append_beside=append_beside,
                       group_linears=group_linears)
 
 
@@ -317,6 +331,6 @@ def explain(target, *args, cfg: KVQConfig | str | None = None, **kwargs) -> str:
     if cfg is None:
         raise ValueError("explain(fn, ...) needs cfg=KVQConfig or a preset name")
     cfg = KVQConfig.preset(cfg) if isinstance(cfg, str) else cfg
-    backend = KVQBackend(cfg, release_fp16_cache=False, compile_with_inductor=False)
+    backend = KVQBackend(cfg, release_fp16_cache=False, compiler="eager")
     torch.compile(target, backend=backend)(*args, **kwargs)
     return explain(backend)

@@ -79,6 +79,13 @@ def compile_fx(gm: fx.GraphModule, example_inputs, config_patches: dict):
     return _compile_fx(gm, example_inputs, config_patches=config_patches)
 
 
+def aot_eager(gm: fx.GraphModule, example_inputs):
+    """Dynamo's registered "aot_eager" backend: AOTAutograd's functionalized graph, run op by op (no codegen)."""
+    from torch._dynamo import lookup_backend
+
+    return lookup_backend("aot_eager")(gm, example_inputs)
+
+
 def bump_counter(group: str, key: str, n: int = 1) -> None:
     from torch._dynamo.utils import counters
 

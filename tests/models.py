@@ -27,10 +27,30 @@ def hf_model(arch="llama", kv_heads=1, gqa=2, head_dim=64, layers=2, dtype=torch
     return model_cls(config).to(dtype).eval()
 
 
+# What compiles the CPU suite's cache-semantics tests (chunks, pads, seats, statistics: most of
+# tests/test_hf_cache.py): AOTAutograd's functionalized graph run op by op. The pass, its kvq ops and their mutations
+# are what Inductor gets, without Inductor's codegen and C++ builds (one test 44 -> 18 s cold, session 57). Inductor
+# is checked by the tests that compile through it by name: tests/test_generate.py's compiled generates against the
+# reference, tests/test_store.py's compiled appends, and one case of each compiled-chunk test. On a CUDA machine
+# every test compiles through Inductor.
+CHECK_COMPILER = "inductor" if torch.cuda.is_available() else "aot_eager"
+
+
 def compile_config(backend):
     cc = CompileConfig(backend=backend, fullgraph=True)
     cc._compile_all_devices = True  # generate() only compiles on accelerators unless told otherwise
     return cc
+
+
+def _aot_eager(gm, example_inputs, mode=None, options=None):   # (generate passes its CompileConfig's mode)
+    from kvq_compile import compat
+
+    return compat.aot_eager(gm, example_inputs)
+
+
+def plain_compile_config(compiler: str = CHECK_COMPILER):
+    """generate's own compile (no kvq pass: a KVQCache's graphs), fullgraph, through `compiler`."""
+    return compile_config("inductor" if compiler == "inductor" else _aot_eager)
 
 
 def prompts(batch, length, vocab=96, pad=(0,), seed=1):

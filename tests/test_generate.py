@@ -6,10 +6,17 @@ from kvq_compile import KVQConfig, kvq_backend
 from kvq_compile import backend as bk
 from kvq_compile import store as st
 from kvq_compile.simulate import HFSimulation, quantized_view
-from models import LAYOUT_PRESETS, GptFastModel, compile_config, hf_model, prompts, small_windows, snr_db
+from models import (CHECK_COMPILER, LAYOUT_PRESETS, GptFastModel, compile_config, hf_model, prompts, small_windows,
+                    snr_db)
 
 GEN = dict(do_sample=False, output_logits=True, return_dict_in_generate=True)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _compiler(case, inductor_cases):
+    """Inductor for `inductor_cases` (what the compiled generate must survive: its codegen, its ordering of the kvq
+    ops' mutations, the lowerings' fallbacks), `models.CHECK_COMPILER` for the other cases of a test."""
+    return "inductor" if case in inductor_cases else CHECK_COMPILER
 
 
 @pytest.fixture
@@ -44,7 +51,7 @@ def test_every_layer_rewritten_and_fp16_exact(arch, kv_heads, gqa, head_dim):
     model = hf_model(arch, kv_heads=kv_heads, gqa=gqa, head_dim=head_dim, layers=3)
     ids, mask = prompts(1, 7)
     ref = _generate(model, ids, mask)
-    be = kvq_backend("fp16")
+    be = kvq_backend("fp16", compiler=_compiler(arch, ("llama", "qwen3")))
     out = _generate(model, ids, mask, be)
     assert len(be.reports[0].rewritten) == 3, str(be.reports[0])
     assert torch.equal(ref.sequences, out.sequences)
@@ -57,7 +64,7 @@ def test_fp16_preset_batch3_left_padding(dtype, tol):
     model = hf_model("llama", kv_heads=1, gqa=3, head_dim=64, layers=2, dtype=dtype)
     ids, mask = prompts(3, 9, pad=(0, 3, 5))
     ref = _generate(model, ids, mask, new=10)
-    be = kvq_backend("fp16")
+    be = kvq_backend("fp16", compiler=_compiler(dtype, (torch.bfloat16,)))
     out = _generate(model, ids, mask, be, new=10)
     layer = be.stores()[-1].layers[0]
     assert layer.buffers["k.data"].dtype == dtype  # fp16 preset keeps the cache dtype
@@ -81,7 +88,7 @@ def test_int8_and_kivi4_snr_and_bytes(name, min_snr):
     ref = _generate(model, ids, mask, new=12)
     cfg = KVQConfig.preset(name)
     cfg.recent = min(cfg.recent, 32)  # whole 32-token key groups; most of the context is quantized
-    be = kvq_backend(cfg)
+    be = kvq_backend(cfg, compiler=_compiler(name, ("kivi-4",)))
     out = _generate(model, ids, mask, be, new=12)
     for step, (a, b) in enumerate(zip(ref.logits, out.logits)):
         assert snr_db(a, b) > min_snr, f"{name} step {step}: {snr_db(a, b):.1f} dB"
@@ -97,7 +104,7 @@ def test_preset_matches_eager_simulation(name):
     cfg = small_windows(name)
     ids, mask = prompts(2, 9, pad=(2, 0))
     sim = HFSimulation(model, cfg).generate(ids, attention_mask=mask, max_new_tokens=10, **GEN)
-    be = kvq_backend(cfg)
+    be = kvq_backend(cfg, compiler=_compiler(name, ("kivi-2", "kvquant-3-1%")))
     out = _generate(model, ids, mask, be, new=10)
     assert len(be.reports[0].rewritten) == 4
     # The first decode step reads only what eager code wrote: identical inputs, so float tolerance.
@@ -135,7 +142,7 @@ def test_compiled_store_equals_simulation_of_its_inputs(name, monkeypatch):
     monkeypatch.setattr(st, "append", spy)
     monkeypatch.setattr(st, "append_decode", spy_decode)
     ids, mask = prompts(2, 9, pad=(2, 0))
-    be = kvq_backend(cfg)
+    be = kvq_backend(cfg)   # Inductor: aot_eager hands the ops clones of the buffers it mutates (the spy's ids)
     _generate(model, ids, mask, be, new=14)
     store = be.stores()[-1]
     for i, layer in enumerate(store.layers):
@@ -186,7 +193,7 @@ def test_append_beside_op_matches_the_pair(name):
     ids, mask = (t.to(DEVICE) for t in prompts(2, 9, pad=(2, 0)))
     runs = []
     for beside in (False, True):
-        be = kvq_backend(cfg, append_beside=beside)
+        be = kvq_backend(cfg, append_beside=beside, compiler=_compiler(name, ("xquant-1.38", "calibquant-1")))
         runs.append((_generate(model, ids, mask, be, new=12), be))
     (pair, be_pair), (fused, be_fused) = runs
     ops = "\n".join(map(str, be_fused.reports))
