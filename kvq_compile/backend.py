@@ -1,4 +1,5 @@
-"""`kvq_backend(cfg)`: a torch.compile backend that rewrites KV-cache attention into kvq ops, then Inductor.
+"""`kvq_backend(cfg)`: a torch.compile backend that rewrites KV-cache attention into kvq ops, then Inductor (or, to
+debug, aot_eager or eager: `COMPILERS`).
 
     model.forward = torch.compile(model.forward, backend=kvq_backend(cfg))
     model.generate(ids, cache_implementation="static",
@@ -34,6 +35,7 @@ log = logging.getLogger("kvq_compile")
 # debugging aid, and the CPU suite's way to check the pass and the store without Inductor's codegen and C++ builds);
 # "eager": the rewritten graph as it is (`explain`). Under aot_eager a kvq op that mutates the store runs on copies of
 # the buffers it writes (AOTAutograd's auto_functionalized), copied back after it: the same values, more traffic.
+# torch.compile's `mode` and `options` are Inductor's: aot_eager and eager ignore them (logged once a backend).
 COMPILERS = ("inductor", "aot_eager", "eager")
 
 # id(fp16 cache tensor) -> (weak reference to it, its store). Tensors compare elementwise, so no WeakKeyDictionary.
@@ -79,6 +81,7 @@ class KVQBackend:
         self.append_beside = append_beside
         self.group_linears = grouped_linear.ENABLED if group_linears is None else group_linears
         self.reports: list[RewriteReport] = []
+        self._ignored_logged = False   # mode / options under aot_eager or eager: said once
         self._stores: list[weakref.ref] = []   # weak: a store lives as long as the graphs (and cache) that use it
 
     def beside(self, device: torch.device, patches: dict) -> bool:
@@ -120,6 +123,10 @@ class KVQBackend:
         runner = None
         inductor = self.compiler == "inductor"
         patches = compat.inductor_config_patches(mode, options, lowering.cache_key_pass) if inductor else {}
+        if not inductor and (mode or options) and not self._ignored_logged:
+            self._ignored_logged = True
+            log.info("kvq_backend(compiler=%r) ignores torch.compile's mode=%r and options=%r (Inductor's)",
+                     self.compiler, mode, options)
         if matches:
             runner = self._prepare(gm, example_inputs, matches, index, report, patches)
         if runner is not None:
@@ -310,7 +317,7 @@ def kvq_backend(cfg: KVQConfig | str, *, release_fp16_cache: bool = True, append
                 group_linears: bool | None = None, compiler: str = "inductor") -> KVQBackend:
     """A torch.compile backend for `cfg` (a KVQConfig or a preset name). compiler: what runs the rewritten graph,
     "inductor" (the default: fused code) or, to debug, "aot_eager" or "eager" (`COMPILERS`; same pass, same kvq
-    ops, nothing generated). append_beside: `KVQBackend.beside`;
+    ops, nothing generated; torch.compile's `mode` and `options` are Inductor's, ignored by those two). append_beside: `KVQBackend.beside`;
     group_linears: a decode graph's same-input projections as one `kvq::grouped_linear`, and its lone projections of
     at most 8 rows as one-weight launches (`passes/grouped_linear.py`; default on, KVQ_GROUP_LINEARS=0 turns the
     default off; KVQ_SINGLE_LINEARS=0 / 1 takes no lone projection / every one of at most 64 rows)."""

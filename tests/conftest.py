@@ -70,20 +70,24 @@ def _interpreter_patches_language_once_a_launch():
 def _interpreter_skips_unasserted_overflow_checks():
     """Triton 3.6's interpreter sanitizes every int32 add, sub and mul (`binary_op_sanitize_overflow_impl`: the op
     again in int64, two compares, an and) and hands the result to `device_assert`, which returns at once unless
-    the options ask for `debug`; the interpreter's never do (`InterpreterOptions.debug` is False, nothing sets it).
-    The check is computed and dropped: about 40% of an interpreted quantize-on-append launch (cProfile of
-    test_append_template.py::test_every_layout[xquant-1.38], session 62). With debug off it is no longer computed;
-    nothing a kernel computes or stores changes."""
-    import dataclasses
-
+    the builder's options ask for `debug`; the interpreter's never do (`InterpreterOptions.debug` is False; neither
+    TRITON_DEBUG nor `jit(debug=True)` reaches it). The check is computed and dropped: about 40% of an interpreted
+    quantize-on-append launch (cProfile of test_append_template.py::test_every_layout[xquant-1.38], session 58).
+    Now it is skipped where `device_assert` would drop it (debug off, read on every call, as `device_assert` reads
+    it); with debug on it runs and asserts as before. Nothing a kernel computes or stores changes."""
     import triton
-    from triton.runtime import interpreter as ti
+    from triton.language import semantic
 
-    builder = getattr(ti, "interpreter_builder", None)
-    options = getattr(builder, "options", None)
-    if triton.__version__ != "3.6.0" or not dataclasses.is_dataclass(options) or options.debug:
+    sem = getattr(semantic, "TritonSemantic", None)
+    check = getattr(sem, "binary_op_sanitize_overflow_impl", None)
+    if triton.__version__ != "3.6.0" or check is None:
         return
-    builder.options = dataclasses.replace(options, sanitize_overflow=False)
+
+    def sanitize_if_asserted(self, lhs, rhs, binary_op):
+        if getattr(self.builder.options, "debug", True):
+            return check(self, lhs, rhs, binary_op)
+
+    sem.binary_op_sanitize_overflow_impl = sanitize_if_asserted
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":

@@ -30,9 +30,11 @@ def hf_model(arch="llama", kv_heads=1, gqa=2, head_dim=64, layers=2, dtype=torch
 # What compiles the CPU suite's cache-semantics tests (chunks, pads, seats, statistics: most of
 # tests/test_hf_cache.py): AOTAutograd's functionalized graph run op by op. The pass, its kvq ops and their mutations
 # are what Inductor gets, without Inductor's codegen and C++ builds (one test 44 -> 18 s cold, session 57). Inductor
-# is checked by the tests that compile through it by name: tests/test_generate.py's compiled generates against the
-# reference, tests/test_store.py's compiled appends, and one case of each compiled-chunk test. On a CUDA machine
-# every test compiles through Inductor.
+# is checked by the tests and cases that name it: most of tests/test_generate.py (its compiled generates against the
+# reference), tests/test_store.py's compiled appends, and in tests/test_hf_cache.py the fp16 KVQCache against the
+# static cache, test_chunked_prefill, the innerq-2 and kvquant-4-1% (Keys before RoPE) cases of the compiled first
+# chunks, one backend-path case and the compiled overflow. The other compiled-chunk tests (pads, statistics, sinks,
+# seats) run through aot_eager only. On a CUDA machine every test compiles through Inductor.
 CHECK_COMPILER = "inductor" if torch.cuda.is_available() else "aot_eager"
 
 

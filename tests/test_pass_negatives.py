@@ -148,3 +148,50 @@ def test_positive_probe_is_rewritten_and_matches():
 
 def _probe_args(p: int):
     return torch.randn(1, 4, 1, 32), torch.randn(1, 2, 1, 32), torch.randn(1, 2, 1, 32), torch.tensor([p])
+
+
+def test_every_compiler_runs_the_same_rewrite():
+    """kvq_backend(compiler=...): Inductor, aot_eager and eager run the same rewritten step (int8: quantized, so a
+    step that skipped the rewrite would differ from these by its rounding) over eleven decode positions, to within
+    float rounding of each other; an unknown compiler is refused; mode / options under aot_eager are logged as
+    ignored, once."""
+    import logging
+
+    outs, backends = {}, {}
+    for compiler in ("eager", "aot_eager", "inductor"):
+        torch._dynamo.reset()
+        module = PatternProbe("plain")
+        be = backends[compiler] = kvq_backend("int8", compiler=compiler)
+        step = torch.compile(module, backend=be, mode="max-autotune-no-cudagraphs" if compiler == "aot_eager" else None)
+        torch.manual_seed(5)
+        outs[compiler] = [step(*_probe_args(p)) for p in range(11)]
+        assert "1 attention layer(s) rewritten" in explain(be), compiler
+    torch.manual_seed(5)
+    ref = PatternProbe("plain")
+    plain = [ref(*_probe_args(p)) for p in range(11)]
+    assert max((a - b).abs().max().item() for a, b in zip(outs["eager"], plain)) > 1e-4   # int8 moved the outputs
+    for compiler in ("aot_eager", "inductor"):
+        for a, b in zip(outs["eager"], outs[compiler]):
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5, msg=lambda m: f"{compiler}: {m}")
+    with pytest.raises(ValueError, match="compiler must be one of 'inductor', 'aot_eager', 'eager', got 'cuda'"):
+        kvq_backend("int8", compiler="cuda")
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("kvq_compile")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        torch._dynamo.reset()
+        be = kvq_backend("int8", compiler="aot_eager")
+        step = torch.compile(PatternProbe("plain"), backend=be, options={"max_autotune": True})
+        step(*_probe_args(3))
+        torch._dynamo.reset()
+        step = torch.compile(PatternProbe("plain"), backend=be, options={"max_autotune": True})
+        step(*_probe_args(4))
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    said = [r.getMessage() for r in records if "ignores torch.compile's mode" in r.getMessage()]
+    assert len(said) == 1 and "'max_autotune': True" in said[0], said
