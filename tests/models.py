@@ -1,5 +1,6 @@
 """Small random-weight models for the tests: HuggingFace architectures and a gpt-fast-style model."""
 import dataclasses
+import os
 
 import torch
 import torch.nn.functional as F
@@ -34,8 +35,11 @@ def hf_model(arch="llama", kv_heads=1, gqa=2, head_dim=64, layers=2, dtype=torch
 # reference), tests/test_store.py's compiled appends, and in tests/test_hf_cache.py the fp16 KVQCache against the
 # static cache, test_chunked_prefill, the innerq-2 and kvquant-4-1% (Keys before RoPE) cases of the compiled first
 # chunks, one backend-path case and the compiled overflow. The other compiled-chunk tests (pads, statistics, sinks,
-# seats) run through aot_eager only. On a CUDA machine every test compiles through Inductor.
-CHECK_COMPILER = "inductor" if torch.cuda.is_available() else "aot_eager"
+# seats) run through aot_eager only. On a CUDA machine every test compiles through Inductor. KVQ_CHECK_COMPILER
+# (inductor, aot_eager) overrides the choice, e.g. to run those tests through aot_eager on a GPU.
+CHECK_COMPILER = os.environ.get("KVQ_CHECK_COMPILER") or ("inductor" if torch.cuda.is_available() else "aot_eager")
+if CHECK_COMPILER not in ("inductor", "aot_eager"):
+    raise ValueError(f"KVQ_CHECK_COMPILER must be inductor or aot_eager, got {CHECK_COMPILER!r}")
 
 
 def compile_config(backend):
