@@ -37,7 +37,7 @@ def quantized_view(history: torch.Tensor, q: QuantizerSpec, cfg: KVQConfig, leng
     out = x.float().clone()
     if bnd <= S:
         return out
-    first = S if first_chunk > S else 0
+    first = S if first_chunk > S + (valid is None) else 0   # (`store.append_side`: no point range without `valid`)
     body = history[:, :, first:first_chunk]
     stat_valid = None if valid is None else valid[..., first:first_chunk]
     alone = None   # rows with fewer than 2 real tokens past the sink: statistics over all (`store.statistics_tokens`)

@@ -389,8 +389,10 @@ def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: tor
     fresh = None
     if p0 > S and n > 1 and a is not None and firsts:   # (rows whose real tokens so far all sit in the sink)
         fresh = fresh_rows(a[..., S:], p0 - S, n, geo.batch)
-    first = max(S - p0, 0)   # statistics skip the exact sink tokens when there are others
-    first = first if n > first else 0
+    # statistics skip the exact sink tokens when there are others: at least one with the slots (a row with fewer
+    # than 2 takes all its real tokens: `statistics_tokens`), at least 2 without (one token's range is a point)
+    first = max(S - p0, 0)
+    first = first if n - first >= (1 if a is not None else 2) else 0
     alone = None   # rows with fewer than 2 real tokens past the chunk's sink part: statistics over all of them
     if first and a is not None and firsts:
         stat_tokens, alone = statistics_tokens(a[..., p0:p0 + n].expand(geo.batch, n), first)

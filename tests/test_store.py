@@ -660,3 +660,37 @@ def test_statistics_of_a_row_whose_real_tokens_sit_in_its_sink_as_the_simulation
         torch.testing.assert_close(got[:, :, n:L], want[:, :, n:L], atol=0, rtol=0)
     if spec.key.axis is Axis.CHANNEL and spec.key.group_size is None:   # kvquant's static Key ranges: not a point
         assert (bufs["k.half"][1] > 0.01).all()
+
+
+@pytest.mark.parametrize("extra", [1, 2])
+@pytest.mark.parametrize("name", ["kvquant-4", "innerq-2"])
+def test_a_prompt_one_token_past_the_sink_without_slots_takes_no_point_range(name, extra):
+    """A first chunk of sink + `extra` tokens appended without slots (a gpt-fast-style model: no mask). With one
+    token past the sink its statistics were that token's alone (until session 58): KVQuant's static Key ranges a
+    point (1e-6 on every channel, frozen for the whole sequence), InnerQ's Key norm one token's magnitudes. Now, as
+    a masked row with fewer than 2 real tokens past its sink (`store.statistics_tokens`), the whole chunk's; with 2
+    past it, those 2 as before. Decode tokens as attention reads them equal the simulation's, exactly."""
+    torch.manual_seed(23 + extra)
+    cfg = KVQConfig.preset(name)
+    cfg.sink, cfg.recent, cfg.keys_before_rope = 4, 0, False
+    B, H, D, L = 2, 3, 32, 16
+    n = cfg.sink + extra
+    x = torch.randn(B, H, L, D) * torch.linspace(0.1, 5, D)
+    geo = st.Geometry(B, H, L, D, "float32")
+    ms = st.ModelStore(cfg, 1, geo, "cpu")
+    spec = ms.layers[0].spec
+    bufs = dict(zip(*ms.layers[0].append_tensors()))
+    st.append(bufs, cfg, spec, geo, x[:, :, :n], x[:, :, :n], 0)
+    stats = x[:, :, :n] if extra == 1 else x[:, :, cfg.sink:n]
+    if name == "kvquant-4":
+        c, h = ref.static_channel_range(stats, cfg.key, torch.float32, cfg.eta_for(cfg.key))
+        torch.testing.assert_close(bufs["k.half"], h, atol=0, rtol=0)
+        assert (bufs["k.half"] > 1e-3).all()
+    else:
+        torch.testing.assert_close(bufs["k.norm"], ref.key_norm(stats), atol=0, rtol=0)
+    for p in range(n, L):
+        st.append_decode(bufs, cfg, spec, geo, x[:, :, p:p + 1], x[:, :, p:p + 1], torch.tensor(p))
+    k, v = st.read(bufs, cfg, spec, D, L, L)
+    for got, q, is_key in ((k, spec.key, True), (v, spec.value, False)):
+        want = quantized_view(x, q, cfg, L, n, is_key=is_key)
+        torch.testing.assert_close(got[:, :, n:L], want[:, :, n:L], atol=0, rtol=0)
