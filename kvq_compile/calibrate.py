@@ -392,12 +392,13 @@ def quantized_keys(history: torch.Tensor, q: QuantizerSpec, cfg: KVQConfig, leve
     if end <= S:
         return out
     body = history[:, :, S:]
-    norm = ref.key_norm(body) if cfg.key_norm else None
+    stats = body if L > S + 1 else history   # one token past the sink: the whole sequence's (`store.append_side`)
+    norm = ref.key_norm(stats) if cfg.key_norm else None
     blk = body[:, :, :end - S]
     blk = blk.float() / norm if norm is not None else blk
     static = None
     if q.axis is Axis.CHANNEL and q.group_size is None:
-        static = ref.static_channel_range(body.float() / norm if norm is not None else body, q, dt, cfg.eta_for(q))
+        static = ref.static_channel_range(stats.float() / norm if norm is not None else stats, q, dt, cfg.eta_for(q))
     qb = ref.quantize_block(blk, q, levels, dt, cfg.eta_for(q), static)
     if codes_from is not None:  # XQuant: the source layer's codes with this layer's ranges
         qb.codes = ref.quantize_block(codes_from[:, :, S:end], q, levels, dt, cfg.eta_for(q), None).codes

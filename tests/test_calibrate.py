@@ -126,12 +126,15 @@ def test_tau_search_picks_a_grid_pair_no_worse_than_uncalibrated():
     assert out.softmax_tau == tau and calibrate(model, ids, cfg).softmax_tau == tau
 
 
-def test_quantized_keys_equal_the_simulation():
-    x = torch.randn(1, 2, 37, 64)
+@pytest.mark.parametrize("past_sink", [None, 1, 2])
+def test_quantized_keys_equal_the_simulation(past_sink):
+    """37 tokens, or the sink and 1 or 2 more (one token past the sink: statistics over the whole sequence)."""
     for name in ("calibquant-1", "kvquant-3-1%", "kivi-2", "innerq-2", "xquant-1.38"):
         cfg = small_windows(name)
+        n = 37 if past_sink is None else cfg.sink + past_sink
+        x = torch.randn(1, 2, n, 64) * torch.linspace(0.1, 5, 64)
         lv = ref.levels_for(cfg.key)
-        expect = simulate.quantized_view(x, cfg.key, dataclasses.replace(cfg, recent=0), 37, 37, levels=lv,
+        expect = simulate.quantized_view(x, cfg.key, dataclasses.replace(cfg, recent=0), n, n, levels=lv,
                                          is_key=True)
         assert torch.equal(quantized_keys(x, cfg.key, cfg, lv), expect), name
 

@@ -685,6 +685,7 @@ def test_a_prompt_one_token_past_the_sink_without_slots_takes_no_point_range(nam
     if name == "kvquant-4":
         c, h = ref.static_channel_range(stats, cfg.key, torch.float32, cfg.eta_for(cfg.key))
         torch.testing.assert_close(bufs["k.half"], h, atol=0, rtol=0)
+        torch.testing.assert_close(bufs["k.center"], c, atol=0, rtol=0)
         assert (bufs["k.half"] > 1e-3).all()
     else:
         torch.testing.assert_close(bufs["k.norm"], ref.key_norm(stats), atol=0, rtol=0)
