@@ -317,7 +317,8 @@ def kvq_backend(cfg: KVQConfig | str, *, release_fp16_cache: bool = True, append
                 group_linears: bool | None = None, compiler: str = "inductor") -> KVQBackend:
     """A torch.compile backend for `cfg` (a KVQConfig or a preset name). compiler: what runs the rewritten graph,
     "inductor" (the default: fused code) or, to debug, "aot_eager" or "eager" (`COMPILERS`; same pass, same kvq
-    ops, nothing generated; torch.compile's `mode` and `options` are Inductor's, ignored by those two). append_beside: `KVQBackend.beside`;
+    ops, nothing generated; torch.compile's `mode` and `options` are Inductor's, ignored by those two).
+    append_beside: `KVQBackend.beside`;
     group_linears: a decode graph's same-input projections as one `kvq::grouped_linear`, and its lone projections of
     at most 8 rows as one-weight launches (`passes/grouped_linear.py`; default on, KVQ_GROUP_LINEARS=0 turns the
     default off; KVQ_SINGLE_LINEARS=0 / 1 takes no lone projection / every one of at most 64 rows)."""
