@@ -34,7 +34,7 @@ import torch
 
 from . import reference as ref
 from .config import Axis, KVQConfig, Levels, QuantizerSpec, Symmetry
-from .store import fill_boundary
+from .store import fill_boundary, statistics_start
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
@@ -392,7 +392,7 @@ def quantized_keys(history: torch.Tensor, q: QuantizerSpec, cfg: KVQConfig, leve
     if end <= S:
         return out
     body = history[:, :, S:]
-    stats = body if L > S + 1 else history   # one token past the sink: the whole sequence's (`store.append_side`)
+    stats = history[:, :, statistics_start(S, L, False):]
     norm = ref.key_norm(stats) if cfg.key_norm else None
     blk = body[:, :, :end - S]
     blk = blk.float() / norm if norm is not None else blk

@@ -8,7 +8,8 @@ import torch
 
 from . import reference as ref
 from .config import Axis, KVQConfig, QuantizerSpec
-from .store import attended, fill_boundary, neutralized, seat, seated_mask, seating, statistics_tokens
+from .store import (attended, fill_boundary, neutralized, seat, seated_mask, seating, statistics_start,
+                    statistics_tokens)
 
 
 
@@ -37,7 +38,7 @@ def quantized_view(history: torch.Tensor, q: QuantizerSpec, cfg: KVQConfig, leng
     out = x.float().clone()
     if bnd <= S:
         return out
-    first = S if first_chunk > S + (valid is None) else 0   # (`store.append_side`: no point range without `valid`)
+    first = statistics_start(S, first_chunk, valid is not None)
     body = history[:, :, first:first_chunk]
     stat_valid = None if valid is None else valid[..., first:first_chunk]
     alone = None   # rows with fewer than 2 real tokens past the sink: statistics over all (`store.statistics_tokens`)

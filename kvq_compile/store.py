@@ -288,6 +288,13 @@ def _set_rows(buf: torch.Tensor, value: torch.Tensor, rows: torch.Tensor | None)
         buf.copy_(torch.where(rows.view(-1, *([1] * (buf.dim() - 1))), value.to(buf.dtype).expand_as(buf), buf))
 
 
+def statistics_start(first: int, n: int, masked: bool) -> int:
+    """Where a first chunk of n tokens, its first `first` in the sink, starts the tokens its statistics take: past
+    the sink when others lie there, at least one with a mask (`statistics_tokens` then gives a row with fewer than 2
+    all its real tokens), at least 2 without (one token's range is a point); else at 0, the whole chunk."""
+    return first if n - first >= (1 if masked else 2) else 0
+
+
 def statistics_tokens(real: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [B, n] bool, alone [B] bool): the tokens of a chunk whose statistics a row takes (`append_side`),
     from its real tokens `real` [B, n] (slot order) and the chunk's first `first` tokens that sit in the sink: its
@@ -389,10 +396,7 @@ def append_side(b: dict, q: QuantizerSpec, cfg: KVQConfig, geo: Geometry, x: tor
     fresh = None
     if p0 > S and n > 1 and a is not None and firsts:   # (rows whose real tokens so far all sit in the sink)
         fresh = fresh_rows(a[..., S:], p0 - S, n, geo.batch)
-    # statistics skip the exact sink tokens when there are others: at least one with the slots (a row with fewer
-    # than 2 takes all its real tokens: `statistics_tokens`), at least 2 without (one token's range is a point)
-    first = max(S - p0, 0)
-    first = first if n - first >= (1 if a is not None else 2) else 0
+    first = statistics_start(max(S - p0, 0), n, a is not None)
     alone = None   # rows with fewer than 2 real tokens past the chunk's sink part: statistics over all of them
     if first and a is not None and firsts:
         stat_tokens, alone = statistics_tokens(a[..., p0:p0 + n].expand(geo.batch, n), first)

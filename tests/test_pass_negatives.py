@@ -157,11 +157,11 @@ def test_every_compiler_runs_the_same_rewrite():
     ignored, once."""
     import logging
 
-    outs, backends = {}, {}
+    outs = {}
     for compiler in ("eager", "aot_eager", "inductor"):
         torch._dynamo.reset()
         module = PatternProbe("plain")
-        be = backends[compiler] = kvq_backend("int8", compiler=compiler)
+        be = kvq_backend("int8", compiler=compiler)
         step = torch.compile(module, backend=be, mode="max-autotune-no-cudagraphs" if compiler == "aot_eager" else None)
         torch.manual_seed(5)
         outs[compiler] = [step(*_probe_args(p)) for p in range(11)]
