@@ -162,6 +162,11 @@ class KVQBackend:
             for m in matches:
                 report.skip(m.sdpa, "cache tensors of different layers differ in shape or dtype")
             return None
+        if len({c.device for c in caches}) > 1:   # one store (and RoPE table, seats) serves one device
+            for m in matches:
+                report.skip(m.sdpa, "the cache tensors of the layers lie on several devices (a model split across "
+                            f"devices: {sorted({str(c.device) for c in caches})}); one store serves one device")
+            return None
         geo = st.Geometry(B, H, T, D, st.dtype_name(k0.dtype))
         beside = self.beside(k0.device, patches)   # (CUDA: raises on a bad KVQ_APPEND_BESIDE before a store is made)
         store = _store_for(k0, self.cfg, len(matches), geo)

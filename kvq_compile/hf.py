@@ -251,7 +251,7 @@ class KVQCache(Cache):
         num_layers = conf.num_hidden_layers
         heads = getattr(conf, "num_key_value_heads", None) or conf.num_attention_heads
         head_dim = getattr(conf, "head_dim", None) or conf.hidden_size // conf.num_attention_heads
-        device = torch.device(device) if device is not None else model.device
+        device = _store_device(model, device)
         dtype = dtype or model.dtype
         geo = st.Geometry(batch_size, heads, max_cache_len, head_dim, st.dtype_name(dtype))
         self.cfg, self.model_store = cfg, st.ModelStore(cfg, num_layers, geo, device)
@@ -318,14 +318,37 @@ def kvq_attention(module, query, key, value, attention_mask, scaling=None, dropo
     return out.transpose(1, 2).contiguous(), None
 
 
+def _attention_modules(model) -> list:
+    """The model's attention modules (a layer index, a config and q / qkv projections), as `_bind` serves them."""
+    return [m for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int) and hasattr(m, "config")
+            and any(hasattr(m, p) for p in ("q_proj", "qkv_proj", "c_attn"))]
+
+
+def _store_device(model, device) -> torch.device:
+    """The one device of the model's attention modules' parameters (`device`, if given, must name it): the store,
+    its RoPE table and its seats are single-device, so a model split across devices (`device_map`) is refused here
+    rather than have a kernel read another device's store."""
+    found = {p.device for m in _attention_modules(model) for p in m.parameters()}
+    if len(found) > 1:
+        raise ValueError(f"KVQCache: the model's attention layers lie on several devices ({sorted(map(str, found))}); "
+                         "its store serves one device: load the model on one device")
+    if device is None:
+        return next(iter(found)) if found else model.device
+    device = torch.device(device)
+    if found:
+        have = next(iter(found))
+        if have.type != device.type or (None not in (have.index, device.index) and have.index != device.index):
+            raise ValueError(f"KVQCache: device {device} given, but the model's attention layers are on {have}")
+    return device
+
+
 def _bind(model, cache: KVQCache) -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
     AttentionInterface.register(ATTN_NAME, kvq_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, sdpa_mask)
-    modules = [m for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int) and hasattr(m, "config")
-               and any(hasattr(m, p) for p in ("q_proj", "qkv_proj", "c_attn"))]
+    modules = _attention_modules(model)
     for module in modules:   # every check before any module changes hands
         if module.layer_idx >= len(cache.layers):
             raise ValueError(f"attention module with layer_idx {module.layer_idx}, but the cache has "

@@ -973,3 +973,18 @@ def test_sliding_window_wider_than_the_cache_is_served():
     assert torch.equal(ref.sequences, out.sequences)
     with pytest.raises(ValueError, match="window 32 < max_cache_len 64"):
         KVQCache(model, "fp16", batch_size=1, max_cache_len=64)
+
+
+def test_kvqcache_takes_its_device_from_the_attention_layers_and_refuses_a_split_model():
+    """The store is single-device: KVQCache sits on its attention layers' device; a model whose attention layers lie
+    on several devices (a `device_map` split; here one layer on "meta"), or a `device` that is not theirs, is refused
+    before any module changes hands (the meta layer stands in for a second GPU: CI has none)."""
+    model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=2)
+    cache = KVQCache(model, "kivi-2", batch_size=1, max_cache_len=160)
+    assert cache.model_store.layers[0].buffers["k.codes"].device == torch.device("cpu")
+    with pytest.raises(ValueError, match=r"device meta given, but the model's attention layers are on cpu"):
+        KVQCache(model, "kivi-2", batch_size=1, max_cache_len=160, device="meta")
+    model.model.layers[1].to("meta")
+    with pytest.raises(ValueError, match=r"attention layers lie on several devices \(\['cpu', 'meta'\]\)"):
+        KVQCache(model, "kivi-2", batch_size=1, max_cache_len=160)
+    assert cache.layers[0].bound   # the refused caches took no module from the first

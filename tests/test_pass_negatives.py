@@ -195,3 +195,39 @@ def test_every_compiler_runs_the_same_rewrite():
         logger.setLevel(level)
     said = [r.getMessage() for r in records if "ignores torch.compile's mode" in r.getMessage()]
     assert len(said) == 1 and "'max_autotune': True" in said[0], said
+
+
+class _DeviceLayer(nn.Module):
+    """One attention over its own cache, run on its cache's device (what accelerate's hooks do for a split model)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("k", torch.zeros(1, 2, 16, 32))
+        self.register_buffer("v", torch.zeros(1, 2, 16, 32))
+
+    def forward(self, q, k_new, v_new, pos):
+        q, k_new, v_new, pos = (t.to(self.k.device) for t in (q, k_new, v_new, pos))
+        self.k[:, :, pos] = k_new
+        self.v[:, :, pos] = v_new
+        mask = (torch.arange(16, device=self.k.device) <= pos[-1])[None, None, None, :]
+        return F.scaled_dot_product_attention(q, self.k, self.v, attn_mask=mask)
+
+
+class _TwoDevices(nn.Module):
+    def __init__(self, second: str):
+        super().__init__()
+        self.a, self.b = _DeviceLayer(), _DeviceLayer().to(second)
+
+    def forward(self, q, k_new, v_new, pos):
+        return self.a(q, k_new, v_new, pos), self.b(q, k_new, v_new, pos)
+
+
+def test_model_split_across_devices_left_unchanged():
+    """One store serves one device: layers whose caches lie on several devices are left alone with the reason (the
+    "meta" layer stands in for a second GPU); on one device both are rewritten. Before, both were rewritten into one
+    store on the first layer's device."""
+    args = (torch.randn(1, 2, 1, 32), torch.randn(1, 2, 1, 32), torch.randn(1, 2, 1, 32), torch.tensor([3]))
+    assert "2 attention layer(s) rewritten" in explain(_TwoDevices("cpu"), *args, cfg="int8")
+    text = explain(_TwoDevices("meta"), *args, cfg="int8")
+    assert "0 attention layer(s) rewritten, 2 left unchanged" in text
+    assert text.count("lie on several devices (a model split across devices: ['cpu', 'meta'])") == 2
