@@ -10,12 +10,15 @@ again by that cache tensor when Dynamo recompiles. Before a compiled step runs, 
 eager code wrote into the fp16 cache since the store last saw it (HuggingFace runs the prefill eagerly);
 after that step, the fp16 cache tensors are re-pointed at a one-element storage with zero strides, so they
 hold no memory but keep their shape, dtype and `zero_()` (freeing their storage outright crashes later
-reads). The stride change causes one recompilation. `release_fp16_cache=False` keeps them allocated.
+reads). The stride change causes one recompilation. `release_fp16_cache=False` keeps them allocated and
+written by the compiled steps too (the rewrite leaves their appends in place), so that eager code reading them
+later (a next turn's prefill on the same cache) sees every token.
 """
 from __future__ import annotations
 
 import copy
 import logging
+import re
 import weakref
 
 import torch
@@ -167,6 +170,12 @@ class KVQBackend:
                 report.skip(m.sdpa, "the cache tensors of the layers lie on several devices (a model split across "
                             f"devices: {sorted({str(c.device) for c in caches})}); one store serves one device")
             return None
+        why = _unservable(caches, example_inputs) or _layer_order_unverified(self.cfg, matches, report)
+        if why is not None:
+            for m in matches:
+                report.skip(m.sdpa, why)
+            log.warning("kvq: %d attention layer(s) left unchanged: %s", len(matches), why)
+            return None
         geo = st.Geometry(B, H, T, D, st.dtype_name(k0.dtype))
         beside = self.beside(k0.device, patches)   # (CUDA: raises on a bad KVQ_APPEND_BESIDE before a store is made)
         store = _store_for(k0, self.cfg, len(matches), geo)
@@ -197,7 +206,8 @@ class KVQBackend:
                          "quantized with its pads", mask_args)
         runner = _StepRunner(store, [(index[m.k_cache], index[m.v_cache]) for m in matches],
                              (pos_slice, pos_args), rotary, self.release_fp16_cache, mask)
-        emitted = rewrite(gm, matches, store, compat.register_store_buffer, beside)
+        emitted = rewrite(gm, matches, store, compat.register_store_buffer, beside,
+                          keep_fp16=not self.release_fp16_cache)
         for i, (m, ops) in enumerate(zip(matches, emitted)):
             ops = " + ".join(op.name() for op in ops)
             report.rewritten.append(f"layer {i}: {m.k_cache.name}/{m.v_cache.name} -> {ops} "
@@ -227,18 +237,32 @@ class _StepRunner:
 
     def before(self, args):
         k0 = args[self.cache_args[0][0]]
-        owner = self.store.owner() if getattr(self.store, "owner", None) else None
+        owner = self.store.owner() if self.store.owner is not None else None
         if owner is k0 and k0._version == self.store.owner_version:
+            self.store.switched_last = False
             return
+        switched = owner is not None and owner is not k0
         if released(k0):
-            raise RuntimeError("kvq: this fp16 cache was released into another kvq store; create a new cache, "
-                               "or pass release_fp16_cache=False to kvq_backend")
+            raise RuntimeError(
+                "kvq: this compiled step was called with an fp16 cache that a kvq step had already released into "
+                "its store. Either one compiled function serves several caches in turn (a model compiled block by "
+                "block, or two models through one compiled forward): kvq does not support that, compile the whole "
+                "model, one compiled forward per model; or a used cache was passed again (a next turn on the same "
+                "StaticCache): give each generate a new cache, use kvq_compile.hf.KVQCache (which continues a "
+                "conversation), or pass release_fp16_cache=False to kvq_backend (the fp16 cache then stays "
+                "allocated and written, and each new turn is absorbed anew)")
+        if switched and self.store.switched_last and not self.store.warned_switching:
+            self.store.warned_switching = True
+            log.warning("kvq: the compiled step's cache changed on two calls in a row: one compiled function serves "
+                        "several caches in turn (a model compiled block by block?), and each call absorbs its whole "
+                        "prefix again; compile the whole model instead")
         gmod, idx = self.positions
         p0 = int(gmod(*[args[i] for i in idx])[0].reshape(-1)[0])
         if self.store.seats is not None:   # a new sequence: seated again by its absorb, if any
             self.store.seats.copy_(torch.arange(self.store.seats.shape[1], device=self.store.seats.device))
         if p0 > 0:
             self.absorb(args, p0)
+        self.store.switched_last = switched
         self.store.owner = weakref.ref(k0)
         self.store.owner_version = k0._version
 
@@ -282,13 +306,68 @@ class _StepRunner:
                 torch.ops.kvq.append(tensors, k, v, positions, cos, sin, layer.descriptor(names))
 
     def after(self, args):
-        if not self.release:
-            return
         k0 = args[self.cache_args[0][0]]
-        for ki, vi in self.cache_args:
-            release_storage(args[ki])
-            release_storage(args[vi])
+        if self.release:
+            for ki, vi in self.cache_args:
+                release_storage(args[ki])
+                release_storage(args[vi])
+        # the step's own writes (the release; without it the fp16 appends the rewrite keeps) are no eager writes
         self.store.owner_version = k0._version
+
+
+def _unservable(caches, example_inputs) -> str | None:
+    """Why the step's caches cannot be served (or None): `_StepRunner` sees eager writes to a cache through its
+    version counter, which inference tensors lack, and the kvq ops have no backward."""
+    if any(c.is_inference() for c in caches):
+        return ("the cache tensors are inference tensors (made under torch.inference_mode()), which carry no "
+                "version counter for kvq to see eager writes by: run generate under torch.no_grad() instead")
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs):
+        return ("gradients are enabled and the step's inputs require grad: the kvq ops serve inference only (no "
+                "backward); run it under torch.no_grad()")
+    return None
+
+
+def _per_layer(cfg: KVQConfig) -> bool:
+    """Whether `cfg` treats layers differently by their index (bits, XQuant's pattern and code sharing, calibrated
+    per-layer codebooks): the store numbers a graph's rewritten layers 0, 1, ... in graph order."""
+    return bool(cfg.layer_bits or cfg.codebooks or cfg.xquant_pattern is not None
+                or cfg.share_key_codes_from_layer is not None or cfg.share_value_codes_from_layer is not None)
+
+
+def _layer_indices(matches) -> list[int] | None:
+    """The model's layer index of each match, read from its key cache's Dynamo source (the one integer subscript
+    that differs between the matches, e.g. `cache.layers[3].keys`, `_modules['layers']._modules['3']`; a lone
+    match's only subscript), or None where the sources do not say."""
+    subs = []
+    for m in matches:
+        name = getattr(getattr(m.k_cache, "_dynamo_source", None), "name", None)
+        if not isinstance(name, str):
+            return None
+        subs.append([int(x) for x in re.findall(r"\['?(\d+)'?\]", name)])
+    if not subs[0] or any(len(x) != len(subs[0]) for x in subs):
+        return None
+    varying = [j for j in range(len(subs[0])) if len({x[j] for x in subs}) > 1]
+    if len(varying) == 1:
+        return [x[varying[0]] for x in subs]
+    return [subs[0][0]] if len(subs) == 1 and len(subs[0]) == 1 else None
+
+
+def _layer_order_unverified(cfg: KVQConfig, matches, report) -> str | None:
+    """Why a config with per-layer settings cannot be applied to this graph (or None): its layers must be the
+    model's layers 0 .. n-1, every one rewritten, in one graph (a graph break, or an attention layer left unchanged,
+    e.g. a hybrid model's sliding layers, would shift every later layer's settings)."""
+    if not _per_layer(cfg):
+        return None
+    if report.skipped:
+        return ("per-layer settings (layer_bits, codebooks, XQuant's pattern or code sharing) need every attention "
+                f"layer rewritten, and this graph leaves {len(report.skipped)} candidate(s) unchanged (their layers "
+                "would shift the later layers' settings)")
+    got = _layer_indices(matches)
+    if got != list(range(len(matches))):
+        return ("per-layer settings (layer_bits, codebooks, XQuant's pattern or code sharing) need the model's "
+                f"attention layers 0 .. n-1 in one graph; this graph's are {got if got is not None else 'unknown'} "
+                "(a graph break? compile with fullgraph=True)")
+    return None
 
 
 def _without_inputs(gm: torch.fx.GraphModule, caches) -> tuple[torch.fx.GraphModule, list[int]]:

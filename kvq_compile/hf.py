@@ -246,6 +246,9 @@ class KVQCache(Cache):
         if window is not None and getattr(conf, "use_sliding_window", True) and window < max_cache_len:
             raise ValueError(f"KVQCache does not support sliding-window attention (window {window} < max_cache_len "
                              f"{max_cache_len}); use the model's own cache, or max_cache_len <= {window}")
+        if getattr(conf, "attn_logit_softcapping", None) is not None:
+            raise ValueError(f"KVQCache does not implement attention logit softcapping (attn_logit_softcapping="
+                             f"{conf.attn_logit_softcapping}); use the model's own cache")
         if getattr(conf, "is_encoder_decoder", False):
             raise ValueError("KVQCache serves decoder-only models; encoder-decoder caches are not supported")
         num_layers = conf.num_hidden_layers
@@ -292,6 +295,11 @@ for _name, _what in (("reorder_cache", "beam search (reorder_cache)"), ("crop", 
     setattr(KVQCache, _name, _unsupported(_what))
 
 
+# Keyword arguments of HF attention functions that change the attention's math, which kvq_attention does not
+# implement: Gemma-2's logit softcapping, gpt-oss's attention sinks. Given (not None), they raise.
+UNSERVED_ATTENTION_ARGS = ("softcap", "s_aux")
+
+
 def kvq_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The "kvq" attention implementation: append + attend through the store when a KVQCache announced
     this chunk, plain SDPA otherwise (another cache, or no cache)."""
@@ -307,6 +315,11 @@ def kvq_attention(module, query, key, value, attention_mask, scaling=None, dropo
                                       **kwargs)
     if dropout and module.training:
         raise ValueError("KVQCache serves inference; attention dropout must be 0")
+    unserved = {k: kwargs[k] for k in UNSERVED_ATTENTION_ARGS if kwargs.get(k) is not None}
+    if unserved:
+        raise ValueError(f"KVQCache's attention does not implement {', '.join(sorted(unserved))} (attention logit "
+                         "softcapping, attention sinks): this model's attention cannot run over the quantized "
+                         "store; use the model's own cache")
     if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[-1] != layer.max_cache_len:
         raise ValueError(f"attention mask covers {attention_mask.shape[-1]} positions, the KVQCache "
                          f"{layer.max_cache_len}; the model did not size its mask from the cache")

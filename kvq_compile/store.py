@@ -230,6 +230,9 @@ class ModelStore:
     def __init__(self, cfg: KVQConfig, num_layers: int, geo: Geometry, device):
         self.cfg, self.geo = cfg, geo
         self.specs = cfg.check_model(num_layers, geo.head_dim, geo.max_len)
+        # `backend._StepRunner`'s bookkeeping: the fp16 cache last absorbed (a weak reference) and its version, and
+        # whether the last absorb changed caches (two in a row: one compiled function serving several caches)
+        self.owner, self.owner_version, self.switched_last, self.warned_switching = None, None, False, False
         self.rope = {}
         if cfg.keys_before_rope:
             self.rope = {n: torch.zeros(s, dtype=dt, device=device) for n, (s, dt) in rope_table_shapes(geo).items()}

@@ -397,12 +397,15 @@ def _chunk_seating(graph: fx.Graph, matches: list[AttentionMatch], model_store, 
 
 
 def rewrite(gm: fx.GraphModule, matches: list[AttentionMatch], model_store, register_buffer,
-            append_beside: bool = False) -> list[tuple]:
+            append_beside: bool = False, keep_fp16: bool = False) -> list[tuple]:
     """Replace each match's appends with kvq::append and its attention with kvq::attend (their `chunk_ops` twins for
     chunks of several tokens). Returns the ops of each match: (append, attend), or (append_attend,).
     append_beside: a decode step's pair becomes one kvq::append_attend in the attention's place, where its attention
     reads nothing its append writes (`store.attention_independent`) and the Keys are stored after RoPE: its CUDA
     kernel then launches the append beside the attention (`decode_attention`'s append).
+
+    keep_fp16: leave the appends into the fp16 cache in place (`kvq_backend(release_fp16_cache=False)`: that cache
+    then stays whole, so that eager code reading it later, e.g. a next turn's prefill, sees every token).
 
     register_buffer(gm, name, tensor) -> name: makes a store tensor a get_attr of gm (compat hook)."""
     from kvq_compile import store as st
@@ -505,8 +508,9 @@ def rewrite(gm: fx.GraphModule, matches: list[AttentionMatch], model_store, regi
                 if append_op is torch.ops.kvq.append_chunk.default and attended is not None:
                     args += (attended,)
                 graph.call_function(append_op, args)
-        graph.erase_node(m.v_append)
-        graph.erase_node(m.k_append)
+        if not keep_fp16:
+            graph.erase_node(m.v_append)
+            graph.erase_node(m.k_append)
         names, tensors = layer.attend_tensors()
         store_nodes = getattrs(names, tensors, m.sdpa, i)
         with graph.inserting_before(m.sdpa):

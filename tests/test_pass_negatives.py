@@ -231,3 +231,59 @@ def test_model_split_across_devices_left_unchanged():
     text = explain(_TwoDevices("meta"), *args, cfg="int8")
     assert "0 attention layer(s) rewritten, 2 left unchanged" in text
     assert text.count("lie on several devices (a model split across devices: ['cpu', 'meta'])") == 2
+
+
+class _ProjectedAttention(CacheAttention):
+    """CacheAttention with a trainable projection of the query (a parameter that requires grad)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(32, 32)
+
+    def forward(self, q, k_new, v_new, pos):
+        return super().forward(self.proj(q), k_new, v_new, pos)
+
+
+def test_inference_tensors_and_grad_mode_left_unchanged():
+    """Caches made under torch.inference_mode() carry no version counter (kvq sees eager writes by it), and the kvq
+    ops have no backward: both leave the step unchanged with the reason, and it still matches the module (before,
+    the first failed at run time, the second at compile time, neither saying why)."""
+    args = (torch.randn(1, 2, 1, 32), torch.randn(1, 2, 1, 32), torch.randn(1, 2, 1, 32), torch.tensor([3]))
+    with torch.inference_mode():
+        text = explain(CacheAttention(), *args, cfg="int8")
+    assert "0 attention layer(s) rewritten" in text and "inference tensors" in text and "torch.no_grad()" in text
+    m = _ProjectedAttention()
+    text = explain(m, *args, cfg="int8")
+    assert "0 attention layer(s) rewritten" in text and "gradients are enabled" in text
+    with torch.no_grad():
+        assert "1 attention layer(s) rewritten" in explain(_ProjectedAttention(), *args, cfg="int8")
+    ref = _ProjectedAttention()
+    ref.load_state_dict(m.state_dict())
+    ref.k.zero_(), ref.v.zero_()
+    m.k.zero_(), m.v.zero_()
+    out = torch.compile(m, backend=kvq_backend("int8", compiler="aot_eager"))(*args)
+    assert out.requires_grad and torch.allclose(out, ref(*args), atol=1e-6)
+
+
+def test_per_layer_settings_need_every_layer_in_model_order():
+    """A config that treats layers by index (layer_bits here; codebooks, XQuant's pattern and sharing alike) is
+    refused where the graph's rewritten layers are not the model's layers 0 .. n-1: a hybrid model whose first layer
+    is a sliding one (left unchanged) would have given model layer 1 the settings of layer 0 and layer 2 those of 1.
+    A uniform config is still served there; a plain model takes the per-layer config."""
+    from models import small_windows
+
+    cfg = small_windows("kivi-2")
+    per_layer = KVQConfig.from_dict({**cfg.to_dict(), "layer_bits": {1: (8, 8)}})
+    hybrid = hf_model("qwen2", kv_heads=1, gqa=2, head_dim=64, layers=3, use_sliding_window=True, sliding_window=4,
+                      layer_types=["sliding_attention", "full_attention", "full_attention"])
+    ids, mask = prompts(1, 6)
+    gen = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, cache_implementation="static")
+    for c, rewritten in ((per_layer, 0), (cfg, 2)):
+        be = kvq_backend(c, compiler="aot_eager")
+        hybrid.generate(ids, compile_config=compile_config(be), **gen)
+        text = explain(be)
+        assert f"kvq rewrite: {rewritten} attention layer(s) rewritten" in text
+        assert ("per-layer settings" in text) == (rewritten == 0)
+    be = kvq_backend(per_layer, compiler="aot_eager")
+    hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=2).generate(ids, compile_config=compile_config(be), **gen)
+    assert "layer 1: l_kwargs_cache_layers_1_keys" in explain(be) and "(8-bit K, 8-bit V)" in explain(be)
