@@ -51,8 +51,12 @@ def cmd_calibrate(args) -> int:
     meta = {"model": args.model, "preset": args.preset, "text": args.text, "wall_seconds": seconds,
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "report": report}
     save_calibration(out, args.out, meta)
-    print(f"calibrated {args.preset} on {report['sequences']} x {report['seq_len']} tokens in {seconds:.0f} s "
-          f"-> {args.out}")
+    if not report["calibrated"]:
+        print(f"{args.preset} has nothing to calibrate offline (no NormalFloat codebooks, softmax_tau or XQuant eta): "
+              f"its config is saved unchanged -> {args.out}")
+        return 0
+    print(f"calibrated {args.preset} ({', '.join(report['calibrated'])}) on {report['sequences']} x "
+          f"{report['seq_len']} tokens in {seconds:.0f} s -> {args.out}")
     if out.codebooks:
         print(f"  codebooks: {len(out.codebooks)} tables")
         for name, e in report.get("codebook_error", {}).items():

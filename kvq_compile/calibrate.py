@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import logging
 import math
 import os
 import time
@@ -35,6 +36,8 @@ import torch
 from . import reference as ref
 from .config import Axis, KVQConfig, Levels, QuantizerSpec, Symmetry
 from .store import fill_boundary, statistics_start
+
+log = logging.getLogger("kvq_compile")
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
@@ -146,6 +149,11 @@ def _geometry(model) -> tuple[int, int, int]:
 
 
 def _check_model(model) -> None:
+    conf = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(conf, "attn_logit_softcapping", None) is not None:   # (the capture's SDPA would drop it)
+        raise ValueError("calibration runs the model's attention through SDPA, which has no logit softcapping "
+                         f"(attn_logit_softcapping={conf.attn_logit_softcapping}); such a model cannot be served "
+                         "by kvq either")
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     if dtypes != {torch.float32}:
         raise ValueError(f"calibration runs the model in float32, but its parameters are {sorted(map(str, dtypes))}: "
@@ -693,7 +701,12 @@ def calibrate(model, texts_or_token_batches, cfg: KVQConfig, *, tokenizer=None, 
     if out.eta or out.xquant_pattern is not None:
         out.eta = xquant_etas(out, num_layers)
         report["eta"] = {str(b): e for b, e in out.eta.items()}
-    if not out.name.endswith("+calibrated"):
+    report["calibrated"] = [k for k, on in (("codebooks", needs_books), ("softmax_tau", out.softmax_tau is not None),
+                                            ("eta", "eta" in report)) if on]
+    if not report["calibrated"]:   # (InnerQ, KIVI, int8: their statistics all come from the prefill at run time)
+        log.warning("calibrate: %s has nothing to calibrate offline (no NormalFloat codebooks, softmax_tau or XQuant "
+                    "eta); it is returned unchanged", cfg.name)
+    elif not out.name.endswith("+calibrated"):
         out.name = f"{out.name}+calibrated"
     out.check_model(num_layers, head_dim, max(ids.shape[1], out.sink + out.recent))
     return out

@@ -61,6 +61,11 @@ def _fix(msg: str) -> ValueError:
     return ValueError(msg)
 
 
+def _is_int(x) -> bool:
+    """An int and not a bool (JSON edited by hand gives 4.0; True would pass as 1)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 @dataclass(frozen=True)
 class QuantizerSpec:
     """One tensor's (Key's or Value's) quantizer.
@@ -93,8 +98,10 @@ class QuantizerSpec:
         object.__setattr__(self, "axis", Axis(self.axis))
         object.__setattr__(self, "symmetry", Symmetry(self.symmetry))
         object.__setattr__(self, "levels", Levels(self.levels))
-        if self.bits not in SUPPORTED_BITS:
-            raise _fix(f"bits={self.bits} is not supported: use one of {SUPPORTED_BITS} (16 = unquantized)")
+        if not _is_int(self.bits) or self.bits not in SUPPORTED_BITS:
+            raise _fix(f"bits={self.bits!r} is not supported: use one of {SUPPORTED_BITS} (an int; 16 = unquantized)")
+        if self.group_size is not None and not _is_int(self.group_size):
+            raise _fix(f"group_size={self.group_size!r} must be an int, or None for the whole axis")
         if self.group_size is not None and self.group_size <= 0:
             raise _fix(f"group_size={self.group_size} must be a positive integer, or None for the whole axis")
         if not 0.0 <= self.outlier_fraction < 0.5:
@@ -194,15 +201,54 @@ class KVQConfig:
         if isinstance(self.value, dict):
             self.value = QuantizerSpec(**self.value)
         self.eta = {int(b): float(e) for b, e in self.eta.items()}
+        for i, b in self.layer_bits.items():
+            if not isinstance(b, (tuple, list)) or len(b) != 2:
+                raise _fix(f"layer_bits[{i}]={b!r} must be a pair (key bits, value bits), e.g. (4, 2)")
         self.layer_bits = {int(i): tuple(b) for i, b in self.layer_bits.items()}
         if self.softmax_tau is not None:
             self.softmax_tau = tuple(float(t) for t in self.softmax_tau)
-            if len(self.softmax_tau) != 2:
-                raise _fix("softmax_tau must be a pair (tau1, tau2), e.g. (0, 3)")
         if self.xquant_pattern is not None:
             self.xquant_pattern = tuple(int(x) for x in self.xquant_pattern)
-        if self.sink < 0 or self.recent < 0:
-            raise _fix(f"sink={self.sink} and recent={self.recent} must be >= 0")
+        self.validate()
+
+    def validate(self) -> None:
+        """The checks of construction, again (`check_model` calls it: a field set after construction, as
+        `dataclasses.replace` does not, is checked there). Raises ValueError naming the fix."""
+        if not isinstance(self.key, QuantizerSpec) or not isinstance(self.value, QuantizerSpec):
+            raise _fix("key and value must be QuantizerSpec (or dicts of its fields at construction)")
+        if not _is_int(self.sink) or not _is_int(self.recent) or self.sink < 0 or self.recent < 0:
+            raise _fix(f"sink={self.sink!r} and recent={self.recent!r} must be ints >= 0")
+        if self.softmax_tau is not None:
+            tau = tuple(self.softmax_tau)
+            if len(tau) != 2 or not all(isinstance(t, (int, float)) and 0.0 <= t < float("inf") for t in tau):
+                raise _fix(f"softmax_tau={self.softmax_tau!r} must be a pair of finite numbers >= 0 (tau1, tau2), "
+                           "e.g. (0, 3)")
+        if self.xquant_pattern is not None:
+            if len(self.xquant_pattern) != 5 or self.xquant_pattern[4] <= 0:
+                raise _fix(f"xquant_pattern={self.xquant_pattern!r} must be (kq, vq, km, vm, reference_layers) "
+                           "with reference_layers > 0")
+            if self.share_key_codes_from_layer is not None or self.share_value_codes_from_layer is not None:
+                raise _fix("xquant_pattern sets the code sharing itself; leave share_key_codes_from_layer and "
+                           "share_value_codes_from_layer None, or set xquant_pattern=None and the layers by hand")
+        for f in ("share_key_codes_from_layer", "share_value_codes_from_layer"):
+            v = getattr(self, f)
+            if v is not None and (not _is_int(v) or v < 0):
+                raise _fix(f"{f}={v!r} must be a layer index >= 0, or None for no sharing")
+        if self.key_norm and not self.key.quantized:
+            raise _fix("key_norm (InnerQ) normalizes quantized Keys: set key bits < 16 or key_norm=False")
+        if any(self.eta.values()) and self.eta_for(self.key) == self.eta_for(self.value) == 0.0 and not any(
+                q.symmetry is Symmetry.ASYMMETRIC and q.levels is Levels.UNIFORM for q in (self.key, self.value)):
+            raise _fix(f"eta={self.eta} shrinks asymmetric uniform groups only, and this config's Keys and Values "
+                       "are neither: drop eta")
+        for name, table in self.codebooks.items():
+            layer, _, tensor = name.partition(".")
+            if not layer.isdigit() or tensor not in ("key", "value"):
+                raise _fix(f"codebook name {name!r} must be '<layer>.key' or '<layer>.value', e.g. '0.key'")
+            vals = list(table)
+            if not all(isinstance(x, (int, float)) and -1.0 <= x <= 1.0 for x in vals) or \
+                    any(a >= b for a, b in zip(vals, vals[1:])):
+                raise _fix(f"codebook {name} must hold increasing finite levels in [-1, 1] (nearest-level coding "
+                           "assumes them sorted)")
         for bits, eta in self.eta.items():
             if bits not in SUPPORTED_BITS:
                 raise _fix(f"eta is given for bits={bits}; use one of {SUPPORTED_BITS}")
@@ -270,6 +316,7 @@ class KVQConfig:
 
     def check_model(self, num_layers: int, head_dim: int, max_len: int) -> list[LayerSpec]:
         """Validate against a model's geometry and resolve; raises ValueError naming the fix."""
+        self.validate()
         if self.sink + self.recent > max_len:
             raise _fix(f"sink={self.sink} + recent={self.recent} exceeds the cache length {max_len}; "
                        f"shorten the windows or allocate a longer cache")
@@ -279,9 +326,29 @@ class KVQConfig:
             s.value.check_head_dim(head_dim)
         for name, table in self.codebooks.items():
             layer, tensor = name.split(".")
+            if int(layer) >= num_layers:
+                raise _fix(f"codebook {name} names layer {layer}, but the model has {num_layers} attention layers: "
+                           "a calibration of another model? calibrate this one")
             q = getattr(specs[int(layer)], tensor)
+            if not q.quantized or q.levels is not Levels.NORMAL_FLOAT:
+                raise _fix(f"codebook {name} is for non-uniform levels, but layer {layer}'s {tensor} quantizer is "
+                           f"{'unquantized' if not q.quantized else q.levels.value}: set levels=normal_float there "
+                           "or drop the codebook")
             if len(table) != 2 ** q.bits:
                 raise _fix(f"codebook {name} has {len(table)} levels; a {q.bits}-bit quantizer needs {2 ** q.bits}")
+        if self.codebooks:   # a calibration covers every non-uniform side, or it is another model's
+            missing = [f"{i}.{t}" for i, sp in enumerate(specs) for t, q in (("key", sp.key), ("value", sp.value))
+                       if q.quantized and q.levels is Levels.NORMAL_FLOAT and f"{i}.{t}" not in self.codebooks]
+            if missing:
+                raise _fix(f"codebooks cover {len(self.codebooks)} sides but not {missing[:4]}"
+                           f"{' ...' if len(missing) > 4 else ''} of this {num_layers}-layer model: a calibration "
+                           "of another model? calibrate this one (or drop the codebooks for NormalFloat levels)")
+        used = {q.bits for sp in specs for q in (sp.key, sp.value)
+                if q.quantized and q.symmetry is Symmetry.ASYMMETRIC and q.levels is Levels.UNIFORM}
+        unused = sorted(b for b, e in self.eta.items() if e and b not in used)
+        if unused:
+            raise _fix(f"eta is given for {unused}-bit groups, but no asymmetric uniform quantizer of this model "
+                       f"has those bits (it has {sorted(used)}): drop them")
         return specs
 
     def equivalent_bits(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int,

@@ -54,6 +54,7 @@ class _Slot:
     def __init__(self):
         self.layer: weakref.ref | None = None
         self.pending: torch.Tensor | None = None
+        self.config = None   # the module's config: its attention implementation must stay "kvq" (`KVQLayer.update`)
 
     def __deepcopy__(self, memo):   # a copied model's modules share the slot, as they shared the weak reference
         return self
@@ -105,6 +106,10 @@ class KVQLayer(CacheLayerMixin):
         if not self.bound:
             raise ValueError("this KVQCache no longer serves the model: a later KVQCache(model, ...) took its "
                              "attention modules; build this cache again, or generate with the later one")
+        impl = getattr(self.slot.config, "_attn_implementation", ATTN_NAME)
+        if impl != ATTN_NAME:   # its attention would get this chunk alone from update, not the cache's tokens
+            raise ValueError(f"the model's attention implementation is now {impl!r}, not KVQCache's {ATTN_NAME!r} "
+                             "(set_attn_implementation after the cache was built?): build the KVQCache again")
         geo = self.store.geo
         if tuple(key_states.shape[:2]) != (self.batch_size, self.num_heads) or key_states.shape[-1] != geo.head_dim:
             raise ValueError(f"KVQCache was sized for batch {self.batch_size}, {self.num_heads} KV heads, head_dim "
@@ -251,6 +256,9 @@ class KVQCache(Cache):
                              f"{conf.attn_logit_softcapping}); use the model's own cache")
         if getattr(conf, "is_encoder_decoder", False):
             raise ValueError("KVQCache serves decoder-only models; encoder-decoder caches are not supported")
+        if batch_size < 1 or max_cache_len < 1:
+            raise ValueError(f"KVQCache needs batch_size >= 1 and max_cache_len >= 1, got {batch_size} and "
+                             f"{max_cache_len}")
         num_layers = conf.num_hidden_layers
         heads = getattr(conf, "num_key_value_heads", None) or conf.num_attention_heads
         head_dim = getattr(conf, "head_dim", None) or conf.hidden_size // conf.num_attention_heads
@@ -376,7 +384,7 @@ def _bind(model, cache: KVQCache) -> None:
         if previous is not None and previous is not layer:
             previous.bound = False   # an older cache of this model: its update now raises, not falls back
             previous.slot = _Slot()  # (and its reset leaves this module's slot alone)
-        slot.layer, slot.pending = weakref.ref(layer), None
+        slot.layer, slot.pending, slot.config = weakref.ref(layer), None, module.config
         layer.slot = slot
     for conf in {id(c): c for c in (model.config, getattr(model.config, "get_text_config", lambda: None)())
                  if c is not None}.values():

@@ -171,22 +171,28 @@ def test_xquant_calibration_sets_eta_per_bit_width():
 
 
 def test_innerq_has_nothing_to_calibrate():
+    """Nothing is calibrated offline for InnerQ (its statistics come from the prefill): the config comes back
+    unchanged, name included (it was renamed "+calibrated", and the CLI said "calibrated"), and the report says so."""
     cfg = KVQConfig.preset("innerq-2")
-    out = calibrate(tiny(), token_batch(1, 8), cfg)
-    assert dataclasses.replace(out, name=cfg.name) == cfg
+    report = {}
+    out = calibrate(tiny(), token_batch(1, 8), cfg, report=report)
+    assert out == cfg and report["calibrated"] == []
+    report = {}
+    assert calibrate(tiny(), token_batch(1, 8), KVQConfig.preset("xquant-1.38"), report=report).name.endswith(
+        "+calibrated") and report["calibrated"] == ["eta"]
 
 
 # ---- save / load, CLI, bad inputs ---------------------------------------------------------------
 def test_save_load_round_trips_exactly(tmp_path):
     model, ids = tiny(), token_batch(2, 64)
     cfg = calibrate(model, ids, KVQConfig.preset("kvquant-4-1%"))
-    cfg.softmax_tau, cfg.eta = (1.0, 2.0), {2: 0.1234567890123}
+    cfg.softmax_tau = (1.0, 2.0)   # (eta does not apply to codebook levels: it round-trips with xquant below)
     save_calibration(cfg, str(tmp_path), {"note": "test"})
     back = load_calibration(str(tmp_path))
     assert back == cfg and back.codebooks == cfg.codebooks
     doc = json.loads((tmp_path / CONFIG_FILE).read_text())
     assert doc["metadata"] == {"note": "test"} and KVQConfig.from_dict(doc["config"]).codebooks == {}
-    plain = KVQConfig.preset("xquant-1.38")
+    plain = KVQConfig.from_dict({**KVQConfig.preset("xquant-1.38").to_dict(), "eta": {2: 0.1234567890123}})
     save_calibration(plain, str(tmp_path / "plain"))
     assert load_calibration(str(tmp_path / "plain")) == plain
     with pytest.raises(ValueError, match="does not exist"):
@@ -270,3 +276,16 @@ def test_calibrated_xquant_eta_decodes_better_than_no_eta():
     assert cal.eta == {1: xquant_eta(1, 4), 2: xquant_eta(2, 4)}
     kl, _ = _decode_kls(model, {"preset": cfg, "cal": cal, "none": dataclasses.replace(cfg, eta={})})
     assert kl["cal"] < kl["none"] and kl["cal"] <= 1.1 * kl["preset"] and kl["cal"] < 3e-2, kl
+
+
+def test_a_softcapped_model_is_refused():
+    """Calibration captures attention through SDPA, which would drop Gemma-2's logit softcapping (the store's
+    attention cannot serve it either): refused by name (it calibrated quietly on the uncapped attention)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    model = Gemma2ForCausalLM(Gemma2Config(vocab_size=96, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                                           max_position_embeddings=512, sliding_window=64,
+                                           attn_logit_softcapping=1.0)).eval()
+    with pytest.raises(ValueError, match=r"no logit softcapping \(attn_logit_softcapping=1.0\)"):
+        calibrate(model, token_batch(1, 16), KVQConfig.preset("kvquant-4-1%"))

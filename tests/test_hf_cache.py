@@ -1080,3 +1080,18 @@ def test_kvqcache_refuses_attention_it_does_not_implement():
             m.attn_logit_softcapping = 1.0
     with pytest.raises(ValueError, match="does not implement softcap"):
         model.generate(ids, past_key_values=KVQCache(model, "fp16", 1, 32), max_new_tokens=4, **GEN)
+
+
+def test_kvqcache_refuses_a_changed_attention_implementation_and_empty_sizes():
+    """The cache's update hands the attention the new chunk alone, for kvq's attention to read the rest from the
+    store: after `set_attn_implementation("sdpa")` the model's own attention got that chunk alone and failed on a
+    shape (or, for one token, attended to itself only); it is refused by name now. Sizes below 1 are refused too."""
+    model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=2)
+    ids, _ = prompts(1, 6)
+    cache = KVQCache(model, "fp16", batch_size=1, max_cache_len=32)
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(ValueError, match="attention implementation is now 'sdpa', not KVQCache's 'kvq'"):
+        model.generate(ids, past_key_values=cache, max_new_tokens=2, **GEN)
+    for b, n in ((0, 32), (1, 0)):
+        with pytest.raises(ValueError, match="batch_size >= 1 and max_cache_len >= 1"):
+            KVQCache(model, "fp16", batch_size=b, max_cache_len=n)

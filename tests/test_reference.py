@@ -178,6 +178,12 @@ def test_rope_unrotate_inverts_rotate():
 
 
 # ---- invalid configs (acceptance g) ---------------------------------------------------------------
+def _calibrated_for(layers: int) -> KVQConfig:
+    """kvquant-2-1% with a codebook on both sides of `layers` layers (as `calibrate` writes them)."""
+    books = {f"{i}.{t}": [-1.0, -0.25, 0.25, 1.0] for i in range(layers) for t in ("key", "value")}
+    return KVQConfig.from_dict({**KVQConfig.preset("kvquant-2-1%").to_dict(), "codebooks": books})
+
+
 @pytest.mark.parametrize("make,fix", [
     (lambda: QuantizerSpec(bits=5), "use one of"),
     (lambda: KVQConfig(key=QuantizerSpec(bits=2, axis="channel", group_size=32), recent=100), "use recent=128"),
@@ -190,10 +196,46 @@ def test_rope_unrotate_inverts_rotate():
     (lambda: QuantizerSpec(bits=2, axis="channel", group_size=None, symmetry="hybrid"), "hybrid needs groups"),
     (lambda: QuantizerSpec(bits=1, axis="channel", group_size=None, range_scale=1.5), "must lie in"),
     (lambda: QuantizerSpec(bits=2, axis="token", range_scale=0.5), "static per-channel ranges only"),
+    # session 59's review: inputs that were accepted and then ignored, misapplied or failed without saying why
+    (lambda: QuantizerSpec(bits=4.0), "an int"),
+    (lambda: QuantizerSpec(bits=True), "an int"),
+    (lambda: QuantizerSpec(bits=2, group_size=16.0), "must be an int"),
+    (lambda: KVQConfig(softmax_tau=(0, float("nan"))), "finite numbers >= 0"),
+    (lambda: KVQConfig(softmax_tau=(-1, 3)), "finite numbers >= 0"),
+    (lambda: KVQConfig(layer_bits={1: (4, 2, 2)}), "must be a pair"),
+    (lambda: KVQConfig(key=QuantizerSpec(bits=2), xquant_pattern=(1, 1, 1, 1, 0)), "reference_layers > 0"),
+    (lambda: KVQConfig.from_dict({**KVQConfig.preset("xquant-1.38").to_dict(), "share_key_codes_from_layer": 3}),
+     "xquant_pattern sets the code sharing itself"),
+    (lambda: KVQConfig(key=QuantizerSpec(bits=2), share_key_codes_from_layer=-3), "layer index >= 0"),
+    (lambda: KVQConfig(key_norm=True), "normalizes quantized Keys"),
+    (lambda: KVQConfig.from_dict({**KVQConfig.preset("int8").to_dict(), "eta": {8: 0.3}}), "drop eta"),
+    (lambda: KVQConfig.from_dict({**KVQConfig.preset("kivi-2").to_dict(), "eta": {4: 0.1}}).check_model(2, 64, 256),
+     r"eta is given for \[4\]-bit groups"),
+    (lambda: KVQConfig.from_dict({**KVQConfig.preset("kvquant-2-1%").to_dict(), "codebooks": {"0.keys": [0] * 4}}),
+     "must be '<layer>.key'"),
+    (lambda: KVQConfig.from_dict({**KVQConfig.preset("kvquant-2-1%").to_dict(),
+                                  "codebooks": {"0.key": [-1, 0.5, -0.3, 1]}}), "increasing finite levels"),
+    (lambda: KVQConfig.from_dict({**KVQConfig.preset("kvquant-2-1%").to_dict(),
+                                  "codebooks": {"0.key": [-1, -0.3, 0.5, 1.5]}}), "in \\[-1, 1\\]"),
+    (lambda: KVQConfig.from_dict({**KVQConfig.preset("kivi-2").to_dict(), "codebooks": {"0.key": [-1, -0.3, 0.3, 1]}})
+     .check_model(2, 64, 256), "non-uniform levels, but layer 0's key quantizer is uniform"),
+    (lambda: _calibrated_for(2).check_model(4, 64, 256), "a calibration of another model"),
+    (lambda: _calibrated_for(2).check_model(1, 64, 256), "names layer 1, but the model has 1"),
 ])
 def test_invalid_configs_name_the_fix(make, fix):
     with pytest.raises(ValueError, match=fix):
         make()
+
+
+def test_a_field_set_after_construction_is_checked_where_the_config_is_used():
+    """`check_model` (which every store and KVQCache runs) validates again: a field set on a built config (as
+    tests/models.small_windows does) is checked there, not first met in an allocation's error."""
+    cfg = KVQConfig.preset("kivi-2")
+    cfg.sink = -4
+    with pytest.raises(ValueError, match="must be ints >= 0"):
+        cfg.check_model(2, 64, 256)
+    cfg = _calibrated_for(2)
+    assert len(cfg.check_model(2, 64, 256)) == 2   # a calibration of this model's size is served
 
 
 def test_config_json_round_trip_and_grouping():
