@@ -171,7 +171,9 @@ class KVQConfig:
         into the query.
     softmax_tau: CalibQuant (tau1, tau2): the attention logits of each query row, range [gamma, delta],
         are mapped linearly onto [gamma + tau1, delta - tau2] before softmax. Softmax is shift invariant,
-        so this is a per-row temperature t = 1 - (tau1 + tau2) / (delta - gamma).
+        so this is a per-row temperature t = 1 - (tau1 + tau2) / (delta - gamma). Both taus are finite and >= 0.
+        A row whose range is narrower than tau1 + tau2 gets t < 0: the map, as the paper defines it, inverts that
+        row's order (seen on near-uniform rows of SmolLM2 with the preset's (0, 3); the kernels do the same).
     eta: XQuant data-free calibration per bit width {bits: eta}: the range of each asymmetric uniform
         group shrinks by eta of its width on both sides (z' = z + eta*s*(2^B-1), s' = (1-2*eta)*s).
     share_key_codes_from_layer / share_value_codes_from_layer: XQuant sharing starts at this layer
@@ -210,6 +212,13 @@ class KVQConfig:
         if self.xquant_pattern is not None:
             self.xquant_pattern = tuple(int(x) for x in self.xquant_pattern)
         self.validate()
+        # at construction only: the store serves any window (the tests set others on built configs), whole groups
+        # are KIVI's residual as the papers configure it
+        for q in (self.key, self.value):
+            if q.quantized and q.tokens_per_group > 1 and self.recent % q.tokens_per_group:
+                raise _fix(f"recent={self.recent} must be a multiple of the token group_size={q.group_size} "
+                           f"(KIVI: the residual must hold whole groups); use recent="
+                           f"{(self.recent // q.tokens_per_group + 1) * q.tokens_per_group}")
 
     def validate(self) -> None:
         """The checks of construction, again (`check_model` calls it: a field set after construction, as
@@ -259,11 +268,6 @@ class KVQConfig:
             for b in (kb, vb):
                 if b not in SUPPORTED_BITS:
                     raise _fix(f"layer_bits[{i}] has bits={b}; use one of {SUPPORTED_BITS}")
-        for q in (self.key, self.value):
-            if q.quantized and q.tokens_per_group > 1 and self.recent % q.tokens_per_group:
-                raise _fix(f"recent={self.recent} must be a multiple of the token group_size={q.group_size} "
-                           f"(KIVI: the residual must hold whole groups); use recent="
-                           f"{(self.recent // q.tokens_per_group + 1) * q.tokens_per_group}")
         if self.keys_before_rope and not self.key.quantized:
             raise _fix("keys_before_rope only matters for quantized keys; set key bits < 16 or keys_before_rope=False")
         if self.key_norm and self.keys_before_rope:
@@ -336,13 +340,15 @@ class KVQConfig:
                            "or drop the codebook")
             if len(table) != 2 ** q.bits:
                 raise _fix(f"codebook {name} has {len(table)} levels; a {q.bits}-bit quantizer needs {2 ** q.bits}")
-        if self.codebooks:   # a calibration covers every non-uniform side, or it is another model's
-            missing = [f"{i}.{t}" for i, sp in enumerate(specs) for t, q in (("key", sp.key), ("value", sp.value))
-                       if q.quantized and q.levels is Levels.NORMAL_FLOAT and f"{i}.{t}" not in self.codebooks]
+        if self.codebooks:   # a calibration covers every layer with non-uniform levels, or it is another model's
+            named = {int(name.split(".")[0]) for name in self.codebooks}
+            missing = [i for i, sp in enumerate(specs) if i not in named and any(
+                q.quantized and q.levels is Levels.NORMAL_FLOAT for q in (sp.key, sp.value))]
             if missing:
-                raise _fix(f"codebooks cover {len(self.codebooks)} sides but not {missing[:4]}"
-                           f"{' ...' if len(missing) > 4 else ''} of this {num_layers}-layer model: a calibration "
-                           "of another model? calibrate this one (or drop the codebooks for NormalFloat levels)")
+                raise _fix(f"codebooks name layers {sorted(named)}, but not layers {missing[:6]}"
+                           f"{' ...' if len(missing) > 6 else ''} of this {num_layers}-layer model, which have "
+                           "non-uniform levels too: a calibration of another model? calibrate this one (or drop the "
+                           "codebooks for NormalFloat levels)")
         used = {q.bits for sp in specs for q in (sp.key, sp.value)
                 if q.quantized and q.symmetry is Symmetry.ASYMMETRIC and q.levels is Levels.UNIFORM}
         unused = sorted(b for b, e in self.eta.items() if e and b not in used)
