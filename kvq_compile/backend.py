@@ -242,7 +242,9 @@ class _StepRunner:
             self.store.switched_last = False
             return
         switched = owner is not None and owner is not k0
-        if released(k0):
+        gmod, idx = self.positions
+        p0 = int(gmod(*[args[i] for i in idx])[0].reshape(-1)[0])
+        if released(k0) and p0 > 0:   # (at 0 a new sequence starts: nothing to absorb, e.g. after the user's zero_())
             raise RuntimeError(
                 "kvq: this compiled step was called with an fp16 cache that a kvq step had already released into "
                 "its store. Either one compiled function serves several caches in turn (a model compiled block by "
@@ -256,8 +258,6 @@ class _StepRunner:
             log.warning("kvq: the compiled step's cache changed on two calls in a row: one compiled function serves "
                         "several caches in turn (a model compiled block by block?), and each call absorbs its whole "
                         "prefix again; compile the whole model instead")
-        gmod, idx = self.positions
-        p0 = int(gmod(*[args[i] for i in idx])[0].reshape(-1)[0])
         if self.store.seats is not None:   # a new sequence: seated again by its absorb, if any
             self.store.seats.copy_(torch.arange(self.store.seats.shape[1], device=self.store.seats.device))
         if p0 > 0:

@@ -128,12 +128,32 @@ def _append_impl(store, key, value, positions, cos, sin, layout: str, compiled: 
     elif compiled and _triton_append(layout):
         from .templates.quantize_append import append_decode
 
+        _assert_in_store(geo, positions, layout)
         append_decode(bufs, cfg, spec, geo, key, value, positions, cos, sin)
     elif compiled:
+        _assert_in_store(geo, positions, layout)
         compiled_decode_append(layout)(bufs, key, value, positions, cos, sin)
     else:   # the reference path (CPU): reading the position costs no synchronization there
         _refuse_overflow(geo, int(positions.max()), 1)
         st.append_decode(bufs, cfg, spec, geo, key, value, positions, cos, sin)
+
+
+@functools.lru_cache(maxsize=None)
+def _layer_of(layout: str) -> int:
+    import json
+
+    return json.loads(layout)["layer"]
+
+
+def _assert_in_store(geo, positions: torch.Tensor, layout: str) -> None:
+    """Compiled decode steps (CUDA) cannot read their position on the host: the first layer's append asserts it on
+    the device (one small kernel a step, kept by CUDA graphs), as `hf.KVQLayer.update` does for KVQCache. Past the
+    store the append would write nothing and the attention read past its rows; the model's own fp16 append would
+    have failed the same way (an index out of range)."""
+    if _layer_of(layout) == 0:
+        torch._assert_async((positions < geo.max_len).all(),
+                            f"kvq store holds {geo.max_len} positions: cannot append at or past position "
+                            f"{geo.max_len}; size the cache for the prompt plus the new tokens")
 
 
 def _refuse_overflow(geo, p0: int, n: int) -> None:
@@ -473,6 +493,7 @@ def _register_gpu_kernels() -> None:
     @append_attend.register_kernel("cuda")
     def _append_attend_cuda(query, store, key, value, positions, attn_mask, scale, is_causal, layout):
         cfg, geo, spec, bufs, abufs = _append_attend_bufs(query, store, key, layout)
+        _assert_in_store(geo, positions, layout)
         append = None
         if _triton_append(layout):   # handed to the attention: beside it where it reads nothing the append writes
             from .templates.quantize_append import append_decode

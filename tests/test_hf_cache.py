@@ -837,6 +837,53 @@ def test_compiled_decode_overflow_is_a_device_assert():
     assert "device-side assert" in bad.stderr or "holds 15 positions" in bad.stderr, bad.stderr[-3000:]
 
 
+BACKEND_OVERFLOW_SCRIPT = """
+import sys, torch
+sys.path.insert(0, "tests")
+from kvq_compile import kvq_backend
+from models import GptFastModel, small_windows
+
+class ComparedMask(GptFastModel):   # its mask by comparison, not by indexing a table: nothing else goes out of range
+    def forward(self, idx, input_pos):
+        mask = (torch.arange(16, device=idx.device) <= input_pos[:, None])[None, None]
+        x = self.embed(idx)
+        for layer in self.layers:
+            x = x + layer(x, mask, input_pos)
+        return self.out(x)
+
+torch.manual_seed(0)
+model = ComparedMask(batch=2, max_len=16).cuda()
+step = torch.compile(model, backend=kvq_backend(small_windows(sys.argv[2])), mode="reduce-overhead", fullgraph=True)
+ids = torch.randint(0, 96, (2, 20), device="cuda")
+with torch.no_grad():
+    step(ids[:, :10], torch.arange(10, device="cuda"))
+    for p in range(10, int(sys.argv[1])):
+        step(ids[:, p:p + 1], torch.tensor([p], device="cuda"))
+torch.cuda.synchronize()
+print("WROTE", int(sys.argv[1]))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["kivi-2", "int8"])
+def test_backend_decode_overflow_is_a_device_assert(name):
+    """Through kvq_backend on CUDA a compiled decode step past the store fails a device assertion in the first
+    layer's append (the model's own fp16 append, which the rewrite removes, would have failed on its index): before,
+    the append wrote nothing and the attention read past the store. Up to the last position it runs. kivi-2 takes
+    kvq::append_attend, int8 kvq::append then kvq::attend."""
+    import subprocess
+    import sys
+
+    ok = subprocess.run([sys.executable, "-c", BACKEND_OVERFLOW_SCRIPT, "16", name], capture_output=True, text=True,
+                        timeout=600)
+    assert ok.returncode == 0 and "WROTE 16" in ok.stdout, ok.stdout + ok.stderr[-3000:]
+    bad = subprocess.run([sys.executable, "-c", BACKEND_OVERFLOW_SCRIPT, "18", name], capture_output=True,
+                         text=True, timeout=600)
+    assert bad.returncode != 0 and "WROTE" not in bad.stdout, bad.stdout + bad.stderr[-3000:]
+    assert "device-side assert" in bad.stderr or "kvq store holds 16 positions" in bad.stderr, bad.stderr[-3000:]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["kivi-2", "kvquant-4-1%"])
@@ -1095,3 +1142,27 @@ def test_kvqcache_refuses_a_changed_attention_implementation_and_empty_sizes():
     for b, n in ((0, 32), (1, 0)):
         with pytest.raises(ValueError, match="batch_size >= 1 and max_cache_len >= 1"):
             KVQCache(model, "fp16", batch_size=b, max_cache_len=n)
+
+
+def test_a_zeroed_cache_prefilled_again_from_position_zero():
+    """A gpt-fast-style model whose caches the user zeroes between sequences: the zero_() changes a released cache's
+    version, and the next compiled prefill (position 0: nothing to absorb) raised kvq's "already released" error;
+    it now starts the new sequence, equal to the first run."""
+    from models import GptFastModel
+
+    torch.manual_seed(5)
+    ids = torch.randint(3, 96, (2, 18))
+    torch.manual_seed(0)
+    model = GptFastModel(batch=2)
+    step = torch.compile(model, backend=kvq_backend(small_windows("kivi-2"), compiler="aot_eager"), fullgraph=True)
+
+    def run():
+        outs = [step(ids[:, :12], torch.arange(12))]
+        outs += [step(ids[:, j:j + 1], torch.tensor([j])) for j in range(12, 18)]
+        return torch.cat(outs, 1)
+
+    with torch.no_grad():
+        first = run()
+        for layer in model.layers:
+            layer.kv_cache.k_cache.zero_(), layer.kv_cache.v_cache.zero_()
+        assert torch.equal(run(), first)
