@@ -75,7 +75,8 @@ def config_named(name: str, layers: int) -> KVQConfig:
         if cfg.xquant_pattern or cfg.layer_bits:
             raise ValueError(f"{name}: per-layer bit widths set both sides; /K and /V need a uniform config")
         exact = "value" if name.endswith("/K") else "key"
-        cfg = dataclasses.replace(cfg, **{exact: QuantizerSpec(bits=16)})
+        cfg = dataclasses.replace(cfg, **{exact: QuantizerSpec(bits=16)},
+                                  **({"key_norm": False, "keys_before_rope": False} if exact == "key" else {}))
         cfg.name = name
         return cfg
     m = re.fullmatch(r"asymkv-([0-9.]+)|xquant-([0-9.]+)-map", name)

@@ -360,8 +360,8 @@ def _layer_order_unverified(cfg: KVQConfig, matches, report) -> str | None:
         return None
     if report.skipped:
         return ("per-layer settings (layer_bits, codebooks, XQuant's pattern or code sharing) need every attention "
-                f"layer rewritten, and this graph leaves {len(report.skipped)} candidate(s) unchanged (their layers "
-                "would shift the later layers' settings)")
+                "layer of the model rewritten in graph order, and this graph leaves candidates unchanged (appends or "
+                "attentions: `explain`), so its layer numbers or count would not be the model's")
     got = _layer_indices(matches)
     if got != list(range(len(matches))):
         return ("per-layer settings (layer_bits, codebooks, XQuant's pattern or code sharing) need the model's "

@@ -675,6 +675,7 @@ def calibrate(model, texts_or_token_batches, cfg: KVQConfig, *, tokenizer=None, 
     if not isinstance(cfg, KVQConfig):
         raise ValueError(f"cfg must be a KVQConfig (e.g. KVQConfig.preset('kvquant-3-1%')), got {type(cfg).__name__}")
     out = KVQConfig.from_dict(json.loads(cfg.to_json()))  # a deep copy through the validated round trip
+    out.codebooks = {}   # every non-uniform side is calibrated again (a config calibrated for another model too)
     ids = calibration_batch(texts_or_token_batches, tokenizer, seq_len, num_sequences, seed)
     num_layers, _, head_dim = _geometry(model)
     out.check_model(num_layers, head_dim, max(ids.shape[1], out.sink + out.recent))
@@ -689,7 +690,7 @@ def calibrate(model, texts_or_token_batches, cfg: KVQConfig, *, tokenizer=None, 
     try:
         if needs_books:
             t = time.time()
-            out.codebooks = {**out.codebooks, **calibrate_codebooks(model, ids, out, progress, report)}
+            out.codebooks = calibrate_codebooks(model, ids, out, progress, report)
             report["seconds"]["codebooks"] = time.time() - t
         if out.softmax_tau is not None:
             t = time.time()

@@ -349,12 +349,6 @@ class KVQConfig:
                            f"{' ...' if len(missing) > 6 else ''} of this {num_layers}-layer model, which have "
                            "non-uniform levels too: a calibration of another model? calibrate this one (or drop the "
                            "codebooks for NormalFloat levels)")
-        used = {q.bits for sp in specs for q in (sp.key, sp.value)
-                if q.quantized and q.symmetry is Symmetry.ASYMMETRIC and q.levels is Levels.UNIFORM}
-        unused = sorted(b for b, e in self.eta.items() if e and b not in used)
-        if unused:
-            raise _fix(f"eta is given for {unused}-bit groups, but no asymmetric uniform quantizer of this model "
-                       f"has those bits (it has {sorted(used)}): drop them")
         return specs
 
     def equivalent_bits(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int,

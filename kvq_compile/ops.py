@@ -147,9 +147,9 @@ def _layer_of(layout: str) -> int:
 
 def _assert_in_store(geo, positions: torch.Tensor, layout: str) -> None:
     """Compiled decode steps (CUDA) cannot read their position on the host: the first layer's append asserts it on
-    the device (one small kernel a step, kept by CUDA graphs), as `hf.KVQLayer.update` does for KVQCache. Past the
-    store the append would write nothing and the attention read past its rows; the model's own fp16 append would
-    have failed the same way (an index out of range)."""
+    the device (a compare, a reduction and the assert: three small kernels a step, kept by CUDA graphs; KVQCache's
+    steps also assert in `hf.KVQLayer.update`). Past the store the append would write nothing and the attention
+    read past its rows; the model's own fp16 append would have failed the same way (an index out of range)."""
     if _layer_of(layout) == 0:
         torch._assert_async((positions < geo.max_len).all(),
                             f"kvq store holds {geo.max_len} positions: cannot append at or past position "

@@ -289,3 +289,18 @@ def test_a_softcapped_model_is_refused():
                                            attn_logit_softcapping=1.0)).eval()
     with pytest.raises(ValueError, match=r"no logit softcapping \(attn_logit_softcapping=1.0\)"):
         calibrate(model, token_batch(1, 16), KVQConfig.preset("kvquant-4-1%"))
+
+
+def test_library_configs_and_a_recalibration_pass_the_checks():
+    """The final review of session 59: the config checks must not refuse what the library builds. xquant_config /
+    asymkv_config carry an eta for a width some layer counts do not use (a harmless entry; a check for it had
+    refused them), and calibrate() on a config calibrated for another model (3 layers here, the model has 2)
+    computes its codebooks afresh (it had been refused as "a calibration of another model")."""
+    for layers, bits in ((2, 1.9), (8, 1.2), (8, 2.0), (32, 1.16)):
+        for make in (xquant_config, asymkv_config):
+            assert len(make(layers, bits).check_model(layers, 64, 256)) == layers
+    three = KVQConfig.from_dict({**KVQConfig.preset("kvquant-2-1%").to_dict(),
+                                 "codebooks": {f"{i}.{t}": [-1.0, -0.25, 0.25, 1.0] for i in range(3)
+                                               for t in ("key", "value")}})
+    out = calibrate(tiny(), token_batch(1, 16), three)
+    assert sorted(out.codebooks) == ["0.key", "0.value", "1.key", "1.value"]

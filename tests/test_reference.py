@@ -209,8 +209,6 @@ def _calibrated_for(layers: int) -> KVQConfig:
     (lambda: KVQConfig(key=QuantizerSpec(bits=2), share_key_codes_from_layer=-3), "layer index >= 0"),
     (lambda: KVQConfig(key_norm=True), "normalizes quantized Keys"),
     (lambda: KVQConfig.from_dict({**KVQConfig.preset("int8").to_dict(), "eta": {8: 0.3}}), "drop eta"),
-    (lambda: KVQConfig.from_dict({**KVQConfig.preset("kivi-2").to_dict(), "eta": {4: 0.1}}).check_model(2, 64, 256),
-     r"eta is given for \[4\]-bit groups"),
     (lambda: KVQConfig.from_dict({**KVQConfig.preset("kvquant-2-1%").to_dict(), "codebooks": {"0.keys": [0] * 4}}),
      "must be '<layer>.key'"),
     (lambda: KVQConfig.from_dict({**KVQConfig.preset("kvquant-2-1%").to_dict(),
