@@ -245,7 +245,7 @@ class KVQConfig:
                 raise _fix(f"{f}={v!r} must be a layer index >= 0, or None for no sharing")
         if self.key_norm and not self.key.quantized:
             raise _fix("key_norm (InnerQ) normalizes quantized Keys: set key bits < 16 or key_norm=False")
-        if any(self.eta.values()) and self.eta_for(self.key) == self.eta_for(self.value) == 0.0 and not any(
+        if any(self.eta.values()) and not any(
                 q.symmetry is Symmetry.ASYMMETRIC and q.levels is Levels.UNIFORM for q in (self.key, self.value)):
             raise _fix(f"eta={self.eta} shrinks asymmetric uniform groups only, and this config's Keys and Values "
                        "are neither: drop eta")
