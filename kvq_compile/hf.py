@@ -95,7 +95,7 @@ class KVQLayer(CacheLayerMixin):
         self.dtype, self.device = layer.geo.torch_dtype, device
         self.is_initialized = True
         if not torch.compiler.is_compiling():
-            for t in (*self.attend_tensors, self.cumulative_length):
+            for t in (*self.attend_tensors, *self.append_tensors, self.cumulative_length):
                 torch._dynamo.mark_static_address(t)
 
     def lazy_initialization(self, key_states, value_states) -> None:  # allocated up front

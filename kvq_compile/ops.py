@@ -124,17 +124,18 @@ def _append_impl(store, key, value, positions, cos, sin, layout: str, compiled: 
     if key.shape[2] != 1:
         p0, n = st.positions_span(positions)
         _refuse_overflow(geo, p0, n)
+        st.check_rollback(bufs, p0, n)
         st.append(bufs, cfg, spec, geo, key, value, p0, cos, sin, attended)
     elif compiled and _triton_append(layout):
         from .templates.quantize_append import append_decode
 
-        _assert_in_store(geo, positions, layout)
+        _assert_in_store(geo, positions, layout, bufs)
         append_decode(bufs, cfg, spec, geo, key, value, positions, cos, sin)
     elif compiled:
-        _assert_in_store(geo, positions, layout)
+        _assert_in_store(geo, positions, layout, bufs)
         compiled_decode_append(layout)(bufs, key, value, positions, cos, sin)
     else:   # the reference path (CPU): reading the position costs no synchronization there
-        _refuse_overflow(geo, int(positions.max()), 1)
+        _refuse_decode(geo, positions, bufs)
         st.append_decode(bufs, cfg, spec, geo, key, value, positions, cos, sin)
 
 
@@ -145,15 +146,26 @@ def _layer_of(layout: str) -> int:
     return json.loads(layout)["layer"]
 
 
-def _assert_in_store(geo, positions: torch.Tensor, layout: str) -> None:
+def _assert_in_store(geo, positions: torch.Tensor, layout: str, bufs: dict) -> None:
     """Compiled decode steps (CUDA) cannot read their position on the host: the first layer's append asserts it on
-    the device (a compare, a reduction and the assert: three small kernels a step, kept by CUDA graphs; KVQCache's
-    steps also assert in `hf.KVQLayer.update`). Past the store the append would write nothing and the attention
-    read past its rows; the model's own fp16 append would have failed the same way (an index out of range)."""
+    the device (`quantize_append.step_guard`, one small kernel, and the assert: two a step, kept by CUDA graphs;
+    KVQCache's steps also assert in `hf.KVQLayer.update`): inside the store, and where the store keeps a recent
+    window not behind its frontier unless at 0 (`store.check_rollback`, which it advances). Past the store the append
+    would write nothing and the attention read past its rows; the model's own fp16 append would have failed the same
+    way (an index out of range)."""
     if _layer_of(layout) == 0:
-        torch._assert_async((positions < geo.max_len).all(),
+        from .templates.quantize_append import step_guard
+
+        torch._assert_async(step_guard(positions, geo.max_len, bufs.get("frontier")),
                             f"kvq store holds {geo.max_len} positions: cannot append at or past position "
-                            f"{geo.max_len}; size the cache for the prompt plus the new tokens")
+                            f"{geo.max_len} (size the cache for the prompt plus the new tokens), or "
+                            f"behind its last written position: {st.ROLLBACK_HELP}")
+
+
+def _refuse_decode(geo, positions: torch.Tensor, bufs: dict) -> None:
+    """The reference decode append's host checks (CPU: reading the position costs no synchronization there)."""
+    _refuse_overflow(geo, int(positions.max()), 1)
+    st.check_rollback(bufs, int(positions.reshape(-1)[0]), 1)
 
 
 def _refuse_overflow(geo, p0: int, n: int) -> None:
@@ -344,7 +356,7 @@ def append_attend(query: torch.Tensor, store: list[torch.Tensor], key: torch.Ten
                   positions: torch.Tensor, attn_mask: torch.Tensor | None, scale: float, is_causal: bool,
                   layout: str) -> torch.Tensor:
     cfg, geo, spec, _, abufs = _append_attend_bufs(query, store, key, layout)
-    _refuse_overflow(geo, int(positions.max()), 1)
+    _refuse_decode(geo, positions, abufs)
     st.append_decode(abufs, cfg, spec, geo, key, value, positions)
     return attend_cpu_reference(query, store, key, value, positions, attn_mask, scale, is_causal, layout)
 
@@ -493,7 +505,7 @@ def _register_gpu_kernels() -> None:
     @append_attend.register_kernel("cuda")
     def _append_attend_cuda(query, store, key, value, positions, attn_mask, scale, is_causal, layout):
         cfg, geo, spec, bufs, abufs = _append_attend_bufs(query, store, key, layout)
-        _assert_in_store(geo, positions, layout)
+        _assert_in_store(geo, positions, layout, abufs)
         append = None
         if _triton_append(layout):   # handed to the attention: beside it where it reads nothing the append writes
             from .templates.quantize_append import append_decode

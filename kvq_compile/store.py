@@ -181,7 +181,8 @@ class LayerStore:
     `attend_tensors` add what attention reads from elsewhere (shared codes, the RoPE table)."""
 
     def __init__(self, cfg: KVQConfig, spec: LayerSpec, geo: Geometry, device, rope: dict | None,
-                 source: "LayerStore | None" = None, layer_index: int = 0, num_layers: int = 1):
+                 source: "LayerStore | None" = None, layer_index: int = 0, num_layers: int = 1,
+                 frontier: torch.Tensor | None = None):
         self.cfg, self.spec, self.geo = cfg, spec, geo
         self.layer_index, self.num_layers = layer_index, num_layers
         self.buffers: dict[str, torch.Tensor] = {}
@@ -192,6 +193,9 @@ class LayerStore:
                 table = cfg.codebooks.get(f"{layer_index}.{'key' if side == 'k' else 'value'}")
                 self.buffers[f"{side}.levels"].copy_(ref.levels_for(q, table))
         self.rope = rope or {}
+        # the store's frontier (`ModelStore.frontier`), in the first layer's append lists only: its append checks
+        # and advances it once a step
+        self.control = {"frontier": frontier} if frontier is not None else {}
         self.shared: dict[str, torch.Tensor] = {}
         if spec.share_key_codes_from is not None:
             self.shared["k.codes"] = source.buffers["k.codes"]
@@ -208,11 +212,12 @@ class LayerStore:
         return out
 
     def append_tensors(self) -> tuple[list[str], list[torch.Tensor]]:
-        d = {**self.buffers, **self.rope}
+        d = {**self.buffers, **self.rope, **self.control}
         return list(d), list(d.values())
 
-    def attend_tensors(self) -> tuple[list[str], list[torch.Tensor]]:
-        d = {**self.buffers, **self.shared, **self.rope}
+    def attend_tensors(self, control: bool = False) -> tuple[list[str], list[torch.Tensor]]:
+        """control: with the frontier, for kvq::append_attend (the append's check); kvq::attend reads none."""
+        d = {**self.buffers, **self.shared, **self.rope, **(self.control if control else {})}
         return list(d), list(d.values())
 
     def descriptor(self, names: list[str]) -> str:
@@ -243,11 +248,19 @@ class ModelStore:
         self.seats = None
         if cfg.sink > 0:
             self.seats = torch.arange(geo.max_len, device=device).expand(geo.batch, -1).clone()
+        # one past the last position written (int64 [1]), where a layer keeps a recent window (a ring): a window
+        # cannot take back tokens (`check_rollback`); None without one (every token coded on its own: exact
+        # whatever the order of positions). Not counted in `nbytes`
+        self.frontier = None
+        if any(ring_size(cfg.recent, q.tokens_per_group) for s in self.specs for q in (s.key, s.value)
+               if q.quantized):
+            self.frontier = torch.zeros(1, dtype=torch.int64, device=device)
         self.layers: list[LayerStore] = []
         for i, spec in enumerate(self.specs):
             src_idx = spec.share_key_codes_from if spec.share_key_codes_from is not None else spec.share_value_codes_from
             src = self.layers[src_idx] if src_idx is not None else None
-            self.layers.append(LayerStore(cfg, spec, geo, device, self.rope, src, i, num_layers))
+            self.layers.append(LayerStore(cfg, spec, geo, device, self.rope, src, i, num_layers,
+                                          self.frontier if i == 0 else None))
 
     def nbytes(self) -> int:
         return sum(s.nbytes() for s in self.layers) + sum(t.numel() * t.element_size() for t in self.rope.values())
@@ -265,6 +278,28 @@ def positions_span(positions: torch.Tensor) -> tuple[int, int]:
         raise RuntimeError("kvq: cache positions must be contiguous and increasing; got "
                            f"{positions.reshape(-1).tolist()[:8]}")
     return p0, n
+
+
+ROLLBACK_HELP = ("a store with a recent window cannot take back tokens: the tokens its ring held before the later "
+                 "ones overwrote them are gone, and reading the ring as if they were there is wrong (speculative "
+                 "decoding's or HF's assisted generation's rejected draft tokens, regenerating from the middle); "
+                 "start the sequence again at position 0, or use a config without a recent window (e.g. int8, "
+                 "kvquant-4), which takes positions in any order")
+
+
+def check_rollback(bufs: dict, p0: int, n: int) -> None:
+    """Host check of an append of positions [p0, p0 + n) against the store's frontier F (`ModelStore.frontier`,
+    in the first layer's buffers only): positions go on from F or further (a gap leaves slots that no mask may
+    attend), or start a new sequence at 0; 0 < p0 < F is refused before anything is written. Then F = p0 + n.
+    Compiled CUDA decode steps check on the device (`quantize_append.step_guard`)."""
+    f = bufs.get("frontier")
+    if f is None:
+        return
+    last = int(f)
+    if 0 < p0 < last:
+        raise ValueError(f"kvq: cannot append at position {p0}: positions up to {last - 1} are written; "
+                         + ROLLBACK_HELP)
+    f.fill_(p0 + n)
 
 
 def _side(bufs: dict, side: str) -> dict:

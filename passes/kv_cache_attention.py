@@ -511,7 +511,7 @@ def rewrite(gm: fx.GraphModule, matches: list[AttentionMatch], model_store, regi
         if not keep_fp16:
             graph.erase_node(m.v_append)
             graph.erase_node(m.k_append)
-        names, tensors = layer.attend_tensors()
+        names, tensors = layer.attend_tensors(control=attend_op is torch.ops.kvq.append_attend.default)
         store_nodes = getattrs(names, tensors, m.sdpa, i)
         with graph.inserting_before(m.sdpa):
             out = graph.call_function(attend_op,

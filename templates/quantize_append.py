@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import functools
 
+import torch
 import triton
 import triton.language as tl
 
@@ -540,6 +541,32 @@ def supported(cfg, spec, geo) -> str | None:
         if q.quantized and q.symmetry.value == "hybrid" and q.bits < 2:
             return "hybrid groups need at least 2 bits"
     return None
+
+
+@triton.jit
+def _step_guard_kernel(POS, FRONT, OK, N, MAX_LEN, HAS_FRONT: tl.constexpr, BLOCK: tl.constexpr):
+    """OK = every position p of the step < MAX_LEN and, with a frontier F (HAS_FRONT), p == 0 or p >= F for the
+    first one; then F = the last one + 1 (one program: its load of F comes before its store)."""
+    i = tl.arange(0, BLOCK)
+    p = tl.load(POS + i, mask=i < N, other=0).to(tl.int64)
+    ok = tl.max(p, 0) < MAX_LEN
+    if HAS_FRONT:
+        first = tl.min(tl.where(i < N, p, MAX_LEN), 0)
+        ok = ok & ((first == 0) | (first >= tl.load(FRONT)))
+        tl.store(FRONT, tl.max(p, 0) + 1)
+    tl.store(OK, ok.to(tl.int8))
+
+
+def step_guard(positions, max_len: int, frontier=None):
+    """A decode step's positions checked on the device (no host synchronization; `ops._assert_in_store` asserts the
+    result): a bool [] tensor, True where every position is below max_len and, with the store's frontier
+    (`store.ModelStore.frontier`, advanced here), the step starts at 0 or at or past it (`store.check_rollback`,
+    the host check of chunks and of the reference path)."""
+    pos = positions.reshape(-1)
+    ok = torch.empty((), dtype=torch.int8, device=pos.device)
+    _step_guard_kernel[(1,)](pos, frontier if frontier is not None else ok, ok, pos.numel(), max_len,
+                             HAS_FRONT=frontier is not None, BLOCK=triton.next_power_of_2(max(pos.numel(), 16)))
+    return ok.view(torch.bool)
 
 
 def append_decode(bufs: dict, cfg, spec, geo, key, value, positions, cos=None, sin=None,

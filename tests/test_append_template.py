@@ -473,3 +473,29 @@ def test_flush_splits_by_channels():
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr("kvq_compile.templates.quantize_append.FLUSH_CHANNELS", 24)
             _chunks(2, 1, 4, 4, False, 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_step_guard_checks_and_advances_the_frontier(dtype):
+    """The compiled decode step's device check (`step_guard`, asserted by `ops._assert_in_store`): inside the store,
+    and with a frontier F at 0 or at / past F (then F = the step's last position + 1), as `store.check_rollback` on
+    the host; without a frontier only the store's length."""
+    from kvq_compile.templates.quantize_append import step_guard
+
+    def run(positions, frontier, max_len=40):
+        f = None if frontier is None else torch.tensor([frontier], dtype=torch.int64, device=DEVICE)
+        ok = step_guard(torch.tensor(positions, dtype=dtype, device=DEVICE), max_len, f)
+        assert ok.dtype == torch.bool and ok.shape == ()
+        return bool(ok), None if f is None else int(f)
+
+    assert run([17], 17) == (True, 18)       # the next position
+    assert run([23], 17) == (True, 24)       # a gap (slots no mask may attend)
+    assert run([0], 17) == (True, 1)         # a new sequence
+    assert run([16], 17) == (False, 17)      # one back: refused (the frontier after a refusal is not read)
+    assert run([3], 17) == (False, 4)
+    assert run([39], 0) == (True, 40)        # the last row
+    assert run([40], 0) == (False, 41)       # past the store
+    assert run([40], None) == (False, None)  # no window: the store's length alone
+    assert run([5], None) == (True, None)
+    assert run([5, 6, 7], 5) == (True, 8)    # several positions (contiguous): the first against F
+    assert run([4, 5, 6], 5) == (False, 7)

@@ -255,3 +255,91 @@ def test_gpt_fast_style_model(name):
             tol = 1e-5 if name == "fp16" else 3e-2
             torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
     assert all(len(r.rewritten) == 2 for r in be.reports), "\n".join(map(str, be.reports))
+
+
+def _gpt_fast_steps(cfg, ids, steps):
+    """A fresh gpt-fast-style model compiled through kvq_backend(cfg) (aot_eager): a 10-token prefill, then one-token
+    steps at `steps` [(position, token column)]; the logits of every step."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    step = torch.compile(GptFastModel(batch=2, max_len=40), backend=kvq_backend(cfg, compiler="aot_eager"),
+                         fullgraph=True)
+    with torch.no_grad():
+        step(ids[:, :10], torch.arange(10))
+        return [step(ids[:, c:c + 1], torch.tensor([p])) for p, c in steps]
+
+
+@pytest.mark.parametrize("name", ["kivi-2", "innerq-2", "calibquant-1"])
+def test_a_step_behind_the_frontier_is_refused_where_a_window_holds_tokens(name):
+    """Going back to an earlier position (speculative decoding's rollback, HF's assisted generation) over a store
+    with a recent window: its ring no longer holds the tokens that the later ones overwrote, and reading it as if it
+    did gave logits 0.02-0.15 apart from a fresh run of the same tokens here (kivi-2, innerq-2, calibquant-1, 2 to 5
+    positions back; one back happened to be exact). Now refused before anything is written, by the first layer's
+    append: one position back or more, by a decode step or a chunk; a new sequence at 0 and the next position
+    still run."""
+    cfg = small_windows(name)
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(5))
+    fresh = _gpt_fast_steps(cfg, ids, [(p, p) for p in range(10, 17)])
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GptFastModel(batch=2, max_len=40)
+    be = kvq_backend(cfg, compiler="aot_eager")
+    step = torch.compile(model, backend=be, fullgraph=True)
+    with torch.no_grad():
+        step(ids[:, :10], torch.arange(10))
+        for p in range(10, 16):
+            step(ids[:, p:p + 1], torch.tensor([p]))
+        store = be.stores()[0]
+        before = [t.clone() for layer in store.layers for t in layer.append_tensors()[1]]
+        for p in (15, 12):
+            with pytest.raises(ValueError, match=f"cannot append at position {p}: positions up to 15 are written; "
+                                                 "a store with a recent window cannot take back tokens"):
+                step(ids[:, p:p + 1], torch.tensor([p]))
+        with pytest.raises(ValueError, match="cannot append at position 14: positions up to 15 are written"):
+            step(ids[:, 14:16], torch.arange(14, 16))   # a chunk (HF's assisted generation verifies in chunks)
+        after = [t for layer in store.layers for t in layer.append_tensors()[1]]
+        assert all(torch.equal(a, b) for a, b in zip(before, after))   # nothing written by the refused steps
+        # the next position runs and equals a run without the refused steps
+        assert torch.equal(step(ids[:, 16:17], torch.tensor([16])), fresh[-1])
+        # a new sequence from 0 on the same store runs as on a fresh model
+        step(ids[:, :10], torch.arange(10))
+        assert all(torch.equal(step(ids[:, p:p + 1], torch.tensor([p])), fresh[p - 10]) for p in range(10, 13))
+    assert be.stores() == [store]
+
+
+@pytest.mark.parametrize("name", ["int8", "kvquant-4-1%"])
+def test_a_store_without_a_window_takes_positions_back_exactly(name):
+    """Stores without a recent window code every token on its own (int8, kvquant's): going back to an earlier
+    position and writing other tokens there gives what a fresh run of the final tokens gives, bit for bit, so
+    they take it (no frontier is kept)."""
+    cfg = small_windows(name)
+    g = torch.Generator().manual_seed(5)
+    a = torch.randint(0, 96, (2, 24), generator=g)
+    for back in (1, 3, 5):
+        b = a.clone()
+        b[:, 20 - back:] = torch.randint(0, 96, (2, 4 + back), generator=g)
+        both = torch.cat([a[:, :20], b[:, 20 - back:]], 1)   # columns: a's 20 tokens, then b's from 20 - back on
+        rolled = _gpt_fast_steps(cfg, both, [(p, p) for p in range(10, 20)]
+                                 + [(p, p + back) for p in range(20 - back, 24)])[10:]
+        fresh = _gpt_fast_steps(cfg, b, [(p, p) for p in range(10, 24)])[10 - back:]
+        assert all(torch.equal(x, y) for x, y in zip(rolled, fresh)), back
+
+
+def test_hf_assisted_generation_over_a_windowed_store_is_refused():
+    """HF's assisted generation crops its StaticCache after rejected draft tokens and verifies the next draft from
+    the earlier position: over kivi-2 kvq refuses it with its error (it read overwritten ring slots before); over
+    int8 (no window) it runs, and greedy equals plain greedy generation through kvq_backend to float rounding."""
+    model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=2)
+    draft = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=1, seed=3)
+    ids, _ = prompts(1, 12)
+
+    def run(cfg, **kw):
+        torch._dynamo.reset()
+        cc = compile_config(kvq_backend(cfg, compiler="aot_eager"))
+        return model.generate(ids, max_new_tokens=16, cache_implementation="static", compile_config=cc, **kw, **GEN)
+
+    with pytest.raises(ValueError, match="a store with a recent window cannot take back tokens"):
+        run(small_windows("kivi-2"), assistant_model=draft)
+    plain, assisted = run("int8"), run("int8", assistant_model=draft)
+    assert torch.equal(plain.sequences, assisted.sequences)
+    assert max((x - y).abs().max().item() for x, y in zip(plain.logits, assisted.logits)) < 1e-5

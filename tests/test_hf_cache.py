@@ -859,6 +859,10 @@ with torch.no_grad():
     step(ids[:, :10], torch.arange(10, device="cuda"))
     for p in range(10, int(sys.argv[1])):
         step(ids[:, p:p + 1], torch.tensor([p], device="cuda"))
+    back = int(sys.argv[3]) if len(sys.argv) > 3 else 0   # then a step that many positions back
+    if back:
+        p = int(sys.argv[1]) - back
+        step(ids[:, p:p + 1], torch.tensor([p], device="cuda"))
 torch.cuda.synchronize()
 print("WROTE", int(sys.argv[1]))
 """
@@ -882,6 +886,26 @@ def test_backend_decode_overflow_is_a_device_assert(name):
                          text=True, timeout=600)
     assert bad.returncode != 0 and "WROTE" not in bad.stdout, bad.stdout + bad.stderr[-3000:]
     assert "device-side assert" in bad.stderr or "kvq store holds 16 positions" in bad.stderr, bad.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["kivi-2", "innerq-2", "int8"])
+def test_backend_decode_step_behind_the_frontier_is_a_device_assert(name):
+    """On CUDA a compiled decode step two positions back over a store with a recent window fails the first layer's
+    device assertion (`quantize_append.step_guard`; the CPU tests check the host path and the refusal's reason);
+    int8 (no window: no frontier, exact in any order) runs. kivi-2 and innerq-2 take kvq::append_attend, int8
+    kvq::append then kvq::attend."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", BACKEND_OVERFLOW_SCRIPT, "14", name, "2"], capture_output=True,
+                       text=True, timeout=600)
+    if name == "int8":
+        assert r.returncode == 0 and "WROTE 14" in r.stdout, r.stdout + r.stderr[-3000:]
+    else:
+        assert r.returncode != 0 and "WROTE" not in r.stdout, r.stdout + r.stderr[-3000:]
+        assert "device-side assert" in r.stderr or "cannot take back tokens" in r.stderr, r.stderr[-3000:]
 
 
 @pytest.mark.gpu
