@@ -89,13 +89,15 @@ class KVQLayer(CacheLayerMixin):
         self.seats: torch.Tensor | None = None
         self.append_names, self.append_tensors = layer.append_tensors()
         self.attend_names, self.attend_tensors = layer.attend_tensors()
+        self.fused_names, self.fused_tensors = layer.attend_tensors(control=True)   # kvq::append_attend's
         self.append_layout = layer.descriptor(self.append_names)
         self.attend_layout = layer.descriptor(self.attend_names)
+        self.fused_layout = layer.descriptor(self.fused_names)
         self.batch_size, self.num_heads = layer.geo.batch, layer.geo.heads
         self.dtype, self.device = layer.geo.torch_dtype, device
         self.is_initialized = True
         if not torch.compiler.is_compiling():
-            for t in (*self.attend_tensors, *self.append_tensors, self.cumulative_length):
+            for t in (*self.fused_tensors, self.cumulative_length):
                 torch._dynamo.mark_static_address(t)
 
     def lazy_initialization(self, key_states, value_states) -> None:  # allocated up front
@@ -184,8 +186,8 @@ class KVQLayer(CacheLayerMixin):
             stored_key = ref.rope_unrotate(key.float(), cos.float(), sin.float()).to(key.dtype)
         mask = st.seated_mask(attention_mask, self.seats)   # (an eager first chunk: no seats yet)
         if self.append_beside and query.shape[2] == 1:
-            return torch.ops.kvq.append_attend(query, self.attend_tensors, key, value, positions, mask,
-                                               scale, is_causal, self.attend_layout)
+            return torch.ops.kvq.append_attend(query, self.fused_tensors, key, value, positions, mask,
+                                               scale, is_causal, self.fused_layout)
         append, attend = ops.chunk_ops(query.shape[2])
         stored_value = value
         quantized = self.store.spec.key.quantized or self.store.spec.value.quantized

@@ -156,10 +156,13 @@ def _assert_in_store(geo, positions: torch.Tensor, layout: str, bufs: dict) -> N
     if _layer_of(layout) == 0:
         from .templates.quantize_append import step_guard
 
-        torch._assert_async(step_guard(positions, geo.max_len, bufs.get("frontier")),
-                            f"kvq store holds {geo.max_len} positions: cannot append at or past position "
-                            f"{geo.max_len} (size the cache for the prompt plus the new tokens), or "
-                            f"behind its last written position: {st.ROLLBACK_HELP}")
+        torch._assert_async(step_guard(positions, geo.max_len, bufs.get("frontier")), _guard_message(geo))
+
+
+def _guard_message(geo) -> str:
+    """`_assert_in_store`'s message (CUDA's `_assert_async` takes fewer than 255 characters)."""
+    return (f"kvq store holds {geo.max_len} positions: a decode step past them (size the cache for the prompt "
+            "plus the new tokens) or behind its last written position (a rollback: store.check_rollback)")
 
 
 def _refuse_decode(geo, positions: torch.Tensor, bufs: dict) -> None:

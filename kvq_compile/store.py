@@ -248,12 +248,10 @@ class ModelStore:
         self.seats = None
         if cfg.sink > 0:
             self.seats = torch.arange(geo.max_len, device=device).expand(geo.batch, -1).clone()
-        # one past the last position written (int64 [1]), where a layer keeps a recent window (a ring): a window
-        # cannot take back tokens (`check_rollback`); None without one (every token coded on its own: exact
-        # whatever the order of positions). Not counted in `nbytes`
+        # one past the last position written (int64 [1]) where a step back is refused (`check_rollback`); None
+        # where the store takes positions in any order (`any_order`). Not counted in `nbytes`
         self.frontier = None
-        if any(ring_size(cfg.recent, q.tokens_per_group) for s in self.specs for q in (s.key, s.value)
-               if q.quantized):
+        if not any_order(cfg, self.specs):
             self.frontier = torch.zeros(1, dtype=torch.int64, device=device)
         self.layers: list[LayerStore] = []
         for i, spec in enumerate(self.specs):
@@ -280,24 +278,35 @@ def positions_span(positions: torch.Tensor) -> tuple[int, int]:
     return p0, n
 
 
-ROLLBACK_HELP = ("a store with a recent window cannot take back tokens: the tokens its ring held before the later "
-                 "ones overwrote them are gone, and reading the ring as if they were there is wrong (speculative "
-                 "decoding's or HF's assisted generation's rejected draft tokens, regenerating from the middle); "
-                 "start the sequence again at position 0, or use a config without a recent window (e.g. int8, "
-                 "kvquant-4), which takes positions in any order")
+def any_order(cfg: KVQConfig, specs: list[LayerSpec]) -> bool:
+    """Whether the store takes positions in any order (a step back to an earlier position, as speculative decoding's
+    rollback or HF's assisted generation make, then equals a fresh run of the final tokens): every quantized token
+    is coded from itself alone (per-token groups) and kept nowhere else (unquantized sides, the sink: exact copies).
+    Not where a layer keeps a recent window (its ring no longer holds the tokens that later ones overwrote) or
+    statistics from its first chunks (static per-channel ranges, InnerQ's Key norm: a step back into those chunks
+    leaves them as the rejected tokens made them)."""
+    return not any(q.quantized and (q.axis is Axis.CHANNEL or ring_size(cfg.recent, q.tokens_per_group)
+                                    or (q is s.key and cfg.key_norm))
+                   for s in specs for q in (s.key, s.value))
+
+
+ROLLBACK_HELP = ("this store cannot take back tokens (a recent window, or statistics from the first chunks): "
+                 "speculative decoding's or HF's assisted generation's rejected draft tokens, regenerating from the "
+                 "middle. Start the sequence again at position 0, or use a store that takes positions in any order "
+                 "(`store.any_order`: int8, fp16)")
 
 
 def check_rollback(bufs: dict, p0: int, n: int) -> None:
     """Host check of an append of positions [p0, p0 + n) against the store's frontier F (`ModelStore.frontier`,
-    in the first layer's buffers only): positions go on from F or further (a gap leaves slots that no mask may
-    attend), or start a new sequence at 0; 0 < p0 < F is refused before anything is written. Then F = p0 + n.
+    in the first layer's append buffers only): positions go on from F or further (a gap leaves slots that no mask
+    may attend), or start a new sequence at 0; 0 < p0 < F is refused before anything is written. Then F = p0 + n.
     Compiled CUDA decode steps check on the device (`quantize_append.step_guard`)."""
     f = bufs.get("frontier")
     if f is None:
         return
     last = int(f)
     if 0 < p0 < last:
-        raise ValueError(f"kvq: cannot append at position {p0}: positions up to {last - 1} are written; "
+        raise ValueError(f"kvq: cannot append at position {p0}: positions up to {last - 1} are written, and "
                          + ROLLBACK_HELP)
     f.fill_(p0 + n)
 

@@ -499,3 +499,11 @@ def test_step_guard_checks_and_advances_the_frontier(dtype):
     assert run([5], None) == (True, None)
     assert run([5, 6, 7], 5) == (True, 8)    # several positions (contiguous): the first against F
     assert run([4, 5, 6], 5) == (False, 7)
+
+
+def test_the_guard_message_fits_cuda_s_assert():
+    """CUDA's `_assert_async` refuses messages of 255 characters or more on the host, which failed every compiled
+    CUDA decode step of a first version (a review on an H200)."""
+    from kvq_compile import ops
+
+    assert len(ops._guard_message(st.Geometry(256, 64, 10 ** 9, 256, "bfloat16"))) < 255

@@ -695,3 +695,18 @@ def test_a_prompt_one_token_past_the_sink_without_slots_takes_no_point_range(nam
     for got, q, is_key in ((k, spec.key, True), (v, spec.value, False)):
         want = quantized_view(x, q, cfg, L, n, is_key=is_key)
         torch.testing.assert_close(got[:, :, n:L], want[:, :, n:L], atol=0, rtol=0)
+
+
+def test_which_stores_take_positions_in_any_order():
+    """`store.any_order`: only stores that code every token from itself alone and keep it nowhere else (int8,
+    fp16) take a step back without a frontier; a recent window, static ranges from the first chunks (kvquant's,
+    with or without a window) or InnerQ's Key norm keep one in the first layer's append buffers."""
+    for name in PRESETS:
+        cfg = KVQConfig.preset(name)
+        ms = st.ModelStore(cfg, 2, st.Geometry(1, 1, 512, 64, "float32"), "cpu")
+        takes = name in ("fp16", "int8")
+        assert st.any_order(cfg, ms.specs) is takes and (ms.frontier is None) is takes, name
+        names = ms.layers[0].append_tensors()[0]
+        assert ("frontier" in names) is not takes and "frontier" not in ms.layers[0].attend_tensors()[0]
+        assert ("frontier" in ms.layers[0].attend_tensors(control=True)[0]) is not takes
+        assert all("frontier" not in lay.append_tensors()[0] for lay in ms.layers[1:])
