@@ -85,6 +85,7 @@ class KVQBackend:
         self.group_linears = grouped_linear.ENABLED if group_linears is None else group_linears
         self.reports: list[RewriteReport] = []
         self._ignored_logged = False   # mode / options under aot_eager or eager: said once
+        self._unchanged_warned = False   # a graph whose candidates were all left unchanged: said once
         self._stores: list[weakref.ref] = []   # weak: a store lives as long as the graphs (and cache) that use it
 
     def beside(self, device: torch.device, patches: dict) -> bool:
@@ -134,6 +135,12 @@ class KVQBackend:
             runner = self._prepare(gm, example_inputs, matches, index, report, patches)
         if runner is not None:
             compat.bump_counter("kvq", "attention_rewrite", len(matches))
+        elif report.skipped and not self._unchanged_warned:   # (said once a backend: every graph is in `explain`)
+            self._unchanged_warned = True
+            name, why = report.skipped[0]
+            log.warning("kvq: a compiled graph's %d KV-cache candidate(s) were all left unchanged, so its caches stay "
+                        "fp16 (e.g. %s: %s); kvq_compile.explain(backend) lists every reason", len(report.skipped),
+                        name, why)
         keep = None
         if runner is not None:   # the fp16 caches the rewrite left unread are no inputs of the compiled graph
             gm, keep = _without_inputs(gm, [n for m in matches for n in (m.k_cache, m.v_cache)])
@@ -178,6 +185,7 @@ class KVQBackend:
             return None
         geo = st.Geometry(B, H, T, D, st.dtype_name(k0.dtype))
         beside = self.beside(k0.device, patches)   # (CUDA: raises on a bad KVQ_APPEND_BESIDE before a store is made)
+        _specialize_cache_shapes(matches)
         store = _store_for(k0, self.cfg, len(matches), geo)
         pos_slice, pos_args = slice_graph(gm, [matches[0].positions])
         if pos_slice is None:
@@ -313,6 +321,23 @@ class _StepRunner:
                 release_storage(args[vi])
         # the step's own writes (the release; without it the fp16 appends the rewrite keeps) are no eager writes
         self.store.owner_version = k0._version
+
+
+def _specialize_cache_shapes(matches) -> None:
+    """The store is sized for the cache this graph is compiled with (its batch, heads, length and head_dim in the
+    kvq ops' layouts). Dynamo's automatic dynamic shapes (HF's CompileConfig default, dynamic=None) make a graph
+    compiled after a shape change symbolic in those sizes, so later caches of other sizes ran it over a store of the
+    wrong size (a misleading overflow error, another error on a batch size; a device assertion on CUDA). Each
+    symbolic size of the caches is specialized here (`guard_int`: a guard on its value, which Dynamo installs with
+    the graph's), so a cache of another size compiles anew and gets its own store, as with dynamic=False."""
+    from torch.fx.experimental.symbolic_shapes import guard_int
+
+    for m in matches:
+        for node in (m.k_cache, m.v_cache):
+            value = node.meta.get("example_value")
+            for size in getattr(value, "shape", ()):
+                if isinstance(size, torch.SymInt):
+                    guard_int(size)
 
 
 def _unservable(caches, example_inputs) -> str | None:

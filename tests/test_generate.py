@@ -236,6 +236,51 @@ def test_opt_out_keeps_fp16_cache(stores):
     assert not bk.released(t) and t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
+def test_generate_calls_of_other_sizes_get_stores_of_their_size():
+    """One backend serving generate calls of other batch sizes and lengths (a server): Dynamo's automatic dynamic
+    shapes (CompileConfig's default) compiled the second size's graph symbolic in the cache's sizes, and later calls
+    ran it over the store of the size it was compiled with (a review: "store holds 19 positions: cannot append 30
+    more" at a 37-position cache, another error on a batch change; on CUDA a device assertion). The cache's sizes
+    are now specialized (`backend._specialize_cache_shapes`): every size gets graphs and a store of its own, and the
+    fp16 preset equals HF's static cache at each call."""
+    model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=2)
+    be = kvq_backend("fp16", compiler="aot_eager")
+    for i, (b, n, pad) in enumerate([(1, 7, (0,)), (1, 12, (0,)), (2, 30, (0, 3)), (1, 14, (0,))]):
+        ids, mask = prompts(b, n, pad=pad, seed=20 + i)
+        kw = dict(attention_mask=mask, max_new_tokens=6, cache_implementation="static", **GEN)
+        ref = model.generate(ids, **kw)
+        out = model.generate(ids, compile_config=compile_config(be), **kw)
+        assert torch.equal(ref.sequences, out.sequences), i
+        assert max((x - y).abs().max().item() for x, y in zip(ref.logits, out.logits)) < 1e-5, i
+        sizes = [(s.geo.batch, s.geo.max_len) for s in be.stores()]
+        assert sizes[-1][0] == b and sizes[-1][1] >= n + 5, (i, sizes)   # (the last token takes no slot)
+    assert len(set(sizes)) == 4, sizes   # (HF keeps its cache length between calls: the last call takes call 3's)
+
+
+def test_a_graph_left_unchanged_is_said_once_as_a_warning():
+    """A model whose attention the pass does not recognize (HF's eager attention: softmax by hand) compiles with its
+    caches in fp16: said as a warning once (it was an INFO log: a user saw no memory saved and no reason), with the
+    results HF's."""
+    import logging
+
+    model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=2, attn_implementation="eager")
+    ids, mask = prompts(1, 7)
+    seen = []   # (the suite runs with -p no:logging: no caplog)
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("kvq_compile").addHandler(handler)
+    try:
+        be = kvq_backend("kivi-2", compiler="aot_eager")
+        kw = dict(attention_mask=mask, max_new_tokens=4, cache_implementation="static", **GEN)
+        out = model.generate(ids, compile_config=compile_config(be), **kw)
+    finally:
+        logging.getLogger("kvq_compile").removeHandler(handler)
+    ref = model.generate(ids, **kw)
+    assert torch.equal(ref.sequences, out.sequences)
+    assert not any(r.rewritten for r in be.reports)
+    assert len([m for m in seen if "were all left unchanged, so its caches stay fp16" in m]) == 1, seen
+
+
 @pytest.mark.parametrize("name", ["fp16", "int8"])
 def test_gpt_fast_style_model(name):
     torch.manual_seed(0)
