@@ -121,6 +121,13 @@ class KVQBackend:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs, mode=None, options=None, **unused):
         report = RewriteReport()
         self.reports.append(report)
+        try:
+            return self._compile(gm, example_inputs, report, mode, options)
+        except BaseException:   # e.g. Dynamo's RestartAnalysis: the graph is traced again, and reported then
+            self.reports.remove(report)
+            raise
+
+    def _compile(self, gm, example_inputs, report, mode, options):
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         index = {n: i for i, n in enumerate(placeholders)}
         matches = find_attention(gm, self.cfg.keys_before_rope, report)
@@ -135,12 +142,6 @@ class KVQBackend:
             runner = self._prepare(gm, example_inputs, matches, index, report, patches)
         if runner is not None:
             compat.bump_counter("kvq", "attention_rewrite", len(matches))
-        elif report.skipped and not self._unchanged_warned:   # (said once a backend: every graph is in `explain`)
-            self._unchanged_warned = True
-            name, why = report.skipped[0]
-            log.warning("kvq: a compiled graph's %d KV-cache candidate(s) were all left unchanged, so its caches stay "
-                        "fp16 (e.g. %s: %s); kvq_compile.explain(backend) lists every reason", len(report.skipped),
-                        name, why)
         keep = None
         if runner is not None:   # the fp16 caches the rewrite left unread are no inputs of the compiled graph
             gm, keep = _without_inputs(gm, [n for m in matches for n in (m.k_cache, m.v_cache)])
@@ -161,6 +162,12 @@ class KVQBackend:
         else:
             compiled = gm.forward
         if runner is None:
+            if report.skipped and not self._unchanged_warned:   # (once a backend: every graph is in `explain`)
+                self._unchanged_warned = True
+                name, why = report.skipped[0]
+                log.warning("kvq: a compiled graph's %d KV-cache candidate(s) were all left unchanged, so its caches "
+                            "stay fp16 (e.g. %s: %s); kvq_compile.explain(backend) lists every reason",
+                            len(report.skipped), name, why)
             return compiled
         return runner.wrap(compiled, keep)
 
@@ -185,7 +192,6 @@ class KVQBackend:
             return None
         geo = st.Geometry(B, H, T, D, st.dtype_name(k0.dtype))
         beside = self.beside(k0.device, patches)   # (CUDA: raises on a bad KVQ_APPEND_BESIDE before a store is made)
-        _specialize_cache_shapes(matches)
         store = _store_for(k0, self.cfg, len(matches), geo)
         pos_slice, pos_args = slice_graph(gm, [matches[0].positions])
         if pos_slice is None:
@@ -204,6 +210,7 @@ class KVQBackend:
                             "(expected one [batch, q_len] position-id input)")
                 return None
             rotary.append((gmod, args, ints[0]))
+        _specialize_cache_shapes(matches)   # (only a graph that is rewritten: its store has the caches' sizes)
         self._stores.append(weakref.ref(store))   # only a graph that is rewritten below writes its store
         mask = None   # the first step's mask: which of the eagerly written tokens are pads (`_StepRunner.absorb`)
         if isinstance(matches[0].attn_mask, torch.fx.Node):
@@ -341,8 +348,12 @@ def _specialize_cache_shapes(matches) -> None:
 
 
 def _unservable(caches, example_inputs) -> str | None:
-    """Why the step's caches cannot be served (or None): `_StepRunner` sees eager writes to a cache through its
-    version counter, which inference tensors lack, and the kvq ops have no backward."""
+    """Why the step's caches cannot be served (or None): a store is sized for one cache size, which kvq specializes
+    (`_specialize_cache_shapes`) and mark_dynamic forbids; `_StepRunner` sees eager writes to a cache through its
+    version counter, which inference tensors lack; and the kvq ops have no backward."""
+    if any(getattr(c, "_dynamo_dynamic_indices", None) for c in caches):
+        return ("the cache tensors' sizes are marked dynamic (torch._dynamo.mark_dynamic), and a kvq store is sized "
+                "for one cache size: use torch._dynamo.maybe_mark_dynamic (kvq then specializes them), or no mark")
     if any(c.is_inference() for c in caches):
         return ("the cache tensors are inference tensors (made under torch.inference_mode()), which carry no "
                 "version counter for kvq to see eager writes by: run generate under torch.no_grad() instead")

@@ -257,28 +257,94 @@ def test_generate_calls_of_other_sizes_get_stores_of_their_size():
     assert len(set(sizes)) == 4, sizes   # (HF keeps its cache length between calls: the last call takes call 3's)
 
 
-def test_a_graph_left_unchanged_is_said_once_as_a_warning():
-    """A model whose attention the pass does not recognize (HF's eager attention: softmax by hand) compiles with its
-    caches in fp16: said as a warning once (it was an INFO log: a user saw no memory saved and no reason), with the
-    results HF's."""
+def _kvq_warnings(fn):
+    """fn()'s result and the warnings of logger "kvq_compile" while it ran (the suite runs with -p no:logging: no
+    caplog)."""
     import logging
 
-    model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=2, attn_implementation="eager")
-    ids, mask = prompts(1, 7)
-    seen = []   # (the suite runs with -p no:logging: no caplog)
+    seen = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: seen.append(record.getMessage())
     logging.getLogger("kvq_compile").addHandler(handler)
     try:
-        be = kvq_backend("kivi-2", compiler="aot_eager")
-        kw = dict(attention_mask=mask, max_new_tokens=4, cache_implementation="static", **GEN)
-        out = model.generate(ids, compile_config=compile_config(be), **kw)
+        return fn(), seen
     finally:
         logging.getLogger("kvq_compile").removeHandler(handler)
-    ref = model.generate(ids, **kw)
-    assert torch.equal(ref.sequences, out.sequences)
-    assert not any(r.rewritten for r in be.reports)
+
+
+def test_a_graph_left_unchanged_is_said_once_as_a_warning():
+    """A model whose attention the pass does not recognize (HF's eager attention: softmax by hand) compiles with its
+    caches in fp16: said as a warning once a backend (it was an INFO log: a user saw no memory saved and no reason),
+    over two calls of two graphs, with the results HF's. A compile that Dynamo restarts (`CompileConfig(dynamic=True)`:
+    its first trace of a decode step stops on a tensor attention scale, and the graph traced again is rewritten) leaves
+    neither a warning nor a report (a review saw a false warning and a phantom report there)."""
+    from transformers import CompileConfig
+
+    model = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=2, attn_implementation="eager")
+    be = kvq_backend("kivi-2", compiler="aot_eager")
+
+    def two_calls():
+        outs = []
+        for n in (7, 9):
+            ids, mask = prompts(1, n)
+            kw = dict(attention_mask=mask, max_new_tokens=4, cache_implementation="static", **GEN)
+            outs.append((model.generate(ids, compile_config=compile_config(be), **kw), model.generate(ids, **kw)))
+        return outs
+
+    outs, seen = _kvq_warnings(two_calls)
+    assert all(torch.equal(out.sequences, ref.sequences) for out, ref in outs)
+    assert len(be.reports) >= 2 and not any(r.rewritten for r in be.reports)
     assert len([m for m in seen if "were all left unchanged, so its caches stay fp16" in m]) == 1, seen
+
+    sdpa = hf_model("llama", kv_heads=1, gqa=2, head_dim=64, layers=2)
+    ids, mask = prompts(1, 7)
+    dyn = kvq_backend(small_windows("kivi-2"), compiler="aot_eager")
+    cc = CompileConfig(backend=dyn, fullgraph=True, dynamic=True)
+    cc._compile_all_devices = True
+    torch._dynamo.reset()
+    _, seen = _kvq_warnings(lambda: sdpa.generate(ids, attention_mask=mask, max_new_tokens=4,
+                                                  cache_implementation="static", compile_config=cc, **GEN))
+    assert dyn.reports and all(len(r.rewritten) == 2 for r in dyn.reports), [str(r) for r in dyn.reports]
+    assert not any("left unchanged" in m for m in seen), seen
+
+
+def test_caches_marked_dynamic_are_left_unchanged_with_the_reason():
+    """`torch._dynamo.mark_dynamic` on a cache forbids the specialization a store needs: the graph is left unchanged
+    with kvq's reason (it failed with Dynamo's ConstraintViolationError, which named no kvq cause); with
+    `maybe_mark_dynamic` each cache size gets its own store."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    weights = [torch.randn(64, 3 * 64) * 0.1 for _ in range(2)]
+
+    def step(x, pos, kcs, vcs):
+        for w, kc, vc in zip(weights, kcs, vcs):
+            q, k, v = (x @ w).view(x.shape[0], x.shape[1], 3, 2, 32).permute(2, 0, 3, 1, 4)
+            kc.index_copy_(2, pos, k)
+            vc.index_copy_(2, pos, v)
+            mask = torch.arange(kc.shape[2]) <= pos[:, None]
+            x = x + F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask).transpose(1, 2).reshape(x.shape)
+        return x
+
+    for mark, expect in ((torch._dynamo.mark_dynamic, 0), (torch._dynamo.maybe_mark_dynamic, 2)):
+        torch._dynamo.reset()
+        be = kvq_backend("fp16", compiler="aot_eager")
+        f = torch.compile(step, backend=be, fullgraph=True)
+        for L in (32, 48):
+            kcs, vcs = ([torch.zeros(2, 2, L, 32) for _ in range(2)] for _ in range(2))
+            kr, vr = [t.clone() for t in kcs], [t.clone() for t in vcs]
+            for t in kcs + vcs:
+                mark(t, 2)
+            with torch.no_grad():
+                for p0, n in ((0, 6), (6, 1), (7, 1)):
+                    x = torch.randn(2, n, 64)
+                    pos = torch.arange(p0, p0 + n)
+                    torch.testing.assert_close(f(x, pos, kcs, vcs), step(x, pos, kr, vr), atol=1e-5, rtol=1e-5)
+        assert all(len(r.rewritten) == expect for r in be.reports), [str(r) for r in be.reports]
+        if expect == 0:
+            assert all("marked dynamic (torch._dynamo.mark_dynamic)" in r.skipped[0][1] for r in be.reports)
+        else:
+            assert sorted(s.geo.max_len for s in be.stores()) == [32, 48]
 
 
 @pytest.mark.parametrize("name", ["fp16", "int8"])
