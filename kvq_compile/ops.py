@@ -90,12 +90,12 @@ def _append_chunk_fake(store, key, value, positions, cos, sin, layout, attended=
 
 
 @torch.library.custom_op("kvq::seat_chunk", mutates_args=("seats",), tags=_CHUNK_TAGS)
-def seat_chunk(seats: torch.Tensor, attn_mask: torch.Tensor, positions: torch.Tensor,
+def seat_chunk(seats: torch.Tensor, attn_mask: torch.Tensor | None, positions: torch.Tensor,
                sink: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A compiled chunk's seating (`store.seat_first_chunk`): (the chunk's slot -> token [B, n], the seats its mask
     is read through [B, T]); a first chunk writes the store's seats, a later chunk those of rows whose real tokens
-    start in it. The rewrite emits it once per chunk graph of a config with a sink, KVQCache's compiled chunks once
-    per layer."""
+    start in it. The rewrite emits it once per chunk graph of a config with a sink (a maskless chunk's: no mask, so
+    that a first one resets the seats an earlier sequence left), KVQCache's compiled chunks once per layer."""
     return st.seat_first_chunk(seats, attn_mask, positions, sink)
 
 

@@ -832,7 +832,7 @@ def seat(x: torch.Tensor, seats: torch.Tensor, dim: int) -> torch.Tensor:
     return x.gather(dim, seats.view(shape).expand(*x.shape[:dim], n, *x.shape[dim + 1:]))
 
 
-def seat_first_chunk(seats: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
+def seat_first_chunk(seats: torch.Tensor, attention_mask: torch.Tensor | None, positions: torch.Tensor,
                      sink: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A compiled chunk's seating (`kvq::seat_chunk`; an eager first chunk of KVQCache is seated by
     `hf.KVQLayer.seat_rows`, the backend's absorbed prefill by `_StepRunner.absorb`). Returns (chunk [B, n]: slot ->
@@ -843,11 +843,16 @@ def seat_first_chunk(seats: torch.Tensor, attention_mask: torch.Tensor, position
     the append stores the chunk seated). A later chunk: the identity within it, and the prefix's columns through
     `seats`, except that rows whose sink holds pads take its first real tokens past the sink there
     (`seat_fresh_rows`: their seats change, this chunk's mask is read through them as they were before). Reads its
-    start position on the host (chunks do: `ops.chunk_ops`)."""
+    start position on the host (chunks do: `ops.chunk_ops`). No mask (a maskless chunk: no pads): a first chunk
+    makes `seats` the identity, a later one changes nothing."""
     B, T = seats.shape
     n = positions.shape[0]
     identity = torch.arange(T, device=seats.device).expand(B, T)
     p0 = int(positions[0])
+    if attention_mask is None:
+        if p0 == 0:
+            seats.copy_(identity)
+        return identity[:, :n].clone(), seats.clone()
     if p0 != 0:
         return identity[:, :n].clone(), seat_fresh_rows(seats, attention_mask, p0, n, sink)
     keep = attended(attention_mask, positions)

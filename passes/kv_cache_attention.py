@@ -376,21 +376,25 @@ def _chunk_seating(graph: fx.Graph, matches: list[AttentionMatch], model_store, 
     """Why a chunk graph's first chunk cannot be seated in the graph (`kvq::seat_chunk`), or "" where it can: a
     config with a sink (the store has seats), one [B, 1|Hq, q, T] mask node for every layer, computed (as the
     first layer's positions) before the first append. None also for graphs that need no seating (decode steps, no
-    sink, no mask). Every chunk graph of a sink config takes it, also later chunks and unpadded prompts (their
+    sink). Every chunk graph of a sink config takes it, also later chunks and unpadded prompts (their
     permutation is the identity): one host read of the start position, as the chunk ops do, and per layer a
-    gather of K, V (and the RoPE rows) over the chunk."""
+    gather of K, V (and the RoPE rows) over the chunk. "maskless": a chunk graph without a mask (is_causal) takes
+    the op without one, which makes a first chunk's seats the identity (a new sequence after a left-padded one
+    read its later masks through that one's seats before) and gathers nothing."""
     if append_op is not torch.ops.kvq.append_chunk.default or model_store.seats is None:
         return None
     mask, positions = matches[0].attn_mask, matches[0].positions
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first = min(order[m.v_append] for m in matches)
     if not isinstance(mask, fx.Node):   # no mask (is_causal, or none at all): no pads to seat
+        if isinstance(positions, fx.Node) and order[positions] < first:
+            return "maskless"
         return None
     if getattr(_val(mask), "dim", lambda: 0)() != 4 \
             or _val(mask).shape[-1] != model_store.seats.shape[1]:
         return "its mask is not one [B, 1 or Hq, q, max_len] tensor"
     if any(m.attn_mask is not mask for m in matches):   # (positions: every layer's hold the same values, as
         return "its layers read different masks"           # the backend's `_StepRunner` assumes)
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    first = min(order[m.v_append] for m in matches)
     if order[mask] > first or order[positions] > first:
         return "its mask is computed after an append"
     return ""
@@ -455,7 +459,15 @@ def rewrite(gm: fx.GraphModule, matches: list[AttentionMatch], model_store, regi
     chunk = read = None   # a chunk graph's seating (configs with a sink): once, before its first append
     append_op, _ = chunk_ops(_val(matches[0].query).shape[2]) if matches else (None, None)
     why = _chunk_seating(graph, matches, model_store, append_op) if matches else None
-    if why:
+    if why == "maskless":   # a first chunk resets the seats; the chunk itself is not permuted
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        if id(model_store.seats) not in attr_names:
+            attr_names[id(model_store.seats)] = register_buffer(gm, "kvq_store_seats", model_store.seats)
+        with graph.inserting_before(min((m.v_append for m in matches), key=order.__getitem__)):
+            seats = graph.get_attr(attr_names[id(model_store.seats)])
+            graph.call_function(torch.ops.kvq.seat_chunk.default,
+                                (seats, None, matches[0].positions, model_store.cfg.sink))
+    elif why:
         log.info("kvq: a compiled first chunk is not seated (%s): its pads are neutralized, its sink may hold "
                  "them", why)
     elif why == "":

@@ -347,6 +347,79 @@ def test_caches_marked_dynamic_are_left_unchanged_with_the_reason():
             assert sorted(s.geo.max_len for s in be.stores()) == [32, 48]
 
 
+def test_a_maskless_first_chunk_resets_the_seats_a_padded_sequence_left():
+    """A sink config on a gpt-fast-style model: a left-padded sequence seats its rows (its sink holds each row's
+    first real tokens, `store.seating`), and later masks are read through those seats. A new sequence whose first
+    chunk attends by is_causal (no mask, so no `kvq::seat_chunk` before) kept them: its decode steps read their
+    masks through the earlier sequence's seats (README listed it as not detected): where a later mask hides a token
+    (here slot 4 of row 1), another slot was hidden (logits apart); where the masks hide nothing, the permuted
+    columns were all True alike. The maskless chunk graph now takes the op without a mask, which makes a first
+    chunk's seats the identity: the second sequence equals a fresh model's."""
+    import torch.nn.functional as F
+
+    def attend(layer, x, mask, pos):   # GptFastAttention's, with is_causal where no mask is given
+        b, n, _ = x.shape
+        q, k, v = layer.wqkv(x).split([layer.heads * layer.head_dim, layer.kv_heads * layer.head_dim,
+                                       layer.kv_heads * layer.head_dim], dim=-1)
+        q = q.view(b, n, layer.heads, layer.head_dim).transpose(1, 2)
+        k = k.view(b, n, layer.kv_heads, layer.head_dim).transpose(1, 2)
+        v = v.view(b, n, layer.kv_heads, layer.head_dim).transpose(1, 2)
+        k, v = layer.kv_cache.update(pos, k, v)
+        k, v = (t.repeat_interleave(layer.heads // layer.kv_heads, dim=1) for t in (k, v))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        return layer.wo(y.transpose(1, 2).reshape(b, n, -1))
+
+    class MaybeCausal(GptFastModel):
+        def forward(self, idx, input_pos, mask=None):
+            x = self.embed(idx)
+            for layer in self.layers:
+                x = x + attend(layer, x, mask, input_pos)
+            return self.out(x)
+
+    cfg = small_windows("innerq-2")
+    assert cfg.sink > 0
+    T, pad = 40, 3
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(7))
+    slots = torch.arange(T)
+
+    def mask(pos, padded):   # [2, 1, n, T]: causal over the slots; row 1's first `pad` slots masked where padded,
+        m = slots[None, None, None, :] <= pos[None, None, :, None]   # else its slot 4 (a mask that hides a token)
+        m = m.expand(2, 1, pos.numel(), T).clone()
+        if padded:
+            m[1, :, :, :pad] = False
+        else:
+            m[1, :, :, 4] = False
+        return m
+
+    def second_sequence(step):
+        outs = [step(ids[:, :10], torch.arange(10))]   # maskless (is_causal) first chunk
+        for p in range(10, 14):
+            pos = torch.tensor([p])
+            outs.append(step(ids[:, p:p + 1], pos, mask(pos, False)))
+        return outs
+
+    def fresh_model(be):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        return torch.compile(MaybeCausal(batch=2, max_len=T), backend=be, fullgraph=True)
+
+    with torch.no_grad():
+        fresh = second_sequence(fresh_model(kvq_backend(cfg, compiler="aot_eager")))
+        be = kvq_backend(cfg, compiler="aot_eager")
+        step = fresh_model(be)
+        step(ids[:, :10], torch.arange(10), mask(torch.arange(10), True))   # a left-padded first sequence
+        for p in range(10, 13):
+            pos = torch.tensor([p])
+            step(ids[:, p:p + 1], pos, mask(pos, True))
+        seats = be.stores()[0].seats
+        assert not torch.equal(seats[1], slots)   # row 1 seated (its pads moved out of the sink)
+        again = second_sequence(step)
+    assert torch.equal(seats, slots.expand(2, T))
+    assert all(len(r.rewritten) == 2 for r in be.reports), [str(r) for r in be.reports]
+    for a, b in zip(again, fresh):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["fp16", "int8"])
 def test_gpt_fast_style_model(name):
     torch.manual_seed(0)
