@@ -121,6 +121,8 @@ class KVCache(nn.Module):
 
 
 class GptFastAttention(nn.Module):
+    """gpt-fast's attention over its KVCache: SDPA with the given mask, or is_causal where none is given."""
+
     def __init__(self, dim, heads, kv_heads, head_dim):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
@@ -138,7 +140,7 @@ class GptFastAttention(nn.Module):
         k, v = self.kv_cache.update(input_pos, k, v)
         k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
         v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=mask is None)
         return self.wo(y.transpose(1, 2).reshape(b, n, -1))
 
 

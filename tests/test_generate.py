@@ -355,25 +355,11 @@ def test_a_maskless_first_chunk_resets_the_seats_a_padded_sequence_left():
     (here slot 4 of row 1), another slot was hidden (logits apart); where the masks hide nothing, the permuted
     columns were all True alike. The maskless chunk graph now takes the op without a mask, which makes a first
     chunk's seats the identity: the second sequence equals a fresh model's."""
-    import torch.nn.functional as F
-
-    def attend(layer, x, mask, pos):   # GptFastAttention's, with is_causal where no mask is given
-        b, n, _ = x.shape
-        q, k, v = layer.wqkv(x).split([layer.heads * layer.head_dim, layer.kv_heads * layer.head_dim,
-                                       layer.kv_heads * layer.head_dim], dim=-1)
-        q = q.view(b, n, layer.heads, layer.head_dim).transpose(1, 2)
-        k = k.view(b, n, layer.kv_heads, layer.head_dim).transpose(1, 2)
-        v = v.view(b, n, layer.kv_heads, layer.head_dim).transpose(1, 2)
-        k, v = layer.kv_cache.update(pos, k, v)
-        k, v = (t.repeat_interleave(layer.heads // layer.kv_heads, dim=1) for t in (k, v))
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
-        return layer.wo(y.transpose(1, 2).reshape(b, n, -1))
-
-    class MaybeCausal(GptFastModel):
+    class MaybeCausal(GptFastModel):   # its attention takes is_causal where no mask is given
         def forward(self, idx, input_pos, mask=None):
             x = self.embed(idx)
             for layer in self.layers:
-                x = x + attend(layer, x, mask, input_pos)
+                x = x + layer(x, mask, input_pos)
             return self.out(x)
 
     cfg = small_windows("innerq-2")
