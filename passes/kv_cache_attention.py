@@ -378,18 +378,17 @@ def _chunk_seating(graph: fx.Graph, matches: list[AttentionMatch], model_store, 
     first layer's positions) before the first append. None also for graphs that need no seating (decode steps, no
     sink). Every chunk graph of a sink config takes it, also later chunks and unpadded prompts (their
     permutation is the identity): one host read of the start position, as the chunk ops do, and per layer a
-    gather of K, V (and the RoPE rows) over the chunk. "maskless": a chunk graph without a mask (is_causal) takes
-    the op without one, which makes a first chunk's seats the identity (a new sequence after a left-padded one
-    read its later masks through that one's seats before) and gathers nothing."""
+    gather of K, V (and the RoPE rows) over the chunk. "maskless": a chunk graph without a mask (is_causal). A
+    chunk graph not seated by its mask (maskless, or any reason returned) takes the op without one (`rewrite`),
+    which makes a first chunk's seats the identity, as the chunk is stored in token order (a new sequence after a
+    left-padded one read its masks through that one's seats before), and gathers nothing."""
     if append_op is not torch.ops.kvq.append_chunk.default or model_store.seats is None:
         return None
     mask, positions = matches[0].attn_mask, matches[0].positions
     order = {n: i for i, n in enumerate(graph.nodes)}
     first = min(order[m.v_append] for m in matches)
     if not isinstance(mask, fx.Node):   # no mask (is_causal, or none at all): no pads to seat
-        if isinstance(positions, fx.Node) and order[positions] < first:
-            return "maskless"
-        return None
+        return "maskless"
     if getattr(_val(mask), "dim", lambda: 0)() != 4 \
             or _val(mask).shape[-1] != model_store.seats.shape[1]:
         return "its mask is not one [B, 1 or Hq, q, max_len] tensor"
@@ -430,6 +429,7 @@ def rewrite(gm: fx.GraphModule, matches: list[AttentionMatch], model_store, regi
         return nodes
 
     seated: dict[fx.Node, fx.Node] = {}
+    reset: list[fx.Node] = []   # a chunk graph's kvq::seat_chunk without a mask, once: masks are read after it
 
     def seated_mask(mask, read=None):
         """The mask node read through the store's seats (`store.seating`), once per mask; configs with a sink.
@@ -444,7 +444,10 @@ def rewrite(gm: fx.GraphModule, matches: list[AttentionMatch], model_store, regi
             if seats is None:
                 if id(model_store.seats) not in attr_names:
                     attr_names[id(model_store.seats)] = register_buffer(gm, "kvq_store_seats", model_store.seats)
-                with graph.inserting_after(mask):
+                anchor = mask   # (after a first chunk's reset of the seats, where the graph has one)
+                if reset and list(graph.nodes).index(reset[0]) > list(graph.nodes).index(mask):
+                    anchor = reset[0]
+                with graph.inserting_after(anchor):
                     seats = graph.get_attr(attr_names[id(model_store.seats)])
             with graph.inserting_after(seats):
                 idx = graph.call_method("view", (seats, B, 1, 1, T))
@@ -459,15 +462,24 @@ def rewrite(gm: fx.GraphModule, matches: list[AttentionMatch], model_store, regi
     chunk = read = None   # a chunk graph's seating (configs with a sink): once, before its first append
     append_op, _ = chunk_ops(_val(matches[0].query).shape[2]) if matches else (None, None)
     why = _chunk_seating(graph, matches, model_store, append_op) if matches else None
-    if why == "maskless":   # a first chunk resets the seats; the chunk itself is not permuted
-        order = {n: i for i, n in enumerate(graph.nodes)}
+    positions = matches[0].positions if matches else None
+    if why and isinstance(positions, fx.Node):
+        # not seated by its mask: a first chunk resets the seats (stored in token order), right after its positions,
+        # before any mask is read through them; the chunk itself is not permuted
+        if why != "maskless":
+            log.info("kvq: a compiled first chunk is not seated (%s): its pads are neutralized, its sink may hold "
+                     "them", why)
         if id(model_store.seats) not in attr_names:
             attr_names[id(model_store.seats)] = register_buffer(gm, "kvq_store_seats", model_store.seats)
-        with graph.inserting_before(min((m.v_append for m in matches), key=order.__getitem__)):
+        after = positions
+        if positions.op == "placeholder":
+            after = [n for n in graph.nodes if n.op == "placeholder"][-1]
+        with graph.inserting_after(after):
             seats = graph.get_attr(attr_names[id(model_store.seats)])
-            graph.call_function(torch.ops.kvq.seat_chunk.default,
-                                (seats, None, matches[0].positions, model_store.cfg.sink))
-    elif why:
+        with graph.inserting_after(seats):
+            reset.append(graph.call_function(torch.ops.kvq.seat_chunk.default,
+                                             (seats, None, positions, model_store.cfg.sink)))
+    elif why and why != "maskless":
         log.info("kvq: a compiled first chunk is not seated (%s): its pads are neutralized, its sink may hold "
                  "them", why)
     elif why == "":

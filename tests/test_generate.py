@@ -347,19 +347,22 @@ def test_caches_marked_dynamic_are_left_unchanged_with_the_reason():
             assert sorted(s.geo.max_len for s in be.stores()) == [32, 48]
 
 
-def test_a_maskless_first_chunk_resets_the_seats_a_padded_sequence_left():
+@pytest.mark.parametrize("first", ["maskless", "unseated"])
+def test_a_maskless_first_chunk_resets_the_seats_a_padded_sequence_left(first):
     """A sink config on a gpt-fast-style model: a left-padded sequence seats its rows (its sink holds each row's
     first real tokens, `store.seating`), and later masks are read through those seats. A new sequence whose first
     chunk attends by is_causal (no mask, so no `kvq::seat_chunk` before) kept them: its decode steps read their
     masks through the earlier sequence's seats (README listed it as not detected): where a later mask hides a token
     (here slot 4 of row 1), another slot was hidden (logits apart); where the masks hide nothing, the permuted
-    columns were all True alike. The maskless chunk graph now takes the op without a mask, which makes a first
-    chunk's seats the identity: the second sequence equals a fresh model's."""
+    columns were all True alike. "unseated": a masked first chunk that the rewrite does not seat (here its layers
+    read different mask nodes) kept them too, and read its own mask through them (a review: 1.21 apart). A chunk
+    graph not seated by its mask now takes the op without one, which makes a first chunk's seats the identity
+    before any mask is read through them: the second sequence equals a fresh model's."""
     class MaybeCausal(GptFastModel):   # its attention takes is_causal where no mask is given
-        def forward(self, idx, input_pos, mask=None):
+        def forward(self, idx, input_pos, mask=None, split=False):
             x = self.embed(idx)
-            for layer in self.layers:
-                x = x + layer(x, mask, input_pos)
+            for i, layer in enumerate(self.layers):   # split: layer 1 reads another mask node (`mask & True`)
+                x = x + layer(x, mask & True if split and i else mask, input_pos)
             return self.out(x)
 
     cfg = small_windows("innerq-2")
@@ -378,7 +381,10 @@ def test_a_maskless_first_chunk_resets_the_seats_a_padded_sequence_left():
         return m
 
     def second_sequence(step):
-        outs = [step(ids[:, :10], torch.arange(10))]   # maskless (is_causal) first chunk
+        if first == "maskless":   # an is_causal first chunk
+            outs = [step(ids[:, :10], torch.arange(10))]
+        else:
+            outs = [step(ids[:, :10], torch.arange(10), mask(torch.arange(10), False), True)]
         for p in range(10, 14):
             pos = torch.tensor([p])
             outs.append(step(ids[:, p:p + 1], pos, mask(pos, False)))
