@@ -94,8 +94,9 @@ def seat_chunk(seats: torch.Tensor, attn_mask: torch.Tensor | None, positions: t
                sink: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A compiled chunk's seating (`store.seat_first_chunk`): (the chunk's slot -> token [B, n], the seats its mask
     is read through [B, T]); a first chunk writes the store's seats, a later chunk those of rows whose real tokens
-    start in it. The rewrite emits it once per chunk graph of a config with a sink (a maskless chunk's: no mask, so
-    that a first one resets the seats an earlier sequence left), KVQCache's compiled chunks once per layer."""
+    start in it. The rewrite emits it once per chunk graph of a config with a sink (without a mask where the graph
+    is not seated by its mask: a first chunk then resets the seats an earlier sequence left), KVQCache's compiled
+    chunks once per layer."""
     return st.seat_first_chunk(seats, attn_mask, positions, sink)
 
 
@@ -149,10 +150,10 @@ def _layer_of(layout: str) -> int:
 def _assert_in_store(geo, positions: torch.Tensor, layout: str, bufs: dict) -> None:
     """Compiled decode steps (CUDA) cannot read their position on the host: the first layer's append asserts it on
     the device (`quantize_append.step_guard`, one small kernel, and the assert: two a step, kept by CUDA graphs;
-    KVQCache's steps also assert in `hf.KVQLayer.update`): inside the store, and where the store keeps a recent
-    window not behind its frontier unless at 0 (`store.check_rollback`, which it advances). Past the store the append
-    would write nothing and the attention read past its rows; the model's own fp16 append would have failed the same
-    way (an index out of range)."""
+    KVQCache's steps also assert in `hf.KVQLayer.update`): inside the store, and where the store cannot take tokens
+    back (`store.any_order`) not behind its frontier unless at 0 (`store.check_rollback`; advanced here). Past the
+    store the append would write nothing and the attention read past its rows; the model's own fp16 append would
+    have failed the same way (an index out of range)."""
     if _layer_of(layout) == 0:
         from .templates.quantize_append import step_guard
 
