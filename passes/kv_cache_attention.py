@@ -385,8 +385,6 @@ def _chunk_seating(graph: fx.Graph, matches: list[AttentionMatch], model_store, 
     if append_op is not torch.ops.kvq.append_chunk.default or model_store.seats is None:
         return None
     mask, positions = matches[0].attn_mask, matches[0].positions
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    first = min(order[m.v_append] for m in matches)
     if not isinstance(mask, fx.Node):   # no mask (is_causal, or none at all): no pads to seat
         return "maskless"
     if getattr(_val(mask), "dim", lambda: 0)() != 4 \
@@ -394,6 +392,8 @@ def _chunk_seating(graph: fx.Graph, matches: list[AttentionMatch], model_store, 
         return "its mask is not one [B, 1 or Hq, q, max_len] tensor"
     if any(m.attn_mask is not mask for m in matches):   # (positions: every layer's hold the same values, as
         return "its layers read different masks"           # the backend's `_StepRunner` assumes)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first = min(order[m.v_append] for m in matches)
     if order[mask] > first or order[positions] > first:
         return "its mask is computed after an append"
     return ""
@@ -428,6 +428,12 @@ def rewrite(gm: fx.GraphModule, matches: list[AttentionMatch], model_store, regi
                 nodes.append(graph.get_attr(attr_names[id(t)]))
         return nodes
 
+    def seats_attr() -> str:
+        """The get_attr name of the store's seats, registered once."""
+        if id(model_store.seats) not in attr_names:
+            attr_names[id(model_store.seats)] = register_buffer(gm, "kvq_store_seats", model_store.seats)
+        return attr_names[id(model_store.seats)]
+
     seated: dict[fx.Node, fx.Node] = {}
     reset: list[fx.Node] = []   # a chunk graph's kvq::seat_chunk without a mask, once: masks are read after it
 
@@ -442,13 +448,13 @@ def rewrite(gm: fx.GraphModule, matches: list[AttentionMatch], model_store, regi
                 return mask
             seats = read
             if seats is None:
-                if id(model_store.seats) not in attr_names:
-                    attr_names[id(model_store.seats)] = register_buffer(gm, "kvq_store_seats", model_store.seats)
                 anchor = mask   # (after a first chunk's reset of the seats, where the graph has one)
-                if reset and list(graph.nodes).index(reset[0]) > list(graph.nodes).index(mask):
-                    anchor = reset[0]
+                if reset:
+                    nodes = list(graph.nodes)
+                    if nodes.index(reset[0]) > nodes.index(mask):
+                        anchor = reset[0]
                 with graph.inserting_after(anchor):
-                    seats = graph.get_attr(attr_names[id(model_store.seats)])
+                    seats = graph.get_attr(seats_attr())
             with graph.inserting_after(seats):
                 idx = graph.call_method("view", (seats, B, 1, 1, T))
             with graph.inserting_after(idx):
@@ -463,32 +469,25 @@ def rewrite(gm: fx.GraphModule, matches: list[AttentionMatch], model_store, regi
     append_op, _ = chunk_ops(_val(matches[0].query).shape[2]) if matches else (None, None)
     why = _chunk_seating(graph, matches, model_store, append_op) if matches else None
     positions = matches[0].positions if matches else None
+    if why and why != "maskless":
+        log.info("kvq: a compiled first chunk is not seated (%s): its pads are neutralized, its sink may hold "
+                 "them", why)
     if why and isinstance(positions, fx.Node):
         # not seated by its mask: a first chunk resets the seats (stored in token order), right after its positions,
         # before any mask is read through them; the chunk itself is not permuted
-        if why != "maskless":
-            log.info("kvq: a compiled first chunk is not seated (%s): its pads are neutralized, its sink may hold "
-                     "them", why)
-        if id(model_store.seats) not in attr_names:
-            attr_names[id(model_store.seats)] = register_buffer(gm, "kvq_store_seats", model_store.seats)
         after = positions
         if positions.op == "placeholder":
             after = [n for n in graph.nodes if n.op == "placeholder"][-1]
         with graph.inserting_after(after):
-            seats = graph.get_attr(attr_names[id(model_store.seats)])
+            seats = graph.get_attr(seats_attr())
         with graph.inserting_after(seats):
             reset.append(graph.call_function(torch.ops.kvq.seat_chunk.default,
                                              (seats, None, positions, model_store.cfg.sink)))
-    elif why and why != "maskless":
-        log.info("kvq: a compiled first chunk is not seated (%s): its pads are neutralized, its sink may hold "
-                 "them", why)
     elif why == "":
         m0 = matches[0]
         order = {n: i for i, n in enumerate(graph.nodes)}
-        if id(model_store.seats) not in attr_names:
-            attr_names[id(model_store.seats)] = register_buffer(gm, "kvq_store_seats", model_store.seats)
         with graph.inserting_before(min((m.v_append for m in matches), key=order.__getitem__)):
-            seats = graph.get_attr(attr_names[id(model_store.seats)])
+            seats = graph.get_attr(seats_attr())
             pair = graph.call_function(torch.ops.kvq.seat_chunk.default,
                                        (seats, m0.attn_mask, m0.positions, model_store.cfg.sink))
             chunk = graph.call_function(operator.getitem, (pair, 0))
